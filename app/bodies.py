@@ -1,0 +1,79 @@
+"""Reading request bodies: size limit before parsing, orjson on the fast path, errors that say where."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+import orjson
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from app.errors import InvalidField, InvalidJSON, PayloadTooLarge
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, refusing (413) as soon as it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json(raw: bytes) -> tuple[Any, bool]:
+    """Parse with orjson; fall back to the stdlib only to explain what orjson refused.
+
+    Returns the document and whether it came from the fallback (which, unlike orjson, lets lone
+    surrogates through as str, so the caller must look for them).
+    """
+    try:
+        return orjson.loads(raw), False
+    except orjson.JSONDecodeError as fast_error:
+        try:
+            return json.loads(raw), True
+        except UnicodeDecodeError as exc:
+            raise InvalidJSON(f"request body is not valid UTF-8 (byte {exc.start})") from exc
+        except ValueError:
+            raise InvalidJSON(f"request body is not valid JSON: {fast_error}") from fast_error
+
+
+def _field_path(location: tuple[int | str, ...]) -> tuple[str, int | None]:
+    names = [str(part) for part in location if isinstance(part, str)]
+    indices = [part for part in location if isinstance(part, int)]
+    return ".".join(names), (indices[0] if indices else None)
+
+
+def validate(model: type[Body], document: Any) -> Body:
+    """Validate a parsed document, turning the first pydantic error into a 422 naming field and index."""
+    if not isinstance(document, dict):
+        raise InvalidField(f"request body must be a JSON object, not {type(document).__name__}")
+    try:
+        return model.model_validate(document)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        field, index = _field_path(tuple(error["loc"]))
+        message = error["msg"]
+        if index is not None:
+            message = f"{field}[{index}]: {message}"
+        elif field:
+            message = f"{field}: {message}"
+        raise InvalidField(message, field=field or None, index=index) from None
+
+
+def find_lone_surrogate(texts: list[str]) -> tuple[int, int] | None:
+    """(text index, character index) of the first lone surrogate, which SentencePiece cannot take."""
+    for index, text in enumerate(texts):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return index, exc.start
+    return None

@@ -1,0 +1,28 @@
+"""`tokenizer-server`: flags and TOKENIZER_* variables -> Settings -> uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import uvicorn
+
+from app.main import create_app
+from app.settings import Settings
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = Settings(_cli_parse_args=sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=30,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Error types and the handlers that turn them into `{"error": {...}}` JSON bodies."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+logger = logging.getLogger("tokenizer.errors")
+
+
+class ServiceError(Exception):
+    """An error with an HTTP status that the client caused or should know about."""
+
+    status = 500
+    type = "internal_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        field: str | None = None,
+        index: int | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+        self.index = index
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        error: dict[str, Any] = {"type": self.type, "message": self.message}
+        if self.field is not None:
+            error["field"] = self.field
+        if self.index is not None:
+            error["index"] = self.index
+        return {"error": error}
+
+
+class InvalidJSON(ServiceError):
+    status = 400
+    type = "invalid_json"
+
+
+class InvalidField(ServiceError):
+    status = 422
+    type = "invalid_field"
+
+
+class ModelNotFound(ServiceError):
+    status = 404
+    type = "model_not_found"
+
+
+class PayloadTooLarge(ServiceError):
+    status = 413
+    type = "payload_too_large"
+
+
+class Unavailable(ServiceError):
+    status = 503
+    type = "unavailable"
+
+
+def error_response(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(body), status_code=status, headers=headers, media_type="application/json")
+
+
+async def _service_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ServiceError)
+    return error_response(exc.status, exc.body(), exc.headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return error_response(exc.status_code, {"error": {"type": kind, "message": str(exc.detail)}}, exc.headers)
+
+
+async def _validation_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    body = {"error": {"type": InvalidField.type, "message": first.get("msg", "invalid"), "field": ".".join(location)}}
+    return error_response(422, body)
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> Response:
+    logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(500, {"error": {"type": "internal_error", "message": "internal server error"}})
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(ServiceError, _service_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(Exception, _unexpected_error)

@@ -1,0 +1,62 @@
+"""Every Prometheus metric the server exports, defined once, in a registry of the app's own.
+
+Workers never touch these: they send timings back with their results and the server process
+records them, so /metrics is complete whatever the number of worker processes.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+TEXT_COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+RATIO_BUCKETS = (0.0, 0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "tokenizer_requests", "HTTP requests answered, by route and status code.", ["endpoint", "status"], registry=r
+        )
+        self.request_duration = Histogram(
+            "tokenizer_request_duration_seconds",
+            "Time from request start to response, by route.",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "tokenizer_queue_wait_seconds",
+            "Time a chunk of work waited for a worker process.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.worker_seconds = Counter(
+            "tokenizer_worker_seconds", "Time worker processes spent tokenizing, by model.", ["model"], registry=r
+        )
+        self.batch_size = Histogram(
+            "tokenizer_batch_size_texts", "Texts per request.", buckets=TEXT_COUNT_BUCKETS, registry=r
+        )
+        self.texts = Counter("tokenizer_texts", "Texts tokenized or detokenized, by model.", ["model"], registry=r)
+        self.tokens = Counter("tokenizer_tokens", "Tokens produced or consumed, by model.", ["model"], registry=r)
+        self.inflight = Gauge("tokenizer_inflight_requests", "Requests being handled right now.", registry=r)
+        self.workers = Gauge("tokenizer_workers", "Worker processes in the pool.", registry=r)
+        self.worker_restarts = Counter(
+            "tokenizer_worker_restarts", "Times the worker pool was rebuilt after a worker died.", registry=r
+        )
+        self.pack_padding_ratio = Histogram(
+            "tokenizer_pack_padding_ratio",
+            "Fraction of packed tokens that are padding, per /v1/pack request.",
+            buckets=RATIO_BUCKETS,
+            registry=r,
+        )
+        self.model_info = Gauge(
+            "tokenizer_model_info", "Served models (value 1).", ["model", "sha256", "vocab_size"], registry=r
+        )
+        self.ready = Gauge("tokenizer_ready", "1 when models are loaded and the pool answers.", registry=r)
+
+    def record_work(self, model: str, queue_wait: float, seconds: float) -> None:
+        self.queue_wait.observe(max(queue_wait, 0.0))
+        self.worker_seconds.labels(model).inc(seconds)

@@ -1,0 +1,106 @@
+"""Code that runs inside the tokenizer worker processes.
+
+Each process loads every model once (the pool initializer) and answers chunks of a request with
+flat numpy buffers: int32 ids plus int64 offsets pickle as two memcpy'd blobs, where lists of
+Python ints would cost about a quarter of the tokenization time again.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import sentencepiece as spm
+
+from client.wire import ragged_offsets
+
+_processors: dict[str, spm.SentencePieceProcessor] = {}
+
+
+@dataclass(frozen=True)
+class EncodeOptions:
+    add_bos: bool = False
+    add_eos: bool = False
+    max_length: int | None = None
+    sample_alpha: float | None = None
+    sample_nbest_size: int = -1
+    sample_seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Encoded:
+    ids: np.ndarray  # int32, all texts of the chunk end to end
+    offsets: np.ndarray  # int64, len(texts) + 1
+    started: float  # time.monotonic() when the worker picked the chunk up
+    seconds: float  # time spent tokenizing
+
+
+@dataclass(frozen=True)
+class Decoded:
+    texts: list[str]
+    started: float
+    seconds: float
+
+
+def load_models(paths: dict[str, str]) -> None:
+    """Pool initializer: load each model once per worker process."""
+    _processors.clear()
+    for name, path in paths.items():
+        _processors[name] = spm.SentencePieceProcessor(model_file=path)
+
+
+def ping() -> int:
+    """Round trip used by readiness checks: answers the number of loaded models."""
+    return len(_processors)
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """Seed for text `index` of a request: reproducible whichever worker and chunk the text lands in."""
+    return (seed + index) % (1 << 32)
+
+
+def truncate(ids: np.ndarray, max_length: int, eos_id: int | None) -> np.ndarray:
+    """Keep the first `max_length` ids; when the sequence ended in EOS, EOS stays last."""
+    if len(ids) <= max_length:
+        return ids
+    if eos_id is None or max_length == 0:
+        return ids[:max_length]
+    return np.concatenate([ids[: max_length - 1], np.array([eos_id], dtype=ids.dtype)])
+
+
+def encode_chunk(model: str, texts: list[str], options: EncodeOptions, first_index: int = 0) -> Encoded:
+    """Tokenize texts[i] exactly as `sp.encode(texts[i], ...)` would in-process."""
+    started = time.monotonic()
+    processor = _processors[model]
+    common = {"add_bos": options.add_bos, "add_eos": options.add_eos, "out_type": "numpy", "num_threads": 1}
+    if options.sample_alpha is not None:
+        sampling = {"enable_sampling": True, "alpha": options.sample_alpha, "nbest_size": options.sample_nbest_size}
+        # A batch encode seeds fresh threads from the global seed, so every text is seeded explicitly:
+        # from the request's seed when given, else from fresh entropy (a stale seed would repeat itself).
+        entropy = random.SystemRandom()
+        pieces = []
+        for position, text in enumerate(texts):
+            seed = options.sample_seed
+            spm.set_random_generator_seed(
+                entropy.getrandbits(32) if seed is None else sample_seed(seed, first_index + position)
+            )
+            pieces.append(processor.encode([text], **common, **sampling)[0])
+    else:
+        pieces = processor.encode(texts, **common)
+    if options.max_length is not None:
+        eos_id = processor.eos_id() if options.add_eos else None
+        pieces = [truncate(ids, options.max_length, eos_id) for ids in pieces]
+    lengths = np.fromiter((len(ids) for ids in pieces), dtype=np.int64, count=len(pieces))
+    ids = np.concatenate(pieces).astype(np.int32, copy=False) if pieces else np.zeros(0, dtype=np.int32)
+    return Encoded(ids=ids, offsets=ragged_offsets(lengths), started=started, seconds=time.monotonic() - started)
+
+
+def decode_chunk(model: str, ids: np.ndarray, offsets: np.ndarray) -> Decoded:
+    """Detokenize each ragged row; ids were range-checked by the server."""
+    started = time.monotonic()
+    bounds = offsets.tolist()
+    rows = [ids[start:end].tolist() for start, end in zip(bounds[:-1], bounds[1:])]
+    texts = _processors[model].decode(rows) if rows else []
+    return Decoded(texts=texts, started=started, seconds=time.monotonic() - started)

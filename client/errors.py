@@ -1,0 +1,44 @@
+"""The client's exception tree: everything the transport or the server can do wrong, translated once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+RETRYABLE_STATUSES = frozenset({429, 502, 503, 504})
+
+
+class TokenizerError(Exception):
+    """Base of every error this client raises."""
+
+
+class TokenizerConnectionError(TokenizerError):
+    """The server could not be reached, or the connection failed mid-request."""
+
+
+class TokenizerProtocolError(TokenizerError):
+    """The server answered something this client cannot read."""
+
+
+class TokenizerServiceError(TokenizerError):
+    """The server answered with an error status; `body` is its JSON error body."""
+
+    def __init__(self, status: int, body: dict[str, Any] | None, retry_after: float | None = None) -> None:
+        self.status = status
+        self.body = body or {}
+        error = self.body.get("error") if isinstance(self.body.get("error"), dict) else {}
+        self.error_type: str | None = error.get("type")
+        self.message: str = error.get("message") or f"HTTP {status}"
+        self.field: str | None = error.get("field")
+        self.index: int | None = error.get("index")
+        self.retry_after = retry_after
+        where = f" (field {self.field!r}, index {self.index})" if self.index is not None else ""
+        super().__init__(f"{status} {self.error_type or 'error'}: {self.message}{where}")
+
+    @property
+    def retryable(self) -> bool:
+        """Whether the same request may succeed later (overload, timeout, restart)."""
+        return self.status in RETRYABLE_STATUSES
+
+
+class ModelMismatchError(TokenizerError):
+    """Two answers for the same model name came from different model files (sha256 differs)."""
