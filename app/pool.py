@@ -83,10 +83,13 @@ class WorkerPool:
         self.metrics = metrics
         self.min_chunk_chars = min_chunk_chars
         self._executor: ProcessPoolExecutor | None = None
+        # sentencepiece 0.2.3 mixes per-process random state into its sampling generator, so a
+        # seed reproduces its ids only within one process: seeded sampling has a process of its own.
+        self._seeded_sampler: ProcessPoolExecutor | None = None
 
-    def _new_executor(self) -> ProcessPoolExecutor:
+    def _new_executor(self, workers: int) -> ProcessPoolExecutor:
         return ProcessPoolExecutor(
-            max_workers=self.size,
+            max_workers=workers,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=worker.load_models,
             initargs=(self.model_paths,),
@@ -94,26 +97,29 @@ class WorkerPool:
 
     async def start(self) -> None:
         """Start every worker and wait until each has loaded the models."""
-        self._executor = self._new_executor()
-        await asyncio.gather(*(self._run(worker.ping) for _ in range(self.size)))
+        self._executor = self._new_executor(self.size)
+        self._seeded_sampler = self._new_executor(1)
+        await asyncio.gather(self._run(worker.ping, seeded=True), *(self._run(worker.ping) for _ in range(self.size)))
         self.metrics.workers.set(self.size)
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._executor = None
+        for executor in (self._executor, self._seeded_sampler):
+            if executor is not None:
+                executor.shutdown(wait=True, cancel_futures=True)
+        self._executor = self._seeded_sampler = None
         self.metrics.workers.set(0)
 
     def worker_pids(self) -> list[int]:
         processes = getattr(self._executor, "_processes", None) or {}
         return sorted(processes)
 
-    async def _run(self, function: Callable[..., Result], *args: Any) -> Result:
-        if self._executor is None:
+    async def _run(self, function: Callable[..., Result], *args: Any, seeded: bool = False) -> Result:
+        executor = self._seeded_sampler if seeded else self._executor
+        if executor is None:
             raise Unavailable("worker pool is not running", headers={"Retry-After": "1"})
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._executor, partial(function, *args))
+            return await loop.run_in_executor(executor, partial(function, *args))
         except BrokenProcessPool as exc:
             raise Unavailable("a tokenizer worker died; retry", headers={"Retry-After": "1"}) from exc
 
@@ -123,12 +129,16 @@ class WorkerPool:
     async def encode(self, model: str, texts: list[str], options: worker.EncodeOptions) -> Batch:
         """Tokenize texts over all workers, in chunks of similar size, and reassemble them in order."""
         sizes = np.fromiter((len(text) for text in texts), dtype=np.int64, count=len(texts))
-        bounds = chunk_bounds(sizes, self.size, self.min_chunk_chars)
+        seeded = options.sample_seed is not None
+        bounds = chunk_bounds(sizes, 1 if seeded else self.size, self.min_chunk_chars)
         if not bounds:
             return Batch(np.zeros(0, dtype=np.int32), np.zeros(1, dtype=np.int64))
         submitted = time.monotonic()
         parts = await asyncio.gather(
-            *(self._run(worker.encode_chunk, model, texts[start:end], options, start) for start, end in bounds)
+            *(
+                self._run(worker.encode_chunk, model, texts[start:end], options, start, seeded=seeded)
+                for start, end in bounds
+            )
         )
         for part in parts:
             self.metrics.record_work(model, part.started - submitted, part.seconds)

@@ -8,8 +8,10 @@ Python ints would cost about a quarter of the tokenization time again.
 from __future__ import annotations
 
 import random
+import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import sentencepiece as spm
@@ -51,6 +53,20 @@ def load_models(paths: dict[str, str]) -> None:
         _processors[name] = spm.SentencePieceProcessor(model_file=path)
 
 
+def sample_in_fresh_thread(processor: spm.SentencePieceProcessor, text: str, seed: int, options: dict[str, Any]) -> np.ndarray:
+    """Sample one text reproducibly: a new thread's generator is seeded from the seed set in it."""
+    result: list[np.ndarray] = []
+
+    def run() -> None:
+        spm.set_random_generator_seed(seed)
+        result.append(processor.encode(text, **options))
+
+    thread = threading.Thread(target=run, name="tokenizer-sample")
+    thread.start()
+    thread.join()
+    return result[0]
+
+
 def ping() -> int:
     """Round trip used by readiness checks: answers the number of loaded models."""
     return len(_processors)
@@ -76,17 +92,24 @@ def encode_chunk(model: str, texts: list[str], options: EncodeOptions, first_ind
     processor = _processors[model]
     common = {"add_bos": options.add_bos, "add_eos": options.add_eos, "out_type": "numpy", "num_threads": 1}
     if options.sample_alpha is not None:
-        sampling = {"enable_sampling": True, "alpha": options.sample_alpha, "nbest_size": options.sample_nbest_size}
-        # A batch encode seeds fresh threads from the global seed, so every text is seeded explicitly:
-        # from the request's seed when given, else from fresh entropy (a stale seed would repeat itself).
+        sampling = {
+            "add_bos": options.add_bos,
+            "add_eos": options.add_eos,
+            "out_type": "numpy",
+            "enable_sampling": True,
+            "alpha": options.sample_alpha,
+            "nbest_size": options.sample_nbest_size,
+        }
         entropy = random.SystemRandom()
-        pieces = []
-        for position, text in enumerate(texts):
-            seed = options.sample_seed
-            spm.set_random_generator_seed(
-                entropy.getrandbits(32) if seed is None else sample_seed(seed, first_index + position)
+        pieces = [
+            sample_in_fresh_thread(
+                processor,
+                text,
+                entropy.getrandbits(32) if options.sample_seed is None else sample_seed(options.sample_seed, first_index + position),
+                sampling,
             )
-            pieces.append(processor.encode([text], **common, **sampling)[0])
+            for position, text in enumerate(texts)
+        ]
     else:
         pieces = processor.encode(texts, **common)
     if options.max_length is not None:

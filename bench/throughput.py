@@ -1,0 +1,203 @@
+"""Throughput of the service against in-process sentencepiece, measured in one run.
+
+    python bench/throughput.py [--corpus FILE] [--docs N] [--rounds R] [--model FILE]
+
+Methods, on the same 1-2 KB documents, in alternating rounds (machines drift; the median ratio of
+each round is reported):
+  loop        for text in docs: sp.encode(text)
+  baseline    sp.encode(docs, num_threads=cores)                      (what users know)
+  floor       sp.encode(docs, num_threads=cores, out_type="numpy")    (the compute floor)
+  service     TokenizerClient, 256 documents a request, 1 and 2 in flight, binary and JSON
+plus single-text request latency (p50, p99). Starts its own server on a free loopback port.
+Without --model it trains a 32k unigram model on the corpus (cached under bench/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import sentencepiece as spm
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from client import TokenizerClient  # noqa: E402
+
+SHARED_CORPUS = ROOT.parent / "shared" / "corpus" / "python_docs.txt"
+FALLBACK_CORPUS = ROOT / "tests" / "data" / "botchan.txt"
+RESULTS = ROOT / "bench" / "results"
+BATCH = 256
+
+
+def load_documents(corpus: Path, count: int) -> list[str]:
+    """Paragraphs (blank-line separated; lines for texts without blank lines) joined into 1-2 KB documents."""
+    text = corpus.read_text(encoding="utf-8", errors="replace")
+    paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
+    if len(paragraphs) < 100:
+        paragraphs = [line.strip() for line in text.splitlines() if line.strip()]
+    documents: list[str] = []
+    current: list[str] = []
+    size = 0
+    target = 1024
+    for paragraph in paragraphs:
+        current.append(paragraph)
+        size += len(paragraph) + 2
+        if size >= target:
+            documents.append("\n\n".join(current)[:2048])
+            current, size = [], 0
+            target = 1024 + (len(documents) * 397) % 1024
+            if len(documents) == count:
+                break
+    while len(documents) < count:  # a small corpus: repeat it
+        documents.extend(documents[: count - len(documents)])
+    return documents
+
+
+def bench_model(corpus: Path) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    prefix = RESULTS / f"bench-unigram-32k-{corpus.stem}"
+    model = prefix.with_suffix(".model")
+    if not model.exists():
+        print(f"training a 32k unigram model on {corpus.name} (once) ...", flush=True)
+        spm.SentencePieceTrainer.train(
+            input=str(corpus),
+            model_prefix=str(prefix),
+            model_type="unigram",
+            vocab_size=32000 if corpus.stat().st_size > 2_000_000 else 4000,
+            input_sentence_size=2_000_000,
+            shuffle_input_sentence=True,
+            num_threads=os.cpu_count() or 1,
+            minloglevel=2,
+        )
+    return model
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_server(model: Path, workers: int) -> tuple[str, subprocess.Popen[bytes]]:
+    port = free_port()
+    log = open(tempfile.mktemp(prefix="tokenizer-bench-", suffix=".log"), "wb")  # noqa: SIM115
+    process = subprocess.Popen(
+        [sys.executable, "-m", "app", "--port", str(port), "--workers", str(workers), "--model", f"bench={model}",
+         "--log-level", "warning"],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                return url, process
+        except httpx.TransportError:
+            time.sleep(0.1)
+    process.kill()
+    raise RuntimeError(f"server did not start; see {log.name}")
+
+
+def service_run(client: TokenizerClient, docs: list[str], in_flight: int, format: str) -> Callable[[], int]:
+    batches = [docs[i : i + BATCH] for i in range(0, len(docs), BATCH)]
+
+    def one(batch: list[str]) -> int:
+        if format == "binary":
+            return client.tokenize_batch(batch, model="bench").num_tokens
+        return client.tokenize_batch(batch, model="bench", format="json").num_tokens
+
+    def run() -> int:
+        if in_flight == 1:
+            return sum(one(batch) for batch in batches)
+        with ThreadPoolExecutor(in_flight) as pool:
+            return sum(pool.map(one, batches))
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--corpus", type=Path, default=SHARED_CORPUS if SHARED_CORPUS.exists() else FALLBACK_CORPUS)
+    parser.add_argument("--docs", type=int, default=10000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--model", type=Path, help="a SentencePiece model (default: train one on the corpus)")
+    parser.add_argument("--latency-requests", type=int, default=2000)
+    args = parser.parse_args()
+
+    cores = len(os.sched_getaffinity(0))
+    docs = load_documents(args.corpus, args.docs)
+    model = args.model or bench_model(args.corpus)
+    sp = spm.SentencePieceProcessor(model_file=str(model))
+    total_chars = sum(len(d) for d in docs)
+    print(f"corpus {args.corpus.name}: {len(docs)} documents, mean {total_chars / len(docs):.0f} chars; "
+          f"model {model.name} (vocab {sp.vocab_size()}); {cores} cores", flush=True)
+
+    url, server = start_server(model, cores)
+    try:
+        with TokenizerClient(url, timeout=120) as client:
+            client.tokenize_batch(docs[:BATCH], model="bench")  # warm connections and workers
+            methods: dict[str, Callable[[], int]] = {
+                "loop of sp.encode(text)": lambda: sum(len(sp.encode(d)) for d in docs),
+                f"sp.encode(list, num_threads={cores})": lambda: sum(len(x) for x in sp.encode(docs, num_threads=cores)),
+                f"sp.encode(list, num_threads={cores}, numpy)": lambda: sum(
+                    len(x) for x in sp.encode(docs, num_threads=cores, out_type="numpy")
+                ),
+                "service binary, 1 in flight": service_run(client, docs, 1, "binary"),
+                "service binary, 2 in flight": service_run(client, docs, 2, "binary"),
+                "service JSON, 1 in flight": service_run(client, docs, 1, "json"),
+                "service JSON, 2 in flight": service_run(client, docs, 2, "json"),
+            }
+            baseline_name = f"sp.encode(list, num_threads={cores})"
+            floor_name = f"sp.encode(list, num_threads={cores}, numpy)"
+            seconds: dict[str, list[float]] = {name: [] for name in methods}
+            tokens: dict[str, int] = {}
+            for round_index in range(args.rounds):
+                for name, run in methods.items():
+                    started = time.perf_counter()
+                    tokens[name] = run()
+                    seconds[name].append(time.perf_counter() - started)
+                print(f"round {round_index + 1}/{args.rounds} done", flush=True)
+
+            latencies = []
+            single = docs[: args.latency_requests]
+            for text in single:
+                started = time.perf_counter()
+                client.tokenize_batch([text], model="bench")
+                latencies.append(time.perf_counter() - started)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+    expected = tokens[baseline_name]
+    assert all(count == expected for count in tokens.values()), f"token counts differ: {tokens}"
+    print()
+    print(f"| method | docs/s | M tokens/s | vs baseline | vs floor |")
+    print(f"|---|---:|---:|---:|---:|")
+    for name in methods:
+        best = min(seconds[name])
+        ratios_baseline = [b / s for s, b in zip(seconds[name], seconds[baseline_name])]
+        ratios_floor = [f / s for s, f in zip(seconds[name], seconds[floor_name])]
+        print(f"| {name} | {len(docs) / best:,.0f} | {tokens[name] / best / 1e6:.2f} | "
+              f"{statistics.median(ratios_baseline):.2f} | {statistics.median(ratios_floor):.2f} |")
+    lat = np.array(latencies) * 1000
+    print()
+    print(f"single-text request latency over {len(lat)} requests: p50 {np.percentile(lat, 50):.2f} ms, "
+          f"p99 {np.percentile(lat, 99):.2f} ms")
+    print("(docs/s and tokens/s: best round; ratios: median over rounds of per-round time ratios)")
+
+
+if __name__ == "__main__":
+    main()

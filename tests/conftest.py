@@ -1,0 +1,141 @@
+"""Fixtures: SentencePiece models trained at test time, real documents, a real tokenizer-server."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import sentencepiece as spm
+
+from app.settings import BUNDLED_MODELS_DIR
+
+DATA = Path(__file__).parent / "data"
+ROOT = Path(__file__).parent.parent
+
+# Unigram without byte fallback (unknown characters become <unk>) and BPE with it, so both of
+# SentencePiece's ways of handling unseen text are covered.
+TEST_MODELS = {
+    "uni": {"model_type": "unigram", "vocab_size": 3000},
+    "bpe": {"model_type": "bpe", "vocab_size": 2000, "byte_fallback": True},
+}
+# Limits of the test server: large enough for the big requests below, small enough to test 413.
+MAX_TEXTS = 5000
+MAX_REQUEST_BYTES = 4 * 1024 * 1024
+
+EDGE_CASES = [
+    "",
+    " ",
+    "\x00",
+    "a\x00b",
+    "\t\n\r",
+    "😀 emoji 👩‍👩‍👧 family",
+    "日本語のテキスト、中文文本。",
+    "e\u0301 combining a\u0308 marks",
+    "\ufeffbyte order mark",
+    "Ω≈ç√∫ ÅÍÎÏ",
+    "x" * 5000,
+]
+
+
+def read_documents() -> list[str]:
+    """Real English prose: Botchan, lines joined into documents of one to four lines."""
+    lines = [line.strip() for line in (DATA / "botchan.txt").read_text(encoding="utf-8").splitlines()]
+    lines = [line for line in lines if line]
+    documents, position, width = [], 0, 1
+    while position < len(lines):
+        documents.append(" ".join(lines[position : position + width]))
+        position += width
+        width = width % 4 + 1
+    return documents
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen[bytes]
+    model_files: dict[str, Path]
+    log: Path
+
+    def processor(self, name: str) -> spm.SentencePieceProcessor:
+        return spm.SentencePieceProcessor(model_file=str(self.model_files[name]))
+
+
+def wait_ready(url: str, process: subprocess.Popen[bytes], log: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"tokenizer-server exited with {process.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(f"{url}/readyz", timeout=1.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    process.kill()
+    raise RuntimeError(f"tokenizer-server not ready after {timeout}s:\n{log.read_text()}")
+
+
+def start_server(args: list[str], log: Path, env: dict[str, str] | None = None) -> tuple[str, subprocess.Popen[bytes]]:
+    """Start `python -m app` on a free loopback port and wait until /readyz answers 200."""
+    port = free_port()
+    command = [sys.executable, "-m", "app", "--host", "127.0.0.1", "--port", str(port), *args]
+    process = subprocess.Popen(
+        command, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **(env or {})}
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url, process, log)
+    return url, process
+
+
+def stop_server(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="session")
+def model_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    directory = tmp_path_factory.mktemp("models")
+    files = {}
+    for name, options in TEST_MODELS.items():
+        spm.SentencePieceTrainer.train(
+            input=str(DATA / "botchan.txt"), model_prefix=str(directory / name), minloglevel=2, num_threads=2, **options
+        )
+        files[name] = directory / f"{name}.model"
+    files["default"] = BUNDLED_MODELS_DIR / "default.model"
+    return files
+
+
+@pytest.fixture(scope="session")
+def documents() -> list[str]:
+    return read_documents()
+
+
+@pytest.fixture(scope="session")
+def server(model_files: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    args = ["--workers", "2", "--max-texts", str(MAX_TEXTS), "--max-request-bytes", str(MAX_REQUEST_BYTES)]
+    for name, path in model_files.items():
+        args += ["--model", f"{name}={path}"]
+    args += ["--default-model", "default"]
+    url, process = start_server(args, log)
+    yield Server(url=url, process=process, model_files=model_files, log=log)
+    stop_server(process)

@@ -1,0 +1,46 @@
+"""The installed `tokenizer-server` command: bare start on the bundled model, configured by environment."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import httpx
+import sentencepiece as spm
+
+from app.settings import BUNDLED_MODELS_DIR
+from tests.conftest import free_port, stop_server, wait_ready
+
+
+def test_bare_command_serves_the_bundled_model(tmp_path):
+    executable = shutil.which("tokenizer-server")
+    assert executable, "tokenizer-server is not installed (pip install -e '.[test]')"
+    port = free_port()
+    log = (tmp_path / "server.log").open("wb")
+    process = subprocess.Popen(
+        [executable],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={
+            **{key: value for key, value in os.environ.items() if not key.startswith("TOKENIZER_")},
+            "TOKENIZER_PORT": str(port),
+            "TOKENIZER_WORKERS": "1",
+        },
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, process, tmp_path / "server.log")
+        listing = httpx.get(f"{url}/v1/models").json()
+        assert listing["default"] == "default" and [m["name"] for m in listing["models"]] == ["default"]
+        sp = spm.SentencePieceProcessor(model_file=str(BUNDLED_MODELS_DIR / "default.model"))
+        answer = httpx.post(f"{url}/v1/tokenize", json={"texts": ["I am a cat."]}).json()
+        assert answer["ids"] == [sp.encode("I am a cat.")]
+    finally:
+        stop_server(process)
+
+
+def test_help_lists_every_option():
+    output = subprocess.run(["tokenizer-server", "--help"], capture_output=True, text=True, check=True).stdout
+    for flag in ("--host", "--port", "--workers", "--model", "--models-dir", "--default-model", "--max-request-bytes", "--max-texts"):
+        assert flag in output

@@ -1,0 +1,111 @@
+"""Pure pieces without a server: the wire format, request chunking, truncation, settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from app.pool import chunk_bounds
+from app.settings import BUNDLED_MODELS_DIR, Settings
+from app.worker import truncate
+from client import wire
+
+
+@given(lengths=st.lists(st.integers(0, 50), max_size=30), extra=st.integers(0, 1000))
+def test_wire_round_trip(lengths, extra):
+    offsets = wire.ragged_offsets(np.array(lengths, dtype=np.int64))
+    ids = np.arange(offsets[-1], dtype=np.int32) - extra
+    matrix = np.arange(6, dtype=np.int32).reshape(2, 3)
+    frame = wire.decode(wire.encode({"ids": ids, "offsets": offsets, "m": matrix}, {"model": "x", "n": len(lengths)}))
+    assert frame.meta == {"model": "x", "n": len(lengths)}
+    np.testing.assert_array_equal(frame["ids"], ids)
+    np.testing.assert_array_equal(frame["offsets"], offsets)
+    np.testing.assert_array_equal(frame["m"], matrix)
+    assert [row.tolist() for row in wire.split_ragged(frame["ids"], frame["offsets"])] == [
+        ids[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])
+    ]
+
+
+def test_wire_layout_is_little_endian_and_aligned():
+    big_endian = np.array([1, 2, 3], dtype=">i4")
+    buffer = wire.encode({"a": np.array([7], dtype=np.int64), "b": big_endian})
+    assert buffer[:4] == b"TKNA"
+    frame = wire.decode(buffer)
+    assert frame["b"].dtype == np.dtype("<i4") and frame["b"].tolist() == [1, 2, 3]
+    header_length = int.from_bytes(buffer[8:12], "little")
+    data_start = -(-(12 + header_length) // 8) * 8
+    assert int.from_bytes(buffer[data_start : data_start + 8], "little") == 7
+    assert not frame["a"].flags.owndata  # read in place
+
+
+@pytest.mark.parametrize(
+    ("buffer", "message"),
+    [
+        (b"", "shorter"),
+        (b"XXXX" + bytes(8), "magic"),
+        (b"TKNA\x02\x00\x00\x00" + bytes(4), "version"),
+        (b"TKNA\x01\x00\x00\x00\xff\x00\x00\x00{}", "truncated"),
+        (b"TKNA\x01\x00\x00\x00\x02\x00\x00\x00{]", "header"),
+    ],
+)
+def test_wire_rejects_malformed_frames(buffer, message):
+    with pytest.raises(wire.WireFormatError, match=message):
+        wire.decode(buffer)
+
+
+def test_wire_rejects_truncated_array():
+    buffer = wire.encode({"ids": np.arange(100, dtype=np.int32)})
+    with pytest.raises(wire.WireFormatError, match="truncated inside array"):
+        wire.decode(buffer[:-8])
+
+
+@given(sizes=st.lists(st.integers(0, 5000), max_size=200), max_chunks=st.integers(1, 16), minimum=st.integers(1, 20000))
+def test_chunks_cover_the_request_in_order(sizes, max_chunks, minimum):
+    bounds = chunk_bounds(np.array(sizes, dtype=np.int64), max_chunks, minimum)
+    if not sizes:
+        assert bounds == []
+        return
+    assert bounds[0][0] == 0 and bounds[-1][1] == len(sizes)
+    assert all(a < b for a, b in bounds) and all(b == c for (_, b), (c, _) in zip(bounds, bounds[1:]))
+    assert len(bounds) <= max_chunks
+    if len(bounds) > 1:
+        assert sum(sizes) >= minimum * len(bounds)
+
+
+def test_truncate_keeps_eos_last():
+    ids = np.array([1, 10, 11, 12, 2], dtype=np.int32)
+    assert truncate(ids, 3, eos_id=2).tolist() == [1, 10, 2]
+    assert truncate(ids, 3, eos_id=None).tolist() == [1, 10, 11]
+    assert truncate(ids, 0, eos_id=2).tolist() == []
+    assert truncate(ids, 9, eos_id=2).tolist() == ids.tolist()
+
+
+def test_settings_from_flags_and_environment(monkeypatch, tmp_path):
+    (tmp_path / "alpha.model").write_bytes(b"")
+    (tmp_path / "beta.model").write_bytes(b"")
+    settings = Settings(_cli_parse_args=["--models-dir", str(tmp_path), "--model", "gamma=/m/g.model", "--workers", "3"])
+    assert settings.workers == 3
+    assert settings.model_paths() == {
+        "alpha": tmp_path / "alpha.model",
+        "beta": tmp_path / "beta.model",
+        "gamma": Path("/m/g.model"),
+    }
+    monkeypatch.setenv("TOKENIZER_MODEL", "a=/x.model,b=/y.model")
+    monkeypatch.setenv("TOKENIZER_MAX_TEXTS", "12")
+    from_env = Settings()
+    assert from_env.model == ["a=/x.model", "b=/y.model"] and from_env.max_texts == 12
+
+
+def test_settings_default_to_the_bundled_model(monkeypatch):
+    monkeypatch.delenv("TOKENIZER_MODEL", raising=False)
+    monkeypatch.delenv("TOKENIZER_MODELS_DIR", raising=False)
+    assert Settings().model_paths() == {"default": BUNDLED_MODELS_DIR / "default.model"}
+
+
+def test_settings_reject_a_bad_model_spec():
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        Settings(model=["no-equals-sign"])
