@@ -16,7 +16,7 @@ from app.errors import install_error_handlers
 from app.metrics import Metrics
 from app.pool import WorkerPool
 from app.registry import ModelRegistry
-from app.routes import health, tokenize
+from app.routes import health, pack, tokenize
 from app.settings import Settings
 from app.state import Service
 
@@ -107,6 +107,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     install_error_handlers(app)
     app.include_router(tokenize.router)
+    app.include_router(pack.router)
     app.include_router(health.router)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     _move_body_schemas_to_components(app)

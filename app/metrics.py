@@ -18,7 +18,10 @@ class Metrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "tokenizer_requests", "HTTP requests answered, by route and status code.", ["endpoint", "status"], registry=r
+            "tokenizer_requests",
+            "HTTP requests answered, by route and status code.",
+            ["endpoint", "status"],
+            registry=r,
         )
         self.request_duration = Histogram(
             "tokenizer_request_duration_seconds",

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import multiprocessing
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -56,7 +58,7 @@ def chunk_bounds(sizes: np.ndarray, max_chunks: int, min_chunk_size: int) -> lis
     targets = total * np.arange(1, chunks) / chunks
     cuts = np.searchsorted(cumulative, targets, side="left") + 1
     edges = sorted({0, count, *(int(c) for c in cuts if 0 < c < count)})
-    return list(zip(edges[:-1], edges[1:]))
+    return list(itertools.pairwise(edges))
 
 
 def concat_batches(parts: list[worker.Encoded]) -> Batch:

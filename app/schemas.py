@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
@@ -41,3 +41,14 @@ def openapi_body(model: type[BaseModel]) -> dict[str, object]:
         "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
         "x-components": definitions,
     }
+
+
+class PackRequest(_Body):
+    texts: list[StrictStr]
+    seq_len: StrictInt
+    strategy: Literal["concat", "best_fit"] = "concat"
+    model: StrictStr | None = None
+    add_bos: StrictBool = False
+    add_eos: StrictBool = True
+    carry: list[StrictInt] | None = None
+    mask_document_start: StrictBool = False

@@ -7,6 +7,7 @@ Python ints would cost about a quarter of the tokenization time again.
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 import time
@@ -53,7 +54,9 @@ def load_models(paths: dict[str, str]) -> None:
         _processors[name] = spm.SentencePieceProcessor(model_file=path)
 
 
-def sample_in_fresh_thread(processor: spm.SentencePieceProcessor, text: str, seed: int, options: dict[str, Any]) -> np.ndarray:
+def sample_in_fresh_thread(
+    processor: spm.SentencePieceProcessor, text: str, seed: int, options: dict[str, Any]
+) -> np.ndarray:
     """Sample one text reproducibly: a new thread's generator is seeded from the seed set in it."""
     result: list[np.ndarray] = []
 
@@ -105,7 +108,9 @@ def encode_chunk(model: str, texts: list[str], options: EncodeOptions, first_ind
             sample_in_fresh_thread(
                 processor,
                 text,
-                entropy.getrandbits(32) if options.sample_seed is None else sample_seed(options.sample_seed, first_index + position),
+                entropy.getrandbits(32)
+                if options.sample_seed is None
+                else sample_seed(options.sample_seed, first_index + position),
                 sampling,
             )
             for position, text in enumerate(texts)
@@ -124,6 +129,6 @@ def decode_chunk(model: str, ids: np.ndarray, offsets: np.ndarray) -> Decoded:
     """Detokenize each ragged row; ids were range-checked by the server."""
     started = time.monotonic()
     bounds = offsets.tolist()
-    rows = [ids[start:end].tolist() for start, end in zip(bounds[:-1], bounds[1:])]
+    rows = [ids[start:end].tolist() for start, end in itertools.pairwise(bounds)]
     texts = _processors[model].decode(rows) if rows else []
     return Decoded(texts=texts, started=started, seconds=time.monotonic() - started)

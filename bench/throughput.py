@@ -94,8 +94,19 @@ def start_server(model: Path, workers: int) -> tuple[str, subprocess.Popen[bytes
     port = free_port()
     log = open(tempfile.mktemp(prefix="tokenizer-bench-", suffix=".log"), "wb")  # noqa: SIM115
     process = subprocess.Popen(
-        [sys.executable, "-m", "app", "--port", str(port), "--workers", str(workers), "--model", f"bench={model}",
-         "--log-level", "warning"],
+        [
+            sys.executable,
+            "-m",
+            "app",
+            "--port",
+            str(port),
+            "--workers",
+            str(workers),
+            "--model",
+            f"bench={model}",
+            "--log-level",
+            "warning",
+        ],
         cwd=ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -142,8 +153,11 @@ def main() -> None:
     model = args.model or bench_model(args.corpus)
     sp = spm.SentencePieceProcessor(model_file=str(model))
     total_chars = sum(len(d) for d in docs)
-    print(f"corpus {args.corpus.name}: {len(docs)} documents, mean {total_chars / len(docs):.0f} chars; "
-          f"model {model.name} (vocab {sp.vocab_size()}); {cores} cores", flush=True)
+    print(
+        f"corpus {args.corpus.name}: {len(docs)} documents, mean {total_chars / len(docs):.0f} chars; "
+        f"model {model.name} (vocab {sp.vocab_size()}); {cores} cores",
+        flush=True,
+    )
 
     url, server = start_server(model, cores)
     try:
@@ -151,7 +165,9 @@ def main() -> None:
             client.tokenize_batch(docs[:BATCH], model="bench")  # warm connections and workers
             methods: dict[str, Callable[[], int]] = {
                 "loop of sp.encode(text)": lambda: sum(len(sp.encode(d)) for d in docs),
-                f"sp.encode(list, num_threads={cores})": lambda: sum(len(x) for x in sp.encode(docs, num_threads=cores)),
+                f"sp.encode(list, num_threads={cores})": lambda: sum(
+                    len(x) for x in sp.encode(docs, num_threads=cores)
+                ),
                 f"sp.encode(list, num_threads={cores}, numpy)": lambda: sum(
                     len(x) for x in sp.encode(docs, num_threads=cores, out_type="numpy")
                 ),
@@ -184,18 +200,22 @@ def main() -> None:
     expected = tokens[baseline_name]
     assert all(count == expected for count in tokens.values()), f"token counts differ: {tokens}"
     print()
-    print(f"| method | docs/s | M tokens/s | vs baseline | vs floor |")
-    print(f"|---|---:|---:|---:|---:|")
+    print("| method | docs/s | M tokens/s | vs baseline | vs floor |")
+    print("|---|---:|---:|---:|---:|")
     for name in methods:
         best = min(seconds[name])
-        ratios_baseline = [b / s for s, b in zip(seconds[name], seconds[baseline_name])]
-        ratios_floor = [f / s for s, f in zip(seconds[name], seconds[floor_name])]
-        print(f"| {name} | {len(docs) / best:,.0f} | {tokens[name] / best / 1e6:.2f} | "
-              f"{statistics.median(ratios_baseline):.2f} | {statistics.median(ratios_floor):.2f} |")
+        ratios_baseline = [b / s for s, b in zip(seconds[name], seconds[baseline_name], strict=False)]
+        ratios_floor = [f / s for s, f in zip(seconds[name], seconds[floor_name], strict=False)]
+        print(
+            f"| {name} | {len(docs) / best:,.0f} | {tokens[name] / best / 1e6:.2f} | "
+            f"{statistics.median(ratios_baseline):.2f} | {statistics.median(ratios_floor):.2f} |"
+        )
     lat = np.array(latencies) * 1000
     print()
-    print(f"single-text request latency over {len(lat)} requests: p50 {np.percentile(lat, 50):.2f} ms, "
-          f"p99 {np.percentile(lat, 99):.2f} ms")
+    print(
+        f"single-text request latency over {len(lat)} requests: p50 {np.percentile(lat, 50):.2f} ms, "
+        f"p99 {np.percentile(lat, 99):.2f} ms"
+    )
     print("(docs/s and tokens/s: best round; ratios: median over rounds of per-round time ratios)")
 
 

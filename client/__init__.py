@@ -1,6 +1,6 @@
 """Client of tokenizer-service; needs only numpy and httpx."""
 
-from client._client import TokenizedBatch, TokenizerClient
+from client._client import PackedBatch, TokenizedBatch, TokenizerClient
 from client.errors import (
     ModelMismatchError,
     TokenizerConnectionError,
@@ -11,6 +11,7 @@ from client.errors import (
 
 __all__ = [
     "ModelMismatchError",
+    "PackedBatch",
     "TokenizedBatch",
     "TokenizerClient",
     "TokenizerConnectionError",

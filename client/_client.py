@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
@@ -54,6 +54,70 @@ class TokenizedBatch:
 
     def to_list(self) -> list[np.ndarray]:
         return wire.split_ragged(self.ids, self.offsets)
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Fixed-length training rows from /v1/pack, as numpy arrays.
+
+    ``leftover`` is the tail of the token stream that did not fill a row (concat only): pass it as
+    ``carry`` to the next pack call so that no token is lost or repeated.
+    """
+
+    input_ids: np.ndarray  # [rows, seq_len] int32
+    labels: np.ndarray  # [rows, seq_len] int32, -100 where no loss is taken
+    position_ids: np.ndarray  # [rows, seq_len] int32
+    cu_seqlens: list[np.ndarray]  # per row: [0, end of segment 1, ..., start of padding]
+    leftover: np.ndarray  # int32
+    stats: dict[str, Any]
+    model: str
+    seq_len: int
+    strategy: str
+    model_sha256: str | None
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def packed_from_response(response: httpx.Response) -> PackedBatch:
+    sha256 = response.headers.get(MODEL_SHA256_HEADER)
+    content_type = response.headers.get("content-type", "")
+    try:
+        if content_type.startswith(wire.MEDIA_TYPE):
+            frame = wire.decode(response.content)
+            meta = frame.meta
+            return PackedBatch(
+                input_ids=frame["input_ids"],
+                labels=frame["labels"],
+                position_ids=frame["position_ids"],
+                cu_seqlens=wire.split_ragged(frame["cu_seqlens"], frame["cu_seqlens_offsets"]),
+                leftover=frame["leftover"],
+                stats=meta["stats"],
+                model=meta["model"],
+                seq_len=meta["seq_len"],
+                strategy=meta["strategy"],
+                model_sha256=sha256,
+            )
+        document = loads(response.content)
+        seq_len = document["seq_len"]
+
+        def matrix(name: str) -> np.ndarray:
+            return np.asarray(document[name], dtype=np.int32).reshape(-1, seq_len)
+
+        return PackedBatch(
+            input_ids=matrix("input_ids"),
+            labels=matrix("labels"),
+            position_ids=matrix("position_ids"),
+            cu_seqlens=[np.asarray(row, dtype=np.int32) for row in document["cu_seqlens"]],
+            leftover=np.asarray(document["leftover"], dtype=np.int32),
+            stats=document["stats"],
+            model=document["model"],
+            seq_len=seq_len,
+            strategy=document["strategy"],
+            model_sha256=sha256,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise TokenizerProtocolError(f"unreadable pack answer ({content_type}): {exc}") from exc
 
 
 def dumps(document: Any) -> bytes:
@@ -141,6 +205,17 @@ class ModelFingerprints:
             )
 
 
+def _chunks(items: Iterable[str], size: int) -> Iterator[list[str]]:
+    chunk: list[str] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
 class TokenizerClient:
     """Client of a tokenizer-service. Use as a context manager, or call close()."""
 
@@ -154,7 +229,9 @@ class TokenizerClient:
         self._ensure_open()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def close(self) -> None:
@@ -216,12 +293,62 @@ class TokenizerClient:
         )
         return batch.to_list()
 
+    def pack(
+        self,
+        texts: Sequence[str],
+        seq_len: int,
+        *,
+        strategy: Literal["concat", "best_fit"] = "concat",
+        model: str | None = None,
+        add_bos: bool = False,
+        add_eos: bool = True,
+        carry: Sequence[int] | np.ndarray | None = None,
+        mask_document_start: bool = False,
+        format: Format = "binary",
+    ) -> PackedBatch:
+        """Tokenize and pack texts into rows of exactly `seq_len` tokens (see /v1/pack)."""
+        payload: dict[str, Any] = {
+            "texts": texts if isinstance(texts, list) else list(texts),
+            "seq_len": seq_len,
+            "strategy": strategy,
+            "add_bos": add_bos,
+            "add_eos": add_eos,
+            "mask_document_start": mask_document_start,
+        }
+        if model is not None:
+            payload["model"] = model
+        if carry is not None:
+            payload["carry"] = carry.tolist() if isinstance(carry, np.ndarray) else list(carry)
+        accept = wire.MEDIA_TYPE if format == "binary" else "application/json"
+        response = self._request(
+            "POST", "/v1/pack", content=dumps(payload), headers={"content-type": "application/json", "accept": accept}
+        )
+        packed = packed_from_response(response)
+        self._fingerprints.check(packed.model, packed.model_sha256, self.url)
+        return packed
+
+    def pack_stream(
+        self, texts: Iterable[str], seq_len: int, *, texts_per_request: int = 256, **options: Any
+    ) -> Iterator[PackedBatch]:
+        """Pack a long stream of texts with concat over several requests, threading the carry through.
+
+        Each yielded batch's `leftover` is what the stream holds beyond its rows so far; after the
+        last batch it is the stream's remainder, shorter than one row.
+        """
+        carry: np.ndarray | None = None
+        for chunk in _chunks(texts, texts_per_request):
+            packed = self.pack(chunk, seq_len, strategy="concat", carry=carry, **options)
+            carry = packed.leftover
+            yield packed
+
     def detokenize(self, ids: Sequence[Sequence[int]] | Sequence[np.ndarray], *, model: str | None = None) -> list[str]:
         rows = [row.tolist() if isinstance(row, np.ndarray) else list(row) for row in ids]
         payload: dict[str, Any] = {"ids": rows}
         if model is not None:
             payload["model"] = model
-        response = self._request("POST", "/v1/detokenize", content=dumps(payload), headers={"content-type": "application/json"})
+        response = self._request(
+            "POST", "/v1/detokenize", content=dumps(payload), headers={"content-type": "application/json"}
+        )
         texts: list[str] = loads(response.content)["texts"]
         return texts
 

@@ -19,6 +19,7 @@ entry than there are sequences): sequence i is ``ids[offsets[i]:offsets[i + 1]]`
 
 from __future__ import annotations
 
+import itertools
 import json
 import struct
 from collections.abc import Mapping
@@ -73,7 +74,9 @@ def encode_parts(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any] | Non
     descriptors: list[dict[str, Any]] = []
     offset = 0
     for name, array in prepared.items():
-        descriptors.append({"name": name, "dtype": _dtype_code(array.dtype), "shape": list(array.shape), "offset": offset})
+        descriptors.append(
+            {"name": name, "dtype": _dtype_code(array.dtype), "shape": list(array.shape), "offset": offset}
+        )
         offset += _aligned(array.nbytes)
     header = json.dumps({"meta": dict(meta or {}), "arrays": descriptors}, separators=(",", ":")).encode()
     head = _PREFIX.pack(MAGIC, VERSION, 0, len(header)) + header
@@ -140,4 +143,4 @@ def ragged_offsets(lengths: np.ndarray) -> np.ndarray:
 def split_ragged(flat: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
     """Views of each sequence in a flat ragged array (no copy)."""
     bounds = offsets.tolist()
-    return [flat[start:end] for start, end in zip(bounds[:-1], bounds[1:])]
+    return [flat[start:end] for start, end in itertools.pairwise(bounds)]

@@ -42,5 +42,14 @@ def test_bare_command_serves_the_bundled_model(tmp_path):
 
 def test_help_lists_every_option():
     output = subprocess.run(["tokenizer-server", "--help"], capture_output=True, text=True, check=True).stdout
-    for flag in ("--host", "--port", "--workers", "--model", "--models-dir", "--default-model", "--max-request-bytes", "--max-texts"):
+    for flag in (
+        "--host",
+        "--port",
+        "--workers",
+        "--model",
+        "--models-dir",
+        "--default-model",
+        "--max-request-bytes",
+        "--max-texts",
+    ):
         assert flag in output

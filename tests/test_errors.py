@@ -113,7 +113,9 @@ def test_client_raises_typed_errors(server):
         with pytest.raises(TokenizerServiceError) as caught:
             client.detokenize([[1, 10**9]], model="uni")
         assert caught.value.status == 422 and caught.value.index == 0
-        assert client.tokenize(["after errors"], model="uni")[0].tolist() == server.processor("uni").encode("after errors")
+        assert client.tokenize(["after errors"], model="uni")[0].tolist() == server.processor("uni").encode(
+            "after errors"
+        )
 
 
 def test_client_connection_error_and_closed_client():

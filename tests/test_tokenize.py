@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import httpx
 import numpy as np
 import pytest
@@ -31,7 +33,7 @@ def reference(sp: spm.SentencePieceProcessor, texts: list[str], add_bos=False, a
     result = []
     for ids in sp.encode(texts, add_bos=add_bos, add_eos=add_eos):
         if max_length is not None and len(ids) > max_length:
-            ids = ids[: max_length - 1] + [sp.eos_id()] if add_eos and max_length > 0 else ids[:max_length]
+            ids = [*ids[: max_length - 1], sp.eos_id()] if add_eos and max_length > 0 else ids[:max_length]
         result.append(ids)
     return result
 
@@ -51,7 +53,7 @@ def test_ids_match_sentencepiece(client, server, documents, model, options, form
     got = client.tokenize(texts, model=model, format=format, **options)
     expected = reference(server.processor(model), texts, **options)
     assert len(got) == len(texts)
-    for index, (ids, want) in enumerate(zip(got, expected)):
+    for index, (ids, want) in enumerate(zip(got, expected, strict=False)):
         assert ids.dtype == np.int32
         assert ids.tolist() == want, f"text {index}: {texts[index][:80]!r}"
 
@@ -88,7 +90,7 @@ def test_binary_answer_decodes_without_copy(server, documents):
     assert not ids.flags.owndata and not ids.flags.writeable  # a view into the response bytes
     assert frame.meta == {"model": "bpe", "num_tokens": int(offsets[-1])}
     expected = server.processor("bpe").encode(documents[:10])
-    assert [ids[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])] == expected
+    assert [ids[a:b].tolist() for a, b in itertools.pairwise(offsets)] == expected
 
 
 def test_every_answer_carries_the_model_fingerprint(server, model_files):
@@ -120,7 +122,10 @@ def test_seeded_sampling_is_reproducible(client, server, documents, model):
     assert [a.tolist() for a in first] == [a.tolist() for a in again]
     assert [a.tolist() for a in first] != [a.tolist() for a in other]
     # Text i of a request is sampled with seed + i, whatever else the request holds.
-    alone = [client.tokenize([text], model=model, sample={**SAMPLE, "seed": 1234 + i})[0] for i, text in enumerate(texts[:40])]
+    alone = [
+        client.tokenize([text], model=model, sample={**SAMPLE, "seed": 1234 + i})[0]
+        for i, text in enumerate(texts[:40])
+    ]
     assert [a.tolist() for a in alone] == [a.tolist() for a in first[:40]]
     # Sampling changes the segmentation, never the text, and does segment differently.
     sp = server.processor(model)
@@ -135,7 +140,9 @@ def test_unseeded_sampling_varies(client, documents):
 
 
 def test_sampling_with_options(client, server, documents):
-    ids = client.tokenize(documents[:50], model="uni", add_bos=True, add_eos=True, max_length=8, sample={**SAMPLE, "seed": 5})
+    ids = client.tokenize(
+        documents[:50], model="uni", add_bos=True, add_eos=True, max_length=8, sample={**SAMPLE, "seed": 5}
+    )
     sp = server.processor("uni")
     for row in ids:
         assert row[0] == sp.bos_id() and row[-1] == sp.eos_id() and len(row) <= 8

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,7 @@ def test_wire_round_trip(lengths, extra):
     np.testing.assert_array_equal(frame["offsets"], offsets)
     np.testing.assert_array_equal(frame["m"], matrix)
     assert [row.tolist() for row in wire.split_ragged(frame["ids"], frame["offsets"])] == [
-        ids[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])
+        ids[a:b].tolist() for a, b in itertools.pairwise(offsets)
     ]
 
 
@@ -70,7 +71,7 @@ def test_chunks_cover_the_request_in_order(sizes, max_chunks, minimum):
         assert bounds == []
         return
     assert bounds[0][0] == 0 and bounds[-1][1] == len(sizes)
-    assert all(a < b for a, b in bounds) and all(b == c for (_, b), (c, _) in zip(bounds, bounds[1:]))
+    assert all(a < b for a, b in bounds) and all(b == c for (_, b), (c, _) in itertools.pairwise(bounds))
     assert len(bounds) <= max_chunks
     if len(bounds) > 1:
         assert sum(sizes) >= minimum * len(bounds)
@@ -87,7 +88,9 @@ def test_truncate_keeps_eos_last():
 def test_settings_from_flags_and_environment(monkeypatch, tmp_path):
     (tmp_path / "alpha.model").write_bytes(b"")
     (tmp_path / "beta.model").write_bytes(b"")
-    settings = Settings(_cli_parse_args=["--models-dir", str(tmp_path), "--model", "gamma=/m/g.model", "--workers", "3"])
+    settings = Settings(
+        _cli_parse_args=["--models-dir", str(tmp_path), "--model", "gamma=/m/g.model", "--workers", "3"]
+    )
     assert settings.workers == 3
     assert settings.model_paths() == {
         "alpha": tmp_path / "alpha.model",

@@ -40,9 +40,7 @@ async def readyz(service: ServiceDep) -> Response:
 @router.get("/v1/models", tags=["models"])
 async def models(service: ServiceDep) -> Response:
     registry = service.registry
-    return json_response(
-        {"default": registry.default, "models": [info.as_dict() for info in registry.models.values()]}
-    )
+    return json_response({"default": registry.default, "models": [info.as_dict() for info in registry.models.values()]})
 
 
 @router.get("/metrics", tags=["health"])

@@ -1,0 +1,111 @@
+"""/v1/pack against the real server: the same rows as packing sentencepiece's own ids, both formats."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+
+from app.packing import IGNORE_INDEX, pack_best_fit, pack_concat
+from client import TokenizerClient, TokenizerServiceError
+from client.wire import ragged_offsets
+from tests.conftest import Server
+
+
+@pytest.fixture(scope="module")
+def client(server: Server):
+    with TokenizerClient(server.url, timeout=60) as client:
+        yield client
+
+
+def reference_ids(server: Server, model: str, texts: list[str], add_bos=False, add_eos=True):
+    encoded = server.processor(model).encode(texts, add_bos=add_bos, add_eos=add_eos)
+    ids = np.array([i for row in encoded for i in row], dtype=np.int32)
+    return ids, ragged_offsets(np.array([len(row) for row in encoded], dtype=np.int64))
+
+
+def assert_same_rows(batch, expected):
+    np.testing.assert_array_equal(batch.input_ids, expected.input_ids)
+    np.testing.assert_array_equal(batch.labels, expected.labels)
+    np.testing.assert_array_equal(batch.position_ids, expected.position_ids)
+    np.testing.assert_array_equal(batch.leftover, expected.leftover)
+    assert [row.tolist() for row in batch.cu_seqlens] == [
+        expected.row_cu_seqlens(r).tolist() for r in range(expected.num_rows)
+    ]
+    assert batch.stats == expected.stats.as_dict()
+
+
+@pytest.mark.parametrize("format", ["binary", "json"])
+@pytest.mark.parametrize("model", ["uni", "bpe"])
+@pytest.mark.parametrize("seq_len", [64, 2048])
+def test_concat_matches_packing_sentencepiece_ids(client, server, documents, model, seq_len, format):
+    texts = documents[:600]
+    batch = client.pack(texts, seq_len, model=model, mask_document_start=True, format=format)
+    ids, offsets = reference_ids(server, model, texts)
+    eos = server.processor(model).eos_id()
+    assert_same_rows(batch, pack_concat(ids, offsets, seq_len, eos_id=eos, mask_document_start=True))
+    assert batch.input_ids.shape[1] == seq_len and batch.input_ids.dtype == np.int32
+    assert np.concatenate([batch.input_ids.reshape(-1), batch.leftover]).tolist() == ids.tolist()
+
+
+@pytest.mark.parametrize("format", ["binary", "json"])
+@pytest.mark.parametrize("seq_len", [32, 512])
+def test_best_fit_matches_packing_sentencepiece_ids(client, server, documents, seq_len, format):
+    texts = documents[:600]
+    batch = client.pack(texts, seq_len, strategy="best_fit", model="uni", add_bos=True, format=format)
+    ids, offsets = reference_ids(server, "uni", texts, add_bos=True)
+    sp = server.processor("uni")
+    pad = sp.pad_id() if sp.pad_id() >= 0 else sp.eos_id()
+    assert_same_rows(batch, pack_best_fit(ids, offsets, seq_len, pad_id=pad))
+    assert batch.leftover.size == 0
+    assert 0 <= batch.stats["padding_fraction"] < 1
+    assert int((batch.labels == IGNORE_INDEX).sum()) == batch.stats["padding_tokens"]
+
+
+def test_pack_stream_threads_the_carry(client, server, documents):
+    texts = documents[:700]
+    batches = list(client.pack_stream(iter(texts), 128, texts_per_request=50, model="bpe"))
+    assert len(batches) == 14
+    ids, _ = reference_ids(server, "bpe", texts)
+    rows = np.concatenate([b.input_ids.reshape(-1) for b in batches] + [batches[-1].leftover])
+    assert rows.tolist() == ids.tolist()
+    assert all(len(b.leftover) < 128 for b in batches)
+
+
+def test_carry_continues_a_document(client, server):
+    sp = server.processor("uni")
+    first = client.pack(["The first document is here and it goes on."], 8, model="uni")
+    second = client.pack(["A second one."], 8, model="uni", carry=first.leftover, mask_document_start=True)
+    stream = sp.encode(["The first document is here and it goes on.", "A second one."], add_eos=True)
+    flat = [i for row in stream for i in row]
+    got = np.concatenate([first.input_ids.reshape(-1), second.input_ids.reshape(-1), second.leftover]).tolist()
+    assert got == flat
+    if len(second):
+        assert second.position_ids[0, 0] == 0  # a row start begins a segment
+
+
+ERRORS = [
+    ({"texts": ["a"], "seq_len": 1}, "seq_len", None),
+    ({"texts": ["a"], "seq_len": 10**9}, "seq_len", None),
+    ({"texts": ["a"], "seq_len": "64"}, "seq_len", None),
+    ({"texts": ["a"], "seq_len": 64, "strategy": "greedy"}, "strategy", None),
+    ({"texts": ["a"], "seq_len": 64, "carry": [1, 2, 10**7]}, "carry", 2),
+    ({"texts": ["a"], "seq_len": 64, "carry": [-3]}, "carry", 0),
+    ({"texts": ["a"], "seq_len": 64, "strategy": "best_fit", "carry": [5]}, "carry", None),
+    ({"texts": ["a", 5], "seq_len": 64}, "texts", 1),
+]
+
+
+@pytest.mark.parametrize(("body", "field", "index"), ERRORS)
+def test_pack_errors_name_the_field(server, body, field, index):
+    response = httpx.post(f"{server.url}/v1/pack", json={"model": "uni", **body})
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_field" and error["field"] == field and error.get("index") == index
+    assert httpx.post(f"{server.url}/v1/pack", json={"texts": ["ok"], "seq_len": 4, "model": "uni"}).status_code == 200
+
+
+def test_pack_error_through_client(client):
+    with pytest.raises(TokenizerServiceError) as caught:
+        client.pack(["a"], 64, strategy="best_fit", carry=[1])
+    assert caught.value.status == 422 and caught.value.field == "carry"
