@@ -1,0 +1,3 @@
+from app.pretokenize import main
+
+raise SystemExit(main())

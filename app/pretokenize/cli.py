@@ -1,0 +1,180 @@
+"""`tokenizer-pretokenize`: flags -> Options -> run, with a progress bar, a summary and exit codes.
+
+Exit codes: 0 done (or nothing to do), 1 failed (a bad record under --strict, an unreadable input, the
+service), 2 refused (bad flags, or an output directory that holds another run), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from app.pretokenize.backends import ServiceError
+from app.pretokenize.run import DEFAULT_SHARD_TOKENS, Options, Progress, Summary, run
+from app.pretokenize.sources import BadRecordError, InputError
+from app.pretokenize.store import OutputError
+from app.registry import ModelLoadError
+from app.settings import usable_cpus
+from client.errors import TokenizerError
+
+EPILOG = """\
+Inputs: .jsonl (one JSON object a line; the text in --text-field) or .txt (one document per block of
+lines between blank lines), either gzipped (.jsonl.gz, .txt.gz). Output: NNNNN.bin/.idx shards and
+metadata.json (see the client.dataset module for the format; read it with client.dataset.TokenDataset).
+Run the same command again after an interruption to resume; a finished output is left as it is.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tokenizer-pretokenize",
+        description="Tokenize a corpus once into memory-mapped shards, with the service's tokenizer and packing.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("inputs", nargs="+", metavar="INPUT", help=".jsonl, .txt, .jsonl.gz or .txt.gz files")
+    parser.add_argument("--output", "-o", required=True, type=Path, metavar="DIR", help="output directory")
+    parser.add_argument(
+        "--model",
+        metavar="NAME",
+        help="model name on the service; with --local a model file, or a name the server's options know "
+        "(TOKENIZER_MODEL / TOKENIZER_MODELS_DIR, else the bundled 'default')",
+    )
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", action="append", dest="urls", metavar="URL", help="a tokenizer-service (repeatable)")
+    where.add_argument("--local", action="store_true", help="tokenize in-process on a pool of the server's workers")
+    parser.add_argument("--text-field", default="text", help="JSON field holding the text (default: text)")
+    parser.add_argument("--seq-len", type=int, metavar="L", help="pack into rows of exactly L ids, as /v1/pack does")
+    parser.add_argument("--strategy", choices=["concat", "best_fit"], help="packing with --seq-len (default: concat)")
+    parser.add_argument(
+        "--workers", type=int, default=usable_cpus(), metavar="N", help="--local worker processes (default: cores)"
+    )
+    parser.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=DEFAULT_SHARD_TOKENS,
+        metavar="N",
+        help=f"ids a shard holds, at least (default: {DEFAULT_SHARD_TOKENS}); best_fit packs each shard's documents",
+    )
+    parser.add_argument("--strict", action="store_true", help="stop at the first bad record instead of skipping it")
+    parser.add_argument(
+        "--add-bos", action=argparse.BooleanOptionalAction, default=False, help="begin each document with BOS"
+    )
+    parser.add_argument(
+        "--add-eos", action=argparse.BooleanOptionalAction, default=True, help="end each document with EOS (default)"
+    )
+    parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary")
+    return parser
+
+
+class ProgressBar:
+    """tqdm over input bytes (so the ETA is known), with documents/s and tokens/s beside it."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._bar: tqdm[None] | None = None
+        self._started = time.monotonic()
+
+    def update(self, progress: Progress) -> None:
+        if not self.enabled:
+            return
+        if self._bar is None:
+            self._bar = tqdm(
+                total=progress.total_bytes,
+                initial=progress.initial_bytes,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                desc="pretokenize",
+                file=sys.stderr,
+                dynamic_ncols=True,
+            )
+        elapsed = max(time.monotonic() - self._started, 1e-9)
+        self._bar.set_postfix_str(
+            f"{progress.documents / elapsed:,.0f} docs/s, {progress.tokens / elapsed / 1e6:.2f} M tokens/s",
+            refresh=False,
+        )
+        self._bar.update(max(0, min(progress.input_bytes, progress.total_bytes) - self._bar.n))
+
+    def write(self, message: str) -> None:
+        """A line to stderr that does not tear the bar."""
+        tqdm.write(message, file=sys.stderr)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def describe(summary: Summary) -> str:
+    meta = summary.metadata
+    shards = len(meta["shards"])
+    what = f"{meta['rows']:,} rows of {meta['seq_len']} ({meta['strategy']})" if meta["seq_len"] else "ragged"
+    totals = (
+        f"{summary.output}: {shards} shards, {meta['documents']:,} documents, {meta['tokens']:,} tokens, {what}, "
+        f"dtype {meta['dtype']}, model {meta['model']['name']} ({meta['model']['sha256'][:12]}…)"
+    )
+    if meta["bad_records"]:
+        totals += f"; {meta['bad_records']:,} bad records skipped"
+    if summary.already_complete:
+        return f"already complete, nothing to do: {totals}"
+    rate = f"{summary.documents / summary.seconds:,.0f} docs/s, {summary.tokens / summary.seconds / 1e6:.2f} M tokens/s"
+    resumed = f" (resumed after {summary.shards_before} complete shards)" if summary.shards_before else ""
+    return (
+        f"tokenized {summary.documents:,} documents, {summary.tokens:,} tokens in {summary.seconds:.1f} s "
+        f"({rate}){resumed}\n{totals}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.strategy is not None and args.seq_len is None:
+        parser.error("--strategy needs --seq-len")
+    try:
+        options = Options(
+            inputs=args.inputs,
+            output=args.output,
+            model=args.model,
+            urls=args.urls or [],
+            text_field=args.text_field,
+            seq_len=args.seq_len,
+            strategy=args.strategy or "concat",
+            workers=args.workers,
+            shard_tokens=args.shard_tokens,
+            strict=args.strict,
+            add_bos=args.add_bos,
+            add_eos=args.add_eos,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    bar = ProgressBar(enabled=not args.quiet)
+    try:
+        summary = run(options, report_bad=bar.write, progress=bar.update)
+    except KeyboardInterrupt:
+        bar.close()
+        print(
+            f"interrupted: the complete shards in {args.output} are kept; run the same command again to go on",
+            file=sys.stderr,
+        )
+        return 130
+    except OutputError as exc:
+        bar.close()
+        print(f"tokenizer-pretokenize: {exc}", file=sys.stderr)
+        return 2
+    except BadRecordError as exc:
+        bar.close()
+        print(f"tokenizer-pretokenize: bad record (--strict): {exc}", file=sys.stderr)
+        return 1
+    except (InputError, ModelLoadError, ServiceError, TokenizerError) as exc:
+        bar.close()
+        print(f"tokenizer-pretokenize: {exc}", file=sys.stderr)
+        return 1
+    bar.close()
+    if not args.quiet:
+        print(describe(summary))
+    return 0

@@ -1,0 +1,261 @@
+"""One pre-tokenization run: resolve the model, open or resume the output, stream documents into shards."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from app.pretokenize.backends import local_pool, tokenize_locally, tokenize_via_service
+from app.pretokenize.shards import BestFitShards, ConcatShards, RaggedShards, ShardSink
+from app.pretokenize.sources import BadRecordError, DocumentReader, Position, Source
+from app.pretokenize.store import OutputDir, OutputError, differences
+from app.registry import ModelInfo, ModelLoadError, inspect_model
+from app.settings import Settings, usable_cpus
+from client import TokenizerClient
+from client.dataset import FORMAT_NAME, FORMAT_VERSION, id_dtype
+
+DEFAULT_SHARD_TOKENS = 1 << 24
+SERVICE_BATCH = 256
+LOCAL_CHUNK_CHARS = (1 << 16, 1 << 20)  # a chunk for one worker: at least 64 KiB, at most 1 MiB of text
+
+
+@dataclass(frozen=True)
+class Options:
+    inputs: list[str]
+    output: Path
+    model: str | None = None
+    urls: list[str] = field(default_factory=list)  # empty: tokenize in-process (--local)
+    text_field: str = "text"
+    seq_len: int | None = None
+    strategy: str = "concat"
+    workers: int = field(default_factory=usable_cpus)
+    shard_tokens: int = DEFAULT_SHARD_TOKENS
+    strict: bool = False
+    add_bos: bool = False
+    add_eos: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.inputs:
+            raise ValueError("no input files")
+        if self.seq_len is not None and self.seq_len < 2:
+            raise ValueError(f"--seq-len must be at least 2, got {self.seq_len}")
+        if self.strategy not in ("concat", "best_fit"):
+            raise ValueError(f"--strategy must be concat or best_fit, got {self.strategy!r}")
+        if self.workers < 1 or self.shard_tokens < 1:
+            raise ValueError("--workers and --shard-tokens must be positive")
+
+
+@dataclass(frozen=True)
+class Progress:
+    """So far in this run; input bytes are of the files on disk (compressed bytes for .gz), all runs together."""
+
+    documents: int
+    tokens: int
+    input_bytes: int
+    initial_bytes: int  # read by earlier runs of this output
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class Summary:
+    output: Path
+    metadata: dict[str, Any]
+    shards_before: int  # complete shards found at the start (a resumed run)
+    documents: int  # documents tokenized by this run
+    tokens: int
+    seconds: float
+    already_complete: bool = False
+
+
+def resolve_local_model(name_or_path: str | None) -> ModelInfo:
+    """A model file's path, or a model name as the server's options (TOKENIZER_* / bundled) resolve it."""
+    if name_or_path is not None and Path(name_or_path).expanduser().is_file():
+        path = Path(name_or_path).expanduser()
+        return inspect_model(path.stem, path)
+    settings = Settings()
+    paths = settings.model_paths()
+    name = name_or_path or settings.default_model or ("default" if "default" in paths else next(iter(paths)))
+    if name not in paths:
+        raise ModelLoadError(
+            f"--model {name!r} is neither a model file nor a model the server's options know ({', '.join(paths)})"
+        )
+    return inspect_model(name, paths[name])
+
+
+def resolve_service_model(clients: list[TokenizerClient], name: str | None) -> ModelInfo:
+    """The model as every URL serves it; they must agree on its sha256."""
+    infos = []
+    for client in clients:
+        answer = client.models()
+        wanted = name or answer["default"]
+        entry = next((model for model in answer["models"] if model["name"] == wanted), None)
+        if entry is None:
+            served = ", ".join(model["name"] for model in answer["models"])
+            raise ModelLoadError(f"{client.url} does not serve model {wanted!r} (it serves {served})")
+        infos.append(
+            ModelInfo(
+                name=entry["name"],
+                path=Path(client.url),
+                type=entry["type"],
+                vocab_size=entry["vocab_size"],
+                bos_id=entry["bos_id"],
+                eos_id=entry["eos_id"],
+                pad_id=entry["pad_id"],
+                unk_id=entry["unk_id"],
+                sha256=entry["sha256"],
+            )
+        )
+    if len({info.sha256 for info in infos}) > 1:
+        found = ", ".join(f"{client.url}: {info.sha256[:12]}…" for client, info in zip(clients, infos, strict=True))
+        raise ModelLoadError(f"the URLs serve different files as model {infos[0].name!r} ({found})")
+    return infos[0]
+
+
+def new_metadata(model: ModelInfo, sources: list[Source], options: Options) -> dict[str, Any]:
+    strategy = options.strategy if options.seq_len else None
+    metadata: dict[str, Any] = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "complete": False,
+        "layout": "packed" if options.seq_len else "ragged",
+        "dtype": id_dtype(model.vocab_size).str,
+        "seq_len": options.seq_len,
+        "strategy": strategy,
+        "model": model.as_dict(),
+        "options": {
+            "text_field": options.text_field,
+            "add_bos": options.add_bos,
+            "add_eos": options.add_eos,
+            "seq_len": options.seq_len,
+            "strategy": strategy,
+            "shard_tokens": options.shard_tokens,
+        },
+        "documents": 0,
+        "tokens": 0,
+        "bad_records": 0,
+        "shards": [],
+        "sources": [source.as_dict() for source in sources],
+    }
+    if options.seq_len:
+        metadata["rows"] = 0
+    return metadata
+
+
+def resume_position(sources: list[Source]) -> Position | None:
+    """Where the reader starts again: inside the first source not read to its end."""
+    for index, source in enumerate(sources):
+        if not source.done or index == len(sources) - 1:
+            return Position(index, source.read_bytes, source.lines, source.documents, source.bad_records)
+    return None
+
+
+def make_sink(out: OutputDir, metadata: dict[str, Any], sources: list[Source], model: ModelInfo) -> ShardSink:
+    if metadata["layout"] == "ragged":
+        return RaggedShards(out, metadata, sources)
+    if metadata["strategy"] == "concat":
+        position = resume_position(sources) if metadata["shards"] else None
+        return ConcatShards(out, metadata, sources, position)
+    from app.routes.pack import padding_id  # the same padding as /v1/pack (imports the web app: only here)
+
+    return BestFitShards(out, metadata, sources, padding_id(model))
+
+
+def open_output(out: OutputDir, wanted: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """The metadata to go on with, and whether the output is already complete; refuses to mix runs."""
+    existing = out.load()
+    if existing is None:
+        out.prepare(0)
+        out.write_metadata(wanted)
+        return wanted, False
+    problems = differences(existing, wanted)
+    if problems:
+        raise OutputError(
+            f"{out.path} holds another run's output; refusing to mix:\n  "
+            + "\n  ".join(problems)
+            + "\nuse another --output, or the same model, inputs and options"
+        )
+    if not existing.get("complete"):
+        out.prepare(len(existing["shards"]))
+    return existing, bool(existing.get("complete"))
+
+
+def run(
+    options: Options,
+    *,
+    report_bad: Callable[[str], None],
+    progress: Callable[[Progress], None] | None = None,
+) -> Summary:
+    """Pre-tokenize `options.inputs` into `options.output`; resumes an interrupted output of the same run."""
+    started = time.monotonic()
+    sources = [Source.from_path(path) for path in options.inputs]
+    with ExitStack() as stack:
+        clients = [stack.enter_context(TokenizerClient(url, timeout=300)) for url in options.urls]
+        model = resolve_service_model(clients, options.model) if clients else resolve_local_model(options.model)
+        out = OutputDir(options.output)
+        metadata, complete = open_output(out, new_metadata(model, sources, options))
+        if complete:
+            return Summary(out.path, metadata, len(metadata["shards"]), 0, 0, time.monotonic() - started, True)
+        shards_before = len(metadata["shards"])
+        sources = [Source(**source) for source in metadata["sources"]]
+
+        def on_bad(message: str) -> None:
+            if options.strict:
+                raise BadRecordError(message)
+            report_bad(message)
+
+        reader = DocumentReader(sources, options.text_field, on_bad)
+        positions: deque[Position] = deque()
+
+        def texts() -> Iterator[str]:
+            for text, position in reader:
+                positions.append(position)
+                yield text
+
+        if clients:
+            batches = tokenize_via_service(
+                clients,
+                texts(),
+                model=model.name,
+                sha256=model.sha256,
+                add_bos=options.add_bos,
+                add_eos=options.add_eos,
+                batch_size=SERVICE_BATCH,
+                depth=2 * len(clients) + 1,
+            )
+        else:
+            pool = stack.enter_context(local_pool(model.name, str(model.path), options.workers))
+            stack.callback(pool.shutdown, wait=True, cancel_futures=True)  # also on Ctrl-C: first, cancel the rest
+            remaining = sum(source.size for source in sources if not source.done)
+            chunk_chars = int(np.clip(remaining // (8 * options.workers), *LOCAL_CHUNK_CHARS))
+            batches = tokenize_locally(
+                pool,
+                model.name,
+                texts(),
+                add_bos=options.add_bos,
+                add_eos=options.add_eos,
+                chunk_chars=chunk_chars,
+                depth=2 * options.workers,
+            )
+
+        sink = make_sink(out, metadata, sources, model)
+        total_bytes = sum(source.size for source in sources)
+        initial_bytes = sum(
+            source.size if source.done else 0 if source.compressed else source.read_bytes for source in sources
+        )
+        documents = tokens = 0
+        for ids, offsets in batches:
+            count = len(offsets) - 1
+            sink.add(ids, offsets, [positions.popleft() for _ in range(count)])
+            documents += count
+            tokens += ids.size
+            if progress is not None:
+                progress(Progress(documents, tokens, reader.compressed_bytes_read(), initial_bytes, total_bytes))
+        sink.finish()
+    return Summary(out.path, metadata, shards_before, documents, tokens, time.monotonic() - started)

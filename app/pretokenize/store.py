@@ -1,0 +1,139 @@
+"""The output directory: atomic shard files, metadata.json, and the checks that keep runs from mixing.
+
+A shard's files are written under temporary names, flushed to disk and renamed; metadata.json is
+rewritten the same way afterwards and is the only thing that says a shard is complete. A run killed at
+any point leaves either the previous metadata.json or the new one, never a half shard that looks whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+from client.dataset import BIN_SUFFIX, FORMAT_NAME, FORMAT_VERSION, IDX_SUFFIX, METADATA_FILE, SEG_SUFFIX, shard_name
+
+TMP_SUFFIX = ".tmp"
+_SUFFIXES = "|".join(re.escape(suffix) for suffix in (BIN_SUFFIX, IDX_SUFFIX, SEG_SUFFIX))
+_SHARD_FILE = re.compile(rf"^(\d{{5,}})({_SUFFIXES})$")
+
+
+def _ours(name: str) -> bool:
+    """A file this tool writes: a shard file or metadata.json, or one of their temporary files."""
+    name = name.removesuffix(TMP_SUFFIX)
+    return name == METADATA_FILE or _SHARD_FILE.match(name) is not None
+
+
+class OutputError(Exception):
+    """The output directory cannot take this run: another model, other options, or foreign files."""
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # not supported here (e.g. some network filesystems): renames are still atomic
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class OutputDir:
+    """Where shards and metadata.json go; writes are atomic, reads are of complete files only."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.metadata_path = path / METADATA_FILE
+
+    def shard_path(self, index: int, suffix: str) -> Path:
+        return self.path / f"{shard_name(index)}{suffix}"
+
+    def load(self) -> dict[str, Any] | None:
+        """metadata.json if there is one; refuses a directory that holds anything else of its own."""
+        if not self.path.exists():
+            return None
+        if not self.path.is_dir():
+            raise OutputError(f"{self.path} exists and is not a directory")
+        try:
+            text = self.metadata_path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            foreign = sorted(entry.name for entry in self.path.iterdir() if not _ours(entry.name))
+            if foreign:
+                raise OutputError(
+                    f"{self.path} is not empty and is not a tokenizer-pretokenize output "
+                    f"(no {METADATA_FILE}; found {', '.join(foreign[:5])}); choose another --output"
+                ) from None
+            return None
+        try:
+            metadata = json.loads(text)
+        except ValueError as exc:
+            raise OutputError(f"{self.metadata_path} is not JSON ({exc}); choose another --output") from exc
+        if not isinstance(metadata, dict) or metadata.get("format") != FORMAT_NAME:
+            raise OutputError(f"{self.metadata_path} is not a {FORMAT_NAME} metadata file; choose another --output")
+        if metadata.get("version") != FORMAT_VERSION:
+            raise OutputError(
+                f"{self.metadata_path} is format version {metadata.get('version')}, this tool writes {FORMAT_VERSION}"
+            )
+        return metadata
+
+    def prepare(self, shards_kept: int) -> None:
+        """Create the directory; remove temporary files and shard files past the complete ones."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        for entry in self.path.iterdir():
+            shard = _SHARD_FILE.match(entry.name)
+            if (entry.name.endswith(TMP_SUFFIX) and _ours(entry.name)) or (shard and int(shard[1]) >= shards_kept):
+                entry.unlink()
+
+    @contextmanager
+    def writing(self, final: Path) -> Iterator[IO[bytes]]:
+        """A file written under a temporary name, flushed to disk; the caller renames it with `commit`."""
+        tmp = final.with_name(final.name + TMP_SUFFIX)
+        with tmp.open("wb") as file:
+            yield file
+            file.flush()
+            os.fsync(file.fileno())
+
+    def commit(self, finals: list[Path]) -> None:
+        """Rename each written temporary file to its final name."""
+        for final in finals:
+            os.replace(final.with_name(final.name + TMP_SUFFIX), final)
+        _fsync_dir(self.path)
+
+    def write_metadata(self, metadata: dict[str, Any]) -> None:
+        with self.writing(self.metadata_path) as file:
+            file.write(json.dumps(metadata, indent=1).encode() + b"\n")
+        self.commit([self.metadata_path])
+
+
+def identity(metadata: dict[str, Any]) -> dict[str, Any]:
+    """What must be equal for two runs to write into the same output."""
+    return {
+        "model sha256": metadata["model"]["sha256"],
+        "layout": metadata["layout"],
+        "dtype": metadata["dtype"],
+        "options": metadata["options"],
+        "inputs": [[source["path"], source["size"]] for source in metadata["sources"]],
+    }
+
+
+def differences(existing: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+    """Human-readable list of what differs between an existing output and this run."""
+    try:
+        old = identity(existing)
+    except (KeyError, TypeError) as exc:
+        return [f"the existing metadata.json lacks {exc}"]
+    new = identity(wanted)
+    lines = []
+    for key in new:
+        if key == "options":
+            for option, value in new["options"].items():
+                if old["options"].get(option) != value:
+                    lines.append(f"option {option}: output has {old['options'].get(option)!r}, this run {value!r}")
+        elif old[key] != new[key]:
+            lines.append(f"{key}: output has {old[key]!r}, this run {new[key]!r}")
+    return lines

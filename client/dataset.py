@@ -1,0 +1,446 @@
+"""Pre-tokenized shards: the on-disk format ``tokenizer-pretokenize`` writes, and ``TokenDataset`` to read it.
+
+This docstring is the one description of the format; the writer (``app.pretokenize``) takes its constants
+and header layout from this module. Everything is little-endian.
+
+An output directory holds::
+
+    metadata.json          what the shards are; rewritten atomically after each complete shard
+    00000.bin  00000.idx   shard 0 (00000.seg too with --seq-len)
+    00001.bin  ...         shard 1, ...
+
+Only shards listed in ``metadata.json`` are complete: shard files are written under a temporary name and
+renamed before ``metadata.json`` names them, so a killed run never leaves a half shard that looks whole.
+
+``NNNNN.bin``: token ids, no header. ``metadata.json["dtype"]`` is ``"<u2"`` (uint16) when the vocabulary
+has at most 65,536 pieces, else ``"<u4"``. Ragged output: each document's ids, document after document.
+Packed output (``--seq-len L``): ``rows x L`` ids in C order.
+
+``NNNNN.idx``: a 32-byte header, then ``count + 1`` int64 offsets starting at 0:
+
+    ======  ====  =====================================================================
+    offset  size  field
+    ======  ====  =====================================================================
+    0       8     magic ``b"TKSHARD\\0"``
+    8       2     format version, uint16 (1)
+    10      1     layout: 0 ragged, 1 packed
+    11      1     bytes per id in ``.bin`` (2 or 4)
+    12      4     seq_len, uint32 (0 for ragged)
+    16      8     count, int64: documents (ragged) or rows (packed)
+    24      8     ids in ``.bin``, int64
+    32      8n+8  offsets, int64
+    ======  ====  =====================================================================
+
+Ragged: document ``i`` is ``bin[offsets[i]:offsets[i + 1]]``.
+Packed: the offsets index ``NNNNN.seg`` (int32, no header): row ``r``'s ``seg[offsets[r]:offsets[r + 1]]``
+is ``[0, end of segment 1, ..., end of last segment]``, the ``cu_seqlens`` of ``/v1/pack``. A segment is a
+document, or the piece of one, inside the row. From it: ``position_ids`` count from 0 in each segment;
+ids after the last boundary are padding (``best_fit`` only; ``concat`` rows are full), where ``labels``
+are -100 and ``position_ids`` 0; elsewhere ``labels`` equal the ids.
+
+``metadata.json``: ``format`` (``"tokenizer-shards"``), ``version``, ``complete``, ``layout``
+(``"ragged"``/``"packed"``), ``dtype``, ``seq_len``, ``strategy``, ``model`` (name, sha256, vocab_size,
+bos/eos/pad ids), ``options``, ``shards`` (each: name; documents read into it; tokens, the ids in its
+``.bin``; rows; padding ids), ``documents``, ``tokens`` (of all documents, padding not counted), ``rows``,
+``bad_records``, ``sources`` (each input file and how far it was read), ``leftover``
+(concat: the last ids that did not fill a row) and, while incomplete, ``resume``.
+
+Reading shard 0 with plain numpy::
+
+    import json, numpy as np
+    meta = json.load(open("out/metadata.json"))
+    ids = np.memmap("out/00000.bin", dtype=meta["dtype"], mode="r")
+    offsets = np.memmap("out/00000.idx", dtype="<i8", mode="r", offset=32)
+    document_3 = ids[offsets[3] : offsets[4]]                  # ragged
+    rows = ids.reshape(-1, meta["seq_len"])                     # packed
+    seg = np.fromfile("out/00000.seg", dtype="<i4")
+    cu_seqlens_of_row_3 = seg[offsets[3] : offsets[4]]          # packed
+
+Or ``TokenDataset("out")``: ``ds[i]`` (a document, or a packed row's ids), ``ds.row(i)``,
+``ds.sequences(L)``, ``ds.torch()``. Arrays are read-only views of the memory map; nothing is copied
+except a sequence that spans two shards. Needs numpy only; ``torch()`` imports torch when called.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "BIN_SUFFIX",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "IDX_HEADER",
+    "IDX_MAGIC",
+    "IDX_SUFFIX",
+    "IGNORE_INDEX",
+    "LAYOUT_PACKED",
+    "LAYOUT_RAGGED",
+    "METADATA_FILE",
+    "OFFSET_DTYPE",
+    "SEG_DTYPE",
+    "SEG_SUFFIX",
+    "IndexHeader",
+    "PackedRow",
+    "Shard",
+    "TokenDataset",
+    "id_dtype",
+    "index_header",
+    "read_index_header",
+    "shard_name",
+]
+
+FORMAT_NAME = "tokenizer-shards"
+FORMAT_VERSION = 1
+METADATA_FILE = "metadata.json"
+BIN_SUFFIX = ".bin"
+IDX_SUFFIX = ".idx"
+SEG_SUFFIX = ".seg"
+IDX_MAGIC = b"TKSHARD\0"
+IDX_HEADER = struct.Struct("<8sHBBIqq")
+LAYOUT_RAGGED = 0
+LAYOUT_PACKED = 1
+LAYOUTS = {"ragged": LAYOUT_RAGGED, "packed": LAYOUT_PACKED}
+OFFSET_DTYPE = np.dtype("<i8")
+SEG_DTYPE = np.dtype("<i4")
+IGNORE_INDEX = -100
+"""Label value PyTorch's cross-entropy skips (the same as /v1/pack's)."""
+
+_SHARDS_OPEN = 64  # memory maps kept open at once; each holds file descriptors
+
+
+def shard_name(index: int) -> str:
+    return f"{index:05d}"
+
+
+def id_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits, else uint32; little-endian either way."""
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+class IndexHeader(NamedTuple):
+    layout: int
+    itemsize: int
+    seq_len: int
+    count: int
+    num_ids: int
+
+
+def index_header(header: IndexHeader) -> bytes:
+    """The 32 bytes that open an ``.idx`` file."""
+    return IDX_HEADER.pack(IDX_MAGIC, FORMAT_VERSION, *header)
+
+
+def read_index_header(raw: bytes, where: str) -> IndexHeader:
+    if len(raw) < IDX_HEADER.size:
+        raise ValueError(f"{where}: {len(raw)} bytes is shorter than the {IDX_HEADER.size}-byte index header")
+    magic, version, *fields = IDX_HEADER.unpack_from(raw)
+    if magic != IDX_MAGIC:
+        raise ValueError(f"{where}: bad magic {magic!r}, expected {IDX_MAGIC!r}; not a tokenizer shard index")
+    if version != FORMAT_VERSION:
+        raise ValueError(f"{where}: shard format version {version}, this reader knows {FORMAT_VERSION}")
+    return IndexHeader(*fields)
+
+
+def _map(path: Path, dtype: np.dtype, offset: int = 0) -> np.ndarray:
+    """Read-only memory map of a whole file from `offset` (an empty file cannot be mapped)."""
+    if path.stat().st_size <= offset:
+        return np.zeros(0, dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset)
+
+
+@dataclass(frozen=True, eq=False)
+class Shard:
+    """One shard's arrays, memory-mapped: ``ids`` (flat), ``offsets`` and, packed, ``seg``."""
+
+    ids: np.ndarray
+    offsets: np.ndarray
+    seg: np.ndarray | None
+
+
+@dataclass(frozen=True, eq=False)
+class PackedRow:
+    """One training row with what a varlen attention kernel needs (as /v1/pack returns it)."""
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+    position_ids: np.ndarray
+    cu_seqlens: np.ndarray
+
+
+def row_tensors(input_ids: np.ndarray, cu_seqlens: np.ndarray) -> PackedRow:
+    """Labels and position ids of one packed row, rebuilt from its segment boundaries."""
+    seq_len = input_ids.shape[0]
+    bounds = cu_seqlens.astype(np.int64)
+    used = int(bounds[-1])
+    starts = bounds[:-1]
+    positions = np.zeros(seq_len, np.int32)
+    positions[:used] = np.arange(used) - np.repeat(starts, np.diff(bounds))
+    labels = input_ids.astype(np.int32)
+    labels[used:] = IGNORE_INDEX
+    return PackedRow(input_ids=input_ids, labels=labels, position_ids=positions, cu_seqlens=cu_seqlens)
+
+
+class TokenDataset:
+    """Memory-mapped view of a ``tokenizer-pretokenize`` output directory.
+
+    ``len(ds)`` and ``ds[i]`` are documents for ragged output and rows for packed output. Pickles by
+    path, so it can be handed to DataLoader worker processes, which map the files again.
+    """
+
+    def __init__(self, path: str | Path, *, allow_partial: bool = False) -> None:
+        self.path = Path(path)
+        self.allow_partial = allow_partial
+        self.metadata = self._read_metadata()
+        meta = self.metadata
+        self.layout: str = meta["layout"]
+        self.dtype = np.dtype(meta["dtype"])
+        self.seq_len: int | None = meta["seq_len"]
+        self._row_len = self.seq_len or 0
+        self.strategy: str | None = meta["strategy"]
+        self.model: dict[str, Any] = meta["model"]
+        self.vocab_size: int = int(self.model["vocab_size"])
+        shards = meta["shards"]
+        self._names = [shard["name"] for shard in shards]
+        counts = [int(shard["rows"] if self.layout == "packed" else shard["documents"]) for shard in shards]
+        sizes = [
+            int(shard["rows"]) * self._row_len if self.layout == "packed" else int(shard["tokens"]) for shard in shards
+        ]
+        self._count_starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        self._id_starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        self._open: OrderedDict[int, Shard] = OrderedDict()
+
+    def _read_metadata(self) -> dict[str, Any]:
+        file = self.path / METADATA_FILE
+        try:
+            meta = json.loads(file.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ValueError(f"{self.path} holds no {METADATA_FILE}: not a tokenizer-pretokenize output") from None
+        except ValueError as exc:
+            raise ValueError(f"{file}: not JSON: {exc}") from exc
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+            raise ValueError(f"{file}: format is not {FORMAT_NAME!r}")
+        if meta.get("version") != FORMAT_VERSION:
+            raise ValueError(f"{file}: format version {meta.get('version')}, this reader knows {FORMAT_VERSION}")
+        if meta.get("layout") not in LAYOUTS:
+            raise ValueError(f"{file}: unknown layout {meta.get('layout')!r}")
+        if meta["layout"] == "packed" and not isinstance(meta.get("seq_len"), int):
+            raise ValueError(f"{file}: packed output without an integer seq_len")
+        if not meta.get("complete") and not self.allow_partial:
+            raise ValueError(
+                f"{self.path} is incomplete ({len(meta.get('shards', []))} shards so far): run tokenizer-pretokenize "
+                "again with the same arguments to finish it, or pass allow_partial=True to read the complete shards"
+            )
+        return meta
+
+    # pickling by path: memory maps do not travel, paths do
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": str(self.path), "allow_partial": self.allow_partial}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["path"], allow_partial=state["allow_partial"])  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        what = (
+            f"{self.num_rows} rows of {self.seq_len}" if self.layout == "packed" else f"{self.num_documents} documents"
+        )
+        return f"TokenDataset({str(self.path)!r}: {what}, {self.num_tokens} ids, {len(self._names)} shards)"
+
+    @property
+    def num_shards(self) -> int:
+        return len(self._names)
+
+    @property
+    def num_documents(self) -> int:
+        """Documents tokenized (for packed output, the documents the rows were packed from)."""
+        return int(self.metadata["documents"])
+
+    @property
+    def num_tokens(self) -> int:
+        """Ids stored in the shards (packed output: rows x seq_len, padding included)."""
+        return int(self._id_starts[-1])
+
+    @property
+    def num_rows(self) -> int:
+        if self.layout != "packed":
+            raise ValueError("ragged output has documents, not rows; use sequences(seq_len) for fixed-length rows")
+        return int(self._count_starts[-1])
+
+    def __len__(self) -> int:
+        return int(self._count_starts[-1])
+
+    def shard(self, index: int) -> Shard:
+        """Memory-mapped arrays of one shard, validated against its header and metadata.json."""
+        index = range(self.num_shards)[index]
+        shard = self._open.get(index)
+        if shard is not None:
+            self._open.move_to_end(index)
+            return shard
+        shard = self._map_shard(index)
+        self._open[index] = shard
+        if len(self._open) > _SHARDS_OPEN:
+            self._open.popitem(last=False)
+        return shard
+
+    def _map_shard(self, index: int) -> Shard:
+        base = self.path / self._names[index]
+        idx_path = base.with_suffix(IDX_SUFFIX)
+        with idx_path.open("rb") as file:
+            header = read_index_header(file.read(IDX_HEADER.size), str(idx_path))
+        count = int(self._count_starts[index + 1] - self._count_starts[index])
+        num_ids = int(self._id_starts[index + 1] - self._id_starts[index])
+        expected = IndexHeader(LAYOUTS[self.layout], self.dtype.itemsize, self.seq_len or 0, count, num_ids)
+        if header != expected:
+            raise ValueError(f"{idx_path}: header {header} does not match metadata.json {expected}")
+        size = idx_path.stat().st_size
+        if size != IDX_HEADER.size + (count + 1) * OFFSET_DTYPE.itemsize:
+            raise ValueError(f"{idx_path}: {size} bytes, expected {count + 1} offsets after the header")
+        offsets = _map(idx_path, OFFSET_DTYPE, IDX_HEADER.size)
+        ids = _map(base.with_suffix(BIN_SUFFIX), self.dtype)
+        if ids.size != num_ids:
+            raise ValueError(f"{base.with_suffix(BIN_SUFFIX)}: {ids.size} ids, the index says {num_ids}")
+        seg = None
+        if self.layout == "packed":
+            seg = _map(base.with_suffix(SEG_SUFFIX), SEG_DTYPE)
+            if seg.size != int(offsets[-1]):
+                raise ValueError(f"{base.with_suffix(SEG_SUFFIX)}: {seg.size} entries, the index says {offsets[-1]}")
+        elif int(offsets[-1]) != num_ids:
+            raise ValueError(f"{idx_path}: offsets end at {offsets[-1]}, the shard holds {num_ids} ids")
+        return Shard(ids=ids, offsets=offsets, seg=seg)
+
+    def _locate(self, index: int) -> tuple[int, int]:
+        """(shard, position in shard) of document or row `index`; negative counts from the end."""
+        total = len(self)
+        if not -total <= index < total:
+            raise IndexError(f"index {index} out of range for {total} items")
+        index %= total
+        shard = int(np.searchsorted(self._count_starts, index, side="right")) - 1
+        return shard, index - int(self._count_starts[shard])
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        """Document `index` (ragged) or row `index`'s ids (packed), as a read-only view."""
+        shard_index, local = self._locate(index)
+        shard = self.shard(shard_index)
+        if self.layout == "packed":
+            return shard.ids[local * self._row_len : (local + 1) * self._row_len]
+        return shard.ids[shard.offsets[local] : shard.offsets[local + 1]]
+
+    def document(self, index: int) -> np.ndarray:
+        if self.layout != "ragged":
+            raise ValueError("packed output keeps rows, not documents; use row(i)")
+        return self[index]
+
+    def row(self, index: int) -> PackedRow:
+        """Packed row `index` with labels, position ids and cu_seqlens, as /v1/pack gives them."""
+        if self.layout != "packed":
+            raise ValueError("ragged output has no packed rows; use sequences(seq_len) or pretokenize with --seq-len")
+        shard_index, local = self._locate(index)
+        shard = self.shard(shard_index)
+        seg = shard.seg if shard.seg is not None else np.zeros(0, SEG_DTYPE)  # packed shards always have one
+        input_ids = shard.ids[local * self._row_len : (local + 1) * self._row_len]
+        return row_tensors(input_ids, seg[shard.offsets[local] : shard.offsets[local + 1]])
+
+    def sequences(self, seq_len: int) -> Sequences:
+        """Fixed-length training sequences: the ids of every document end to end, cut every `seq_len`.
+
+        The last ids that do not fill a sequence are left out. For packed output only the packed
+        `seq_len` is allowed: the sequences are the rows.
+        """
+        if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+            raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
+        if self.layout == "packed" and seq_len != self.seq_len:
+            raise ValueError(f"packed rows are {self.seq_len} long; got seq_len={seq_len}")
+        return Sequences(self, int(seq_len))
+
+    def ids_range(self, start: int, stop: int) -> np.ndarray:
+        """Ids `start` to `stop` of all shards end to end: a view within one shard, a copy across shards."""
+        if not 0 <= start <= stop <= self.num_tokens:
+            raise IndexError(f"ids [{start}, {stop}) out of range for {self.num_tokens} ids")
+        pieces = []
+        shard = int(np.searchsorted(self._id_starts, start, side="right")) - 1
+        while start < stop:
+            base, end = int(self._id_starts[shard]), min(stop, int(self._id_starts[shard + 1]))
+            if end > start:
+                pieces.append(self.shard(shard).ids[start - base : end - base])
+                start = end
+            shard += 1
+        if len(pieces) == 1:
+            return pieces[0]
+        return np.concatenate(pieces) if pieces else np.zeros(0, self.dtype)
+
+    def torch(self, seq_len: int | None = None) -> torch.utils.data.Dataset[Any]:
+        """A torch map-style Dataset of int64 tensors (imports torch now); see TorchTokenDataset."""
+        return _torch_dataset_class()(self, seq_len)
+
+
+class Sequences:
+    """Sequence `k` is ids ``[k * seq_len, (k + 1) * seq_len)`` of the dataset's id stream."""
+
+    def __init__(self, dataset: TokenDataset, seq_len: int) -> None:
+        self.dataset = dataset
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return self.dataset.num_tokens // self.seq_len
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        count = len(self)
+        if not -count <= index < count:
+            raise IndexError(f"sequence {index} out of range for {count} sequences")
+        index %= count
+        return self.dataset.ids_range(index * self.seq_len, (index + 1) * self.seq_len)
+
+
+@functools.cache
+def _torch_dataset_class() -> type:
+    """Build the torch Dataset class on first use, so that importing this module never imports torch."""
+    import torch
+    from torch.utils.data import Dataset
+
+    class TorchTokenDataset(Dataset):  # type: ignore[type-arg]
+        """Items as int64 tensors: packed rows as {"input_ids", "labels", "position_ids"}; ragged output
+        with `seq_len` as {"input_ids", "labels"} sequences; ragged without it, one document's ids."""
+
+        def __init__(self, dataset: TokenDataset, seq_len: int | None = None) -> None:
+            self.dataset = dataset
+            if dataset.layout == "packed" and seq_len not in (None, dataset.seq_len):
+                raise ValueError(f"packed rows are {dataset.seq_len} long; got seq_len={seq_len}")
+            self.seq_len = seq_len
+            self._sequences = dataset.sequences(seq_len) if seq_len and dataset.layout == "ragged" else None
+
+        def __len__(self) -> int:
+            return len(self._sequences) if self._sequences is not None else len(self.dataset)
+
+        def __getitem__(self, index: int) -> Any:
+            if self.dataset.layout == "packed":
+                row = self.dataset.row(index)
+                return {
+                    "input_ids": torch.from_numpy(row.input_ids.astype(np.int64)),
+                    "labels": torch.from_numpy(row.labels.astype(np.int64)),
+                    "position_ids": torch.from_numpy(row.position_ids.astype(np.int64)),
+                }
+            if self._sequences is not None:
+                ids = torch.from_numpy(self._sequences[index].astype(np.int64))
+                return {"input_ids": ids, "labels": ids.clone()}
+            return torch.from_numpy(self.dataset[index].astype(np.int64))
+
+    TorchTokenDataset.__module__ = __name__
+    TorchTokenDataset.__qualname__ = "TorchTokenDataset"
+    return TorchTokenDataset
+
+
+def __getattr__(name: str) -> Any:
+    """``client.dataset.TorchTokenDataset`` exists once asked for (pickle finds it by this name)."""
+    if name == "TorchTokenDataset":
+        return _torch_dataset_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
