@@ -1,208 +1,54 @@
-"""TokenizerClient: one httpx connection pool, binary answers by default, typed errors."""
+"""TokenizerClient: one httpx connection pool over one or more replicas, binary answers, typed errors."""
 
 from __future__ import annotations
 
-import json
+import time
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import numpy as np
 
-from client import wire
-from client.errors import (
-    ModelMismatchError,
-    TokenizerConnectionError,
-    TokenizerProtocolError,
-    TokenizerServiceError,
+from client._protocol import (
+    DEFAULT_URL,
+    MODEL_SHA256_HEADER,
+    Format,
+    ModelFingerprints,
+    PackedBatch,
+    Strategy,
+    TokenizedBatch,
+    accept_header,
+    batch_from_response,
+    default_headers,
+    detokenize_payload,
+    dumps,
+    loads,
+    pack_payload,
+    packed_from_response,
+    parse_urls,
+    raise_for_error,
+    resolve_api_key,
+    tokenize_payload,
 )
+from client._retry import NO_RETRY, Attempt, Replicas, RetryPolicy
+from client.errors import TokenizerConnectionError, TokenizerError, TokenizerServiceError
 
-try:
-    import orjson
-except ImportError:  # the client works with numpy and httpx alone
-    orjson = None  # type: ignore[assignment]
+if TYPE_CHECKING:
+    from client._async import AsyncTokenizerClient
+    from client.prefetch import PackSpec, Prefetcher
 
-DEFAULT_URL = "http://127.0.0.1:8000"
-MODEL_SHA256_HEADER = "X-Tokenizer-Model-SHA256"
-Format = Literal["binary", "json"]
+__all__ = [
+    "DEFAULT_URL",
+    "MODEL_SHA256_HEADER",
+    "ModelFingerprints",
+    "PackedBatch",
+    "TokenizedBatch",
+    "TokenizerClient",
+]
 
-
-@dataclass(frozen=True)
-class TokenizedBatch:
-    """Ragged ids of one request: sequence i is ids[offsets[i]:offsets[i + 1]]."""
-
-    ids: np.ndarray  # int32
-    offsets: np.ndarray  # int64, len + 1
-    model: str
-    model_sha256: str | None
-
-    def __len__(self) -> int:
-        return len(self.offsets) - 1
-
-    def __getitem__(self, index: int) -> np.ndarray:
-        return self.ids[self.offsets[index] : self.offsets[index + 1]]
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.offsets[-1])
-
-    def to_list(self) -> list[np.ndarray]:
-        return wire.split_ragged(self.ids, self.offsets)
-
-
-@dataclass(frozen=True)
-class PackedBatch:
-    """Fixed-length training rows from /v1/pack, as numpy arrays.
-
-    ``leftover`` is the tail of the token stream that did not fill a row (concat only): pass it as
-    ``carry`` to the next pack call so that no token is lost or repeated.
-    """
-
-    input_ids: np.ndarray  # [rows, seq_len] int32
-    labels: np.ndarray  # [rows, seq_len] int32, -100 where no loss is taken
-    position_ids: np.ndarray  # [rows, seq_len] int32
-    cu_seqlens: list[np.ndarray]  # per row: [0, end of segment 1, ..., start of padding]
-    leftover: np.ndarray  # int32
-    stats: dict[str, Any]
-    model: str
-    seq_len: int
-    strategy: str
-    model_sha256: str | None
-
-    def __len__(self) -> int:
-        return int(self.input_ids.shape[0])
-
-
-def packed_from_response(response: httpx.Response) -> PackedBatch:
-    sha256 = response.headers.get(MODEL_SHA256_HEADER)
-    content_type = response.headers.get("content-type", "")
-    try:
-        if content_type.startswith(wire.MEDIA_TYPE):
-            frame = wire.decode(response.content)
-            meta = frame.meta
-            return PackedBatch(
-                input_ids=frame["input_ids"],
-                labels=frame["labels"],
-                position_ids=frame["position_ids"],
-                cu_seqlens=wire.split_ragged(frame["cu_seqlens"], frame["cu_seqlens_offsets"]),
-                leftover=frame["leftover"],
-                stats=meta["stats"],
-                model=meta["model"],
-                seq_len=meta["seq_len"],
-                strategy=meta["strategy"],
-                model_sha256=sha256,
-            )
-        document = loads(response.content)
-        seq_len = document["seq_len"]
-
-        def matrix(name: str) -> np.ndarray:
-            return np.asarray(document[name], dtype=np.int32).reshape(-1, seq_len)
-
-        return PackedBatch(
-            input_ids=matrix("input_ids"),
-            labels=matrix("labels"),
-            position_ids=matrix("position_ids"),
-            cu_seqlens=[np.asarray(row, dtype=np.int32) for row in document["cu_seqlens"]],
-            leftover=np.asarray(document["leftover"], dtype=np.int32),
-            stats=document["stats"],
-            model=document["model"],
-            seq_len=seq_len,
-            strategy=document["strategy"],
-            model_sha256=sha256,
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise TokenizerProtocolError(f"unreadable pack answer ({content_type}): {exc}") from exc
-
-
-def dumps(document: Any) -> bytes:
-    if orjson is not None:
-        try:
-            return orjson.dumps(document)
-        except TypeError:
-            pass  # e.g. a lone surrogate: let the stdlib escape it and the server say which text
-    return json.dumps(document).encode()
-
-
-def loads(content: bytes) -> Any:
-    return orjson.loads(content) if orjson is not None else json.loads(content)
-
-
-def tokenize_payload(
-    texts: Sequence[str],
-    model: str | None,
-    add_bos: bool,
-    add_eos: bool,
-    max_length: int | None,
-    sample: dict[str, Any] | None,
-) -> dict[str, Any]:
-    payload: dict[str, Any] = {"texts": texts if isinstance(texts, list) else list(texts)}
-    if model is not None:
-        payload["model"] = model
-    if add_bos:
-        payload["add_bos"] = True
-    if add_eos:
-        payload["add_eos"] = True
-    if max_length is not None:
-        payload["max_length"] = max_length
-    if sample is not None:
-        payload["sample"] = sample
-    return payload
-
-
-def _retry_after(response: httpx.Response) -> float | None:
-    value = response.headers.get("retry-after")
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
-        return None
-
-
-def raise_for_error(response: httpx.Response) -> None:
-    if response.status_code < 400:
-        return
-    try:
-        body = loads(response.content)
-    except ValueError:
-        body = {"error": {"type": "http_error", "message": response.text[:500]}}
-    raise TokenizerServiceError(response.status_code, body if isinstance(body, dict) else None, _retry_after(response))
-
-
-def batch_from_response(response: httpx.Response) -> TokenizedBatch:
-    sha256 = response.headers.get(MODEL_SHA256_HEADER)
-    content_type = response.headers.get("content-type", "")
-    try:
-        if content_type.startswith(wire.MEDIA_TYPE):
-            frame = wire.decode(response.content)
-            return TokenizedBatch(frame["ids"], frame["offsets"], frame.meta["model"], sha256)
-        document = loads(response.content)
-        rows = document["ids"]
-        lengths = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
-        flat = np.fromiter((i for row in rows for i in row), dtype=np.int32, count=int(lengths.sum()))
-        return TokenizedBatch(flat, wire.ragged_offsets(lengths), document["model"], sha256)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise TokenizerProtocolError(f"unreadable tokenize answer ({content_type}): {exc}") from exc
-
-
-class ModelFingerprints:
-    """Remembers each model's sha256 so that replicas serving different files are caught."""
-
-    def __init__(self) -> None:
-        self._seen: dict[str, str] = {}
-
-    def check(self, model: str, sha256: str | None, source: str) -> None:
-        if sha256 is None:
-            return
-        known = self._seen.setdefault(model, sha256)
-        if known != sha256:
-            raise ModelMismatchError(
-                f"model {model!r} from {source} has sha256 {sha256[:12]}…, earlier answers had {known[:12]}…"
-            )
+JSON_HEADERS = {"content-type": "application/json"}
 
 
 def _chunks(items: Iterable[str], size: int) -> Iterator[list[str]]:
@@ -217,12 +63,37 @@ def _chunks(items: Iterable[str], size: int) -> Iterator[list[str]]:
 
 
 class TokenizerClient:
-    """Client of a tokenizer-service. Use as a context manager, or call close()."""
+    """Client of one tokenizer-service, or of several replicas of it. Use as a context manager, or call close().
 
-    def __init__(self, url: str = DEFAULT_URL, *, timeout: float = 60.0, transport: httpx.BaseTransport | None = None):
-        self.url = url.rstrip("/")
-        self._http = httpx.Client(base_url=self.url, timeout=timeout, transport=transport)
+    ``url`` is one base URL, a list of them, or a comma-separated string: requests go round robin
+    over the replicas and fail over to the next when one cannot be reached or is overloaded. All
+    replicas must serve the same model files (else ModelMismatchError). ``api_key`` (default: the
+    TOKENIZER_API_KEY environment variable) is sent as ``Authorization: Bearer``.
+
+    ``retry`` is the policy of single calls (tokenize, pack, detokenize, models); by default they try
+    each replica once and raise. ``prefetch`` retries by default (RetryPolicy(): a 30 s budget).
+    """
+
+    def __init__(
+        self,
+        url: str | Sequence[str] = DEFAULT_URL,
+        *,
+        timeout: float = 60.0,
+        transport: httpx.BaseTransport | None = None,
+        api_key: str | None = None,
+        retry: RetryPolicy | None = None,
+        replica_cooldown_s: float = 1.0,
+    ) -> None:
+        self.urls = parse_urls(url)
+        self.url = self.urls[0]
+        self.timeout = timeout
+        self.retry = retry
+        self.replica_cooldown_s = replica_cooldown_s
+        self._api_key = resolve_api_key(api_key)
+        self._replicas = Replicas(self.urls, replica_cooldown_s)
+        self._http = httpx.Client(timeout=timeout, transport=transport, headers=default_headers(self._api_key))
         self._fingerprints = ModelFingerprints()
+        self._prefetchers: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
         self._closed = False
 
     def __enter__(self) -> TokenizerClient:
@@ -235,22 +106,39 @@ class TokenizerClient:
         self.close()
 
     def close(self) -> None:
+        """Close the connection pool and every prefetcher this client started."""
         if not self._closed:
             self._closed = True
+            for prefetcher in list(self._prefetchers):
+                prefetcher.close()
             self._http.close()
 
     def _ensure_open(self) -> None:
         if self._closed:
             raise RuntimeError("this TokenizerClient is closed")
 
-    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        self._ensure_open()
+    def _send(self, replica: int, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        url = f"{self.urls[replica]}{path}"
         try:
-            response = self._http.request(method, path, **kwargs)
+            response = self._http.request(method, url, **kwargs)
         except httpx.TransportError as exc:
-            raise TokenizerConnectionError(f"{method} {self.url}{path} failed: {exc!r}") from exc
+            raise TokenizerConnectionError(f"{method} {url} failed: {exc!r}") from exc
         raise_for_error(response)
         return response
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> tuple[httpx.Response, str]:
+        """Send with failover and this client's retry policy; the answer and the replica that gave it."""
+        self._ensure_open()
+        attempt = Attempt(self.retry or NO_RETRY, self._replicas)
+        while True:
+            replica = attempt.next_replica()
+            try:
+                response = self._send(replica, method, path, **kwargs)
+            except TokenizerError as exc:
+                time.sleep(attempt.failed(replica, exc))
+                continue
+            attempt.succeeded(replica)
+            return response, self.urls[replica]
 
     def tokenize_batch(
         self,
@@ -265,15 +153,14 @@ class TokenizerClient:
     ) -> TokenizedBatch:
         """Tokenize into one flat ids array plus offsets (the cheapest form to consume)."""
         payload = tokenize_payload(texts, model, add_bos, add_eos, max_length, sample)
-        accept = wire.MEDIA_TYPE if format == "binary" else "application/json"
-        response = self._request(
+        response, source = self._request(
             "POST",
             "/v1/tokenize",
             content=dumps(payload),
-            headers={"content-type": "application/json", "accept": accept},
+            headers={**JSON_HEADERS, "accept": accept_header(format)},
         )
         batch = batch_from_response(response)
-        self._fingerprints.check(batch.model, batch.model_sha256, self.url)
+        self._fingerprints.check(batch.model, batch.model_sha256, source, requested=model)
         return batch
 
     def tokenize(
@@ -298,7 +185,7 @@ class TokenizerClient:
         texts: Sequence[str],
         seq_len: int,
         *,
-        strategy: Literal["concat", "best_fit"] = "concat",
+        strategy: Strategy = "concat",
         model: str | None = None,
         add_bos: bool = False,
         add_eos: bool = True,
@@ -307,24 +194,12 @@ class TokenizerClient:
         format: Format = "binary",
     ) -> PackedBatch:
         """Tokenize and pack texts into rows of exactly `seq_len` tokens (see /v1/pack)."""
-        payload: dict[str, Any] = {
-            "texts": texts if isinstance(texts, list) else list(texts),
-            "seq_len": seq_len,
-            "strategy": strategy,
-            "add_bos": add_bos,
-            "add_eos": add_eos,
-            "mask_document_start": mask_document_start,
-        }
-        if model is not None:
-            payload["model"] = model
-        if carry is not None:
-            payload["carry"] = carry.tolist() if isinstance(carry, np.ndarray) else list(carry)
-        accept = wire.MEDIA_TYPE if format == "binary" else "application/json"
-        response = self._request(
-            "POST", "/v1/pack", content=dumps(payload), headers={"content-type": "application/json", "accept": accept}
+        payload = pack_payload(texts, seq_len, strategy, model, add_bos, add_eos, carry, mask_document_start)
+        response, source = self._request(
+            "POST", "/v1/pack", content=dumps(payload), headers={**JSON_HEADERS, "accept": accept_header(format)}
         )
         packed = packed_from_response(response)
-        self._fingerprints.check(packed.model, packed.model_sha256, self.url)
+        self._fingerprints.check(packed.model, packed.model_sha256, source, requested=model)
         return packed
 
     def pack_stream(
@@ -332,8 +207,9 @@ class TokenizerClient:
     ) -> Iterator[PackedBatch]:
         """Pack a long stream of texts with concat over several requests, threading the carry through.
 
-        Each yielded batch's `leftover` is what the stream holds beyond its rows so far; after the
-        last batch it is the stream's remainder, shorter than one row.
+        One request at a time (each needs the previous one's leftover); ``prefetch(pack=PackSpec(...))``
+        keeps several in flight. Each yielded batch's `leftover` is what the stream holds beyond its
+        rows so far; after the last batch it is the stream's remainder, shorter than one row.
         """
         carry: np.ndarray | None = None
         for chunk in _chunks(texts, texts_per_request):
@@ -342,24 +218,98 @@ class TokenizerClient:
             yield packed
 
     def detokenize(self, ids: Sequence[Sequence[int]] | Sequence[np.ndarray], *, model: str | None = None) -> list[str]:
-        rows = [row.tolist() if isinstance(row, np.ndarray) else list(row) for row in ids]
-        payload: dict[str, Any] = {"ids": rows}
-        if model is not None:
-            payload["model"] = model
-        response = self._request(
-            "POST", "/v1/detokenize", content=dumps(payload), headers={"content-type": "application/json"}
-        )
+        payload = detokenize_payload(ids, model)
+        response, _ = self._request("POST", "/v1/detokenize", content=dumps(payload), headers=JSON_HEADERS)
         texts: list[str] = loads(response.content)["texts"]
         return texts
 
     def models(self) -> dict[str, Any]:
         """The server's /v1/models answer: default name and each model's ids and sha256."""
-        document: dict[str, Any] = loads(self._request("GET", "/v1/models").content)
+        response, _ = self._request("GET", "/v1/models")
+        document: dict[str, Any] = loads(response.content)
         return document
 
+    def check_replicas(self) -> dict[str, Any]:
+        """Ask every replica for /v1/models and raise ModelMismatchError unless they all serve the same files.
+
+        Requests only ever meet the replicas they are sent to; this checks all of them up front.
+        Returns the first replica's /v1/models answer.
+        """
+        self._ensure_open()
+        answers: list[tuple[str, dict[str, Any]]] = []
+        for replica, url in enumerate(self.urls):
+            answers.append((url, loads(self._send(replica, "GET", "/v1/models").content)))
+        for url, document in answers:
+            default = document.get("default")
+            for info in document.get("models", []):
+                requested = info["name"]
+                self._fingerprints.check(info["name"], info.get("sha256"), url, requested=requested)
+            if default is not None:
+                self._fingerprints.check(default, None, url, requested=None)
+        return answers[0][1]
+
     def ready(self) -> bool:
-        """Whether the server says it is ready (models loaded, workers answering)."""
-        try:
-            return self._request("GET", "/readyz").status_code == 200
-        except (TokenizerConnectionError, TokenizerServiceError):
-            return False
+        """Whether any replica says it is ready (models loaded, workers answering); one probe each, no retry."""
+        self._ensure_open()
+        for replica in range(len(self.urls)):
+            try:
+                if self._send(replica, "GET", "/readyz").status_code == 200:
+                    return True
+            except (TokenizerConnectionError, TokenizerServiceError):
+                continue
+        return False
+
+    def async_client(self) -> AsyncTokenizerClient:
+        """An AsyncTokenizerClient with this client's URLs, key, timeout and retry policy (a new pool)."""
+        from client._async import AsyncTokenizerClient
+
+        clone = AsyncTokenizerClient(
+            self.urls,
+            timeout=self.timeout,
+            api_key=self._api_key,
+            retry=self.retry,
+            replica_cooldown_s=self.replica_cooldown_s,
+        )
+        clone._fingerprints = self._fingerprints
+        return clone
+
+    def prefetch(
+        self,
+        texts: Iterable[str],
+        *,
+        batch_size: int = 64,
+        depth: int = 4,
+        model: str | None = None,
+        add_bos: bool = False,
+        add_eos: bool = False,
+        max_length: int | None = None,
+        sample: dict[str, Any] | None = None,
+        pack: PackSpec | None = None,
+        state: dict[str, Any] | None = None,
+        as_torch: bool = False,
+        pin_memory: bool = False,
+        retry: RetryPolicy | None = None,
+    ) -> Prefetcher:
+        """Tokenize `texts` in the background, up to `depth` requests ahead, and iterate the batches in order.
+
+        See client.prefetch.Prefetcher. `retry` defaults to this client's policy, else RetryPolicy().
+        """
+        from client.prefetch import Prefetcher, PrefetchOptions
+
+        self._ensure_open()
+        options = PrefetchOptions.build(
+            batch_size=batch_size,
+            depth=depth,
+            model=model,
+            add_bos=add_bos,
+            add_eos=add_eos,
+            max_length=max_length,
+            sample=sample,
+            pack=pack,
+            as_torch=as_torch,
+            pin_memory=pin_memory,
+            retry=retry or self.retry or RetryPolicy(),
+        )
+        prefetcher = Prefetcher(self.async_client, texts, options, state)
+        self._prefetchers.add(prefetcher)
+        return prefetcher

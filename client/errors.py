@@ -42,3 +42,26 @@ class TokenizerServiceError(TokenizerError):
 
 class ModelMismatchError(TokenizerError):
     """Two answers for the same model name came from different model files (sha256 differs)."""
+
+
+class PrefetchError(TokenizerError):
+    """A prefetched request failed for good (retries spent, or an error retrying cannot fix).
+
+    Raised from ``next()`` once every batch before it has been handed out. ``batch_index`` is the
+    number of the batch that could not be made, ``text_start``/``text_stop`` the stream indices of
+    the request's texts, ``text_index`` the stream index of the text the server named (422), and
+    ``cause`` (also ``__cause__``) the TokenizerError of the last attempt.
+    """
+
+    def __init__(
+        self, message: str, *, batch_index: int, text_start: int, text_stop: int, text_index: int | None = None
+    ) -> None:
+        super().__init__(message)
+        self.batch_index = batch_index
+        self.text_start = text_start
+        self.text_stop = text_stop
+        self.text_index = text_index
+
+    @property
+    def cause(self) -> BaseException | None:
+        return self.__cause__

@@ -1,0 +1,289 @@
+"""AsyncTokenizerClient: the TokenizerClient API for asyncio code, on httpx.AsyncClient."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterable, Iterable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import numpy as np
+
+from client._protocol import (
+    DEFAULT_URL,
+    Format,
+    ModelFingerprints,
+    PackedBatch,
+    Strategy,
+    TokenizedBatch,
+    accept_header,
+    batch_from_response,
+    default_headers,
+    detokenize_payload,
+    dumps,
+    loads,
+    pack_payload,
+    packed_from_response,
+    parse_urls,
+    raise_for_error,
+    resolve_api_key,
+    tokenize_payload,
+)
+from client._retry import NO_RETRY, Attempt, Replicas, RetryPolicy
+from client.errors import TokenizerConnectionError, TokenizerError, TokenizerServiceError
+
+if TYPE_CHECKING:
+    from client.prefetch import AsyncPrefetcher, PackSpec
+
+JSON_HEADERS = {"content-type": "application/json"}
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A successful response, the replica that gave it, and what it took to get it."""
+
+    response: httpx.Response
+    source: str
+    attempts: int
+    seconds: float
+
+
+class AsyncTokenizerClient:
+    """Client of one tokenizer-service or several replicas, for asyncio; ``async with`` it, or ``await aclose()``.
+
+    Same options and methods as TokenizerClient, each a coroutine; ``prefetch`` returns an
+    AsyncPrefetcher for ``async for``.
+    """
+
+    def __init__(
+        self,
+        url: str | Sequence[str] = DEFAULT_URL,
+        *,
+        timeout: float = 60.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+        api_key: str | None = None,
+        retry: RetryPolicy | None = None,
+        replica_cooldown_s: float = 1.0,
+    ) -> None:
+        self.urls = parse_urls(url)
+        self.url = self.urls[0]
+        self.timeout = timeout
+        self.retry = retry
+        self._api_key = resolve_api_key(api_key)
+        self._replicas = Replicas(self.urls, replica_cooldown_s)
+        self._http = httpx.AsyncClient(timeout=timeout, transport=transport, headers=default_headers(self._api_key))
+        self._fingerprints = ModelFingerprints()
+        self._closed = False
+
+    async def __aenter__(self) -> AsyncTokenizerClient:
+        self._ensure_open()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await self._http.aclose()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this AsyncTokenizerClient is closed")
+
+    async def _send(self, replica: int, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        url = f"{self.urls[replica]}{path}"
+        try:
+            response = await self._http.request(method, url, **kwargs)
+        except httpx.TransportError as exc:
+            raise TokenizerConnectionError(f"{method} {url} failed: {exc!r}") from exc
+        raise_for_error(response)
+        return response
+
+    async def _request(self, method: str, path: str, policy: RetryPolicy | None = None, **kwargs: Any) -> Answer:
+        """Send with failover and retries (`policy`, else this client's); cancellation stops it at once."""
+        self._ensure_open()
+        attempt = Attempt(policy or self.retry or NO_RETRY, self._replicas)
+        started = time.perf_counter()
+        while True:
+            replica = attempt.next_replica()
+            try:
+                response = await self._send(replica, method, path, **kwargs)
+            except TokenizerError as exc:
+                delay = attempt.failed(replica, exc)
+                if delay:
+                    await asyncio.sleep(delay)
+                continue
+            attempt.succeeded(replica)
+            return Answer(response, self.urls[replica], attempt.attempts, time.perf_counter() - started)
+
+    async def _tokenize_answer(
+        self,
+        texts: Sequence[str],
+        model: str | None,
+        add_bos: bool,
+        add_eos: bool,
+        max_length: int | None,
+        sample: dict[str, Any] | None,
+        format: Format = "binary",
+        policy: RetryPolicy | None = None,
+    ) -> tuple[TokenizedBatch, Answer]:
+        payload = tokenize_payload(texts, model, add_bos, add_eos, max_length, sample)
+        answer = await self._request(
+            "POST",
+            "/v1/tokenize",
+            policy,
+            content=dumps(payload),
+            headers={**JSON_HEADERS, "accept": accept_header(format)},
+        )
+        batch = batch_from_response(answer.response)
+        self._fingerprints.check(batch.model, batch.model_sha256, answer.source, requested=model)
+        return batch, answer
+
+    async def _pack_answer(
+        self,
+        texts: Sequence[str],
+        seq_len: int,
+        strategy: Strategy,
+        model: str | None,
+        add_bos: bool,
+        add_eos: bool,
+        carry: Sequence[int] | np.ndarray | None,
+        mask_document_start: bool,
+        format: Format = "binary",
+        policy: RetryPolicy | None = None,
+    ) -> tuple[PackedBatch, Answer]:
+        payload = pack_payload(texts, seq_len, strategy, model, add_bos, add_eos, carry, mask_document_start)
+        answer = await self._request(
+            "POST",
+            "/v1/pack",
+            policy,
+            content=dumps(payload),
+            headers={**JSON_HEADERS, "accept": accept_header(format)},
+        )
+        packed = packed_from_response(answer.response)
+        self._fingerprints.check(packed.model, packed.model_sha256, answer.source, requested=model)
+        return packed, answer
+
+    async def tokenize_batch(
+        self,
+        texts: Sequence[str],
+        *,
+        model: str | None = None,
+        add_bos: bool = False,
+        add_eos: bool = False,
+        max_length: int | None = None,
+        sample: dict[str, Any] | None = None,
+        format: Format = "binary",
+    ) -> TokenizedBatch:
+        """Tokenize into one flat ids array plus offsets (the cheapest form to consume)."""
+        batch, _ = await self._tokenize_answer(texts, model, add_bos, add_eos, max_length, sample, format)
+        return batch
+
+    async def tokenize(
+        self,
+        texts: Sequence[str],
+        *,
+        model: str | None = None,
+        add_bos: bool = False,
+        add_eos: bool = False,
+        max_length: int | None = None,
+        sample: dict[str, Any] | None = None,
+        format: Format = "binary",
+    ) -> list[np.ndarray]:
+        """Token ids of each text (int32 arrays), exactly as sentencepiece's encode gives them."""
+        batch, _ = await self._tokenize_answer(texts, model, add_bos, add_eos, max_length, sample, format)
+        return batch.to_list()
+
+    async def pack(
+        self,
+        texts: Sequence[str],
+        seq_len: int,
+        *,
+        strategy: Strategy = "concat",
+        model: str | None = None,
+        add_bos: bool = False,
+        add_eos: bool = True,
+        carry: Sequence[int] | np.ndarray | None = None,
+        mask_document_start: bool = False,
+        format: Format = "binary",
+    ) -> PackedBatch:
+        """Tokenize and pack texts into rows of exactly `seq_len` tokens (see /v1/pack)."""
+        packed, _ = await self._pack_answer(
+            texts, seq_len, strategy, model, add_bos, add_eos, carry, mask_document_start, format
+        )
+        return packed
+
+    async def detokenize(
+        self, ids: Sequence[Sequence[int]] | Sequence[np.ndarray], *, model: str | None = None
+    ) -> list[str]:
+        answer = await self._request(
+            "POST", "/v1/detokenize", content=dumps(detokenize_payload(ids, model)), headers=JSON_HEADERS
+        )
+        texts: list[str] = loads(answer.response.content)["texts"]
+        return texts
+
+    async def models(self) -> dict[str, Any]:
+        """The server's /v1/models answer: default name and each model's ids and sha256."""
+        answer = await self._request("GET", "/v1/models")
+        document: dict[str, Any] = loads(answer.response.content)
+        return document
+
+    async def ready(self) -> bool:
+        """Whether any replica says it is ready; one probe each, no retry."""
+        self._ensure_open()
+        for replica in range(len(self.urls)):
+            try:
+                if (await self._send(replica, "GET", "/readyz")).status_code == 200:
+                    return True
+            except (TokenizerConnectionError, TokenizerServiceError):
+                continue
+        return False
+
+    def prefetch(
+        self,
+        texts: Iterable[str] | AsyncIterable[str],
+        *,
+        batch_size: int = 64,
+        depth: int = 4,
+        model: str | None = None,
+        add_bos: bool = False,
+        add_eos: bool = False,
+        max_length: int | None = None,
+        sample: dict[str, Any] | None = None,
+        pack: PackSpec | None = None,
+        state: dict[str, Any] | None = None,
+        as_torch: bool = False,
+        pin_memory: bool = False,
+        retry: RetryPolicy | None = None,
+    ) -> AsyncPrefetcher:
+        """``async for batch in client.prefetch(texts, ...)``: as TokenizerClient.prefetch, in this event loop.
+
+        `texts` may be a sync or an async iterable.
+        """
+        from client.prefetch import AsyncPrefetcher, PrefetchOptions
+
+        self._ensure_open()
+        options = PrefetchOptions.build(
+            batch_size=batch_size,
+            depth=depth,
+            model=model,
+            add_bos=add_bos,
+            add_eos=add_eos,
+            max_length=max_length,
+            sample=sample,
+            pack=pack,
+            as_torch=as_torch,
+            pin_memory=pin_memory,
+            retry=retry or self.retry or RetryPolicy(),
+        )
+        return AsyncPrefetcher(self, texts, options, state)

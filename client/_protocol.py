@@ -1,0 +1,309 @@
+"""What travels over HTTP, without doing any I/O: request bodies, answers parsed into batches, errors.
+
+Shared by the sync and async clients so that both build the same requests and read the same answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import httpx
+import numpy as np
+
+from client import wire
+from client.errors import ModelMismatchError, TokenizerProtocolError, TokenizerServiceError
+
+try:
+    import orjson
+except ImportError:  # the client works with numpy and httpx alone
+    orjson = None  # type: ignore[assignment]
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+MODEL_SHA256_HEADER = "X-Tokenizer-Model-SHA256"
+API_KEY_ENV = "TOKENIZER_API_KEY"
+Format = Literal["binary", "json"]
+Strategy = Literal["concat", "best_fit"]
+
+
+@dataclass(frozen=True)
+class TokenizedBatch:
+    """Ragged ids of one request: sequence i is ids[offsets[i]:offsets[i + 1]].
+
+    From a prefetcher, ``index`` is the batch's number in the stream and ``start`` the stream
+    index of its first text (both None from ``tokenize_batch``); with ``as_torch=True`` ``ids``
+    and ``offsets`` are torch tensors.
+    """
+
+    ids: np.ndarray  # int32
+    offsets: np.ndarray  # int64, len + 1
+    model: str
+    model_sha256: str | None
+    index: int | None = None
+    start: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self.ids[self.offsets[index] : self.offsets[index + 1]]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(np.asarray(self.offsets))
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    def to_list(self) -> list[np.ndarray]:
+        return wire.split_ragged(self.ids, self.offsets)
+
+    def pin_memory(self) -> TokenizedBatch:
+        """The batch as pinned torch tensors (what DataLoader(pin_memory=True) calls); needs an accelerator."""
+        from client._torch import to_torch
+
+        return to_torch(self, pin_memory=True)
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Fixed-length training rows from /v1/pack, as numpy arrays.
+
+    ``leftover`` is the tail of the token stream that did not fill a row (concat only): pass it as
+    ``carry`` to the next pack call so that no token is lost or repeated. From a prefetcher,
+    ``index`` is the batch's number in the stream and ``start`` the stream index of the first text
+    with tokens in it (concat) or of the first text of the request its first row came from (best_fit).
+    """
+
+    input_ids: np.ndarray  # [rows, seq_len] int32
+    labels: np.ndarray  # [rows, seq_len] int32, -100 where no loss is taken
+    position_ids: np.ndarray  # [rows, seq_len] int32
+    cu_seqlens: list[np.ndarray]  # per row: [0, end of segment 1, ..., start of padding]
+    leftover: np.ndarray  # int32
+    stats: dict[str, Any]
+    model: str
+    seq_len: int
+    strategy: str
+    model_sha256: str | None
+    index: int | None = None
+    start: int | None = None
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the rows that are not padding."""
+        return int(sum(int(row[-1]) for row in self.cu_seqlens))
+
+    def pin_memory(self) -> PackedBatch:
+        """The batch as pinned torch tensors (what DataLoader(pin_memory=True) calls); needs an accelerator."""
+        from client._torch import to_torch
+
+        return to_torch(self, pin_memory=True)
+
+
+def dumps(document: Any) -> bytes:
+    if orjson is not None:
+        try:
+            return orjson.dumps(document)
+        except TypeError:
+            pass  # e.g. a lone surrogate: let the stdlib escape it and the server say which text
+    return json.dumps(document).encode()
+
+
+def loads(content: bytes) -> Any:
+    return orjson.loads(content) if orjson is not None else json.loads(content)
+
+
+def resolve_api_key(api_key: str | None) -> str | None:
+    """The key given, else TOKENIZER_API_KEY from the environment, else none."""
+    if api_key is None:
+        api_key = os.environ.get(API_KEY_ENV)
+    return api_key or None
+
+
+def default_headers(api_key: str | None) -> dict[str, str]:
+    return {"authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def parse_urls(url: str | Sequence[str]) -> tuple[str, ...]:
+    """One base URL, a comma-separated list of them, or a sequence of them; trailing slashes dropped."""
+    items = url.split(",") if isinstance(url, str) else list(url)
+    urls = tuple(item.strip().rstrip("/") for item in items if item and item.strip())
+    if not urls:
+        raise ValueError("at least one server URL is needed")
+    return urls
+
+
+def accept_header(format: Format) -> str:
+    return wire.MEDIA_TYPE if format == "binary" else "application/json"
+
+
+def tokenize_payload(
+    texts: Sequence[str],
+    model: str | None,
+    add_bos: bool,
+    add_eos: bool,
+    max_length: int | None,
+    sample: dict[str, Any] | None,
+) -> dict[str, Any]:
+    payload: dict[str, Any] = {"texts": texts if isinstance(texts, list) else list(texts)}
+    if model is not None:
+        payload["model"] = model
+    if add_bos:
+        payload["add_bos"] = True
+    if add_eos:
+        payload["add_eos"] = True
+    if max_length is not None:
+        payload["max_length"] = max_length
+    if sample is not None:
+        payload["sample"] = sample
+    return payload
+
+
+def pack_payload(
+    texts: Sequence[str],
+    seq_len: int,
+    strategy: Strategy,
+    model: str | None,
+    add_bos: bool,
+    add_eos: bool,
+    carry: Sequence[int] | np.ndarray | None,
+    mask_document_start: bool,
+) -> dict[str, Any]:
+    payload: dict[str, Any] = {
+        "texts": texts if isinstance(texts, list) else list(texts),
+        "seq_len": seq_len,
+        "strategy": strategy,
+        "add_bos": add_bos,
+        "add_eos": add_eos,
+        "mask_document_start": mask_document_start,
+    }
+    if model is not None:
+        payload["model"] = model
+    if carry is not None:
+        payload["carry"] = carry.tolist() if isinstance(carry, np.ndarray) else list(carry)
+    return payload
+
+
+def detokenize_payload(ids: Sequence[Sequence[int]] | Sequence[np.ndarray], model: str | None) -> dict[str, Any]:
+    rows = [row.tolist() if isinstance(row, np.ndarray) else list(row) for row in ids]
+    payload: dict[str, Any] = {"ids": rows}
+    if model is not None:
+        payload["model"] = model
+    return payload
+
+
+def retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("retry-after")
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+def raise_for_error(response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    try:
+        body = loads(response.content)
+    except ValueError:
+        body = {"error": {"type": "http_error", "message": response.text[:500]}}
+    raise TokenizerServiceError(response.status_code, body if isinstance(body, dict) else None, retry_after(response))
+
+
+def batch_from_response(response: httpx.Response) -> TokenizedBatch:
+    sha256 = response.headers.get(MODEL_SHA256_HEADER)
+    content_type = response.headers.get("content-type", "")
+    try:
+        if content_type.startswith(wire.MEDIA_TYPE):
+            frame = wire.decode(response.content)
+            return TokenizedBatch(frame["ids"], frame["offsets"], frame.meta["model"], sha256)
+        document = loads(response.content)
+        rows = document["ids"]
+        lengths = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
+        flat = np.fromiter((i for row in rows for i in row), dtype=np.int32, count=int(lengths.sum()))
+        return TokenizedBatch(flat, wire.ragged_offsets(lengths), document["model"], sha256)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise TokenizerProtocolError(f"unreadable tokenize answer ({content_type}): {exc}") from exc
+
+
+def packed_from_response(response: httpx.Response) -> PackedBatch:
+    sha256 = response.headers.get(MODEL_SHA256_HEADER)
+    content_type = response.headers.get("content-type", "")
+    try:
+        if content_type.startswith(wire.MEDIA_TYPE):
+            frame = wire.decode(response.content)
+            meta = frame.meta
+            return PackedBatch(
+                input_ids=frame["input_ids"],
+                labels=frame["labels"],
+                position_ids=frame["position_ids"],
+                cu_seqlens=wire.split_ragged(frame["cu_seqlens"], frame["cu_seqlens_offsets"]),
+                leftover=frame["leftover"],
+                stats=meta["stats"],
+                model=meta["model"],
+                seq_len=meta["seq_len"],
+                strategy=meta["strategy"],
+                model_sha256=sha256,
+            )
+        document = loads(response.content)
+        seq_len = document["seq_len"]
+
+        def matrix(name: str) -> np.ndarray:
+            return np.asarray(document[name], dtype=np.int32).reshape(-1, seq_len)
+
+        return PackedBatch(
+            input_ids=matrix("input_ids"),
+            labels=matrix("labels"),
+            position_ids=matrix("position_ids"),
+            cu_seqlens=[np.asarray(row, dtype=np.int32) for row in document["cu_seqlens"]],
+            leftover=np.asarray(document["leftover"], dtype=np.int32),
+            stats=document["stats"],
+            model=document["model"],
+            seq_len=seq_len,
+            strategy=document["strategy"],
+            model_sha256=sha256,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise TokenizerProtocolError(f"unreadable pack answer ({content_type}): {exc}") from exc
+
+
+class ModelFingerprints:
+    """Remembers each model's sha256, and which model a request without one got, per client.
+
+    Replicas behind one client must serve the same files: an answer whose sha256 differs from an
+    earlier one for the same model name, or a default model that differs between replicas, raises
+    ModelMismatchError. Safe to share between threads (one dict operation per check).
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[str, str]] = {}
+        self._default: tuple[str, str] | None = None
+
+    def check(self, model: str, sha256: str | None, source: str, *, requested: str | None) -> None:
+        """`requested` is the model name the request gave (None: the server's default)."""
+        if requested is None:
+            if self._default is None:
+                self._default = (model, source)
+            elif self._default[0] != model:
+                raise ModelMismatchError(
+                    f"{source} serves {model!r} as its default model, {self._default[1]} served {self._default[0]!r}"
+                )
+        if sha256 is None:
+            return
+        known, known_source = self._seen.setdefault(model, (sha256, source))
+        if known != sha256:
+            raise ModelMismatchError(
+                f"model {model!r} from {source} has sha256 {sha256[:12]}…, "
+                f"earlier answers from {known_source} had {known[:12]}…"
+            )
+
+    def expect(self, model: str, sha256: str, source: str) -> None:
+        """Pin a model's sha256 before any answer (a resumed prefetch must see the file it started with)."""
+        self._seen.setdefault(model, (sha256, source))
