@@ -1,17 +1,29 @@
-"""Client of tokenizer-service; needs only numpy and httpx."""
+"""Client of tokenizer-service; needs only numpy and httpx (torch only for as_torch and client.torch_data)."""
 
-from client._client import PackedBatch, TokenizedBatch, TokenizerClient
+from client._async import AsyncTokenizerClient
+from client._client import TokenizerClient
+from client._protocol import PackedBatch, TokenizedBatch
+from client._retry import RetryPolicy
 from client.errors import (
     ModelMismatchError,
+    PrefetchError,
     TokenizerConnectionError,
     TokenizerError,
     TokenizerProtocolError,
     TokenizerServiceError,
 )
+from client.prefetch import AsyncPrefetcher, PackSpec, Prefetcher, PrefetchStats
 
 __all__ = [
+    "AsyncPrefetcher",
+    "AsyncTokenizerClient",
     "ModelMismatchError",
+    "PackSpec",
     "PackedBatch",
+    "PrefetchError",
+    "PrefetchStats",
+    "Prefetcher",
+    "RetryPolicy",
     "TokenizedBatch",
     "TokenizerClient",
     "TokenizerConnectionError",

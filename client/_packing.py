@@ -1,0 +1,255 @@
+"""Packing a stream that arrives in windows, in the client, without I/O (pure numpy).
+
+Concat packing cuts one continuous token stream every ``seq_len`` tokens. Each /v1/pack request
+with ``carry`` needs the previous request's leftover, so at most one such request can be in flight.
+The prefetcher instead tokenizes windows of texts with /v1/tokenize (any number in flight: the
+ids of a text do not depend on its neighbours) and cuts rows here, in stream order. The rows equal
+what ``app.packing.pack_concat`` makes of the whole stream at once, which tests check; the server's
+packing is not imported because the client must not depend on the server.
+
+Best-fit packing has no carry, so the server packs each window (/v1/pack, any number in flight) and
+:class:`RowRegrouper` regroups its rows into blocks of exactly ``rows``.
+
+Both know, after every block, the position to resume from: the first text that still has
+undelivered tokens (concat) or rows (best_fit), and how many of them were already delivered.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+IGNORE_INDEX = -100
+"""Label value that PyTorch's cross-entropy skips."""
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a stream resumes: text ``text``, of which ``skip`` tokens (concat) or rows (best_fit) are delivered."""
+
+    text: int
+    skip: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class Block:
+    """Rows of ``seq_len`` tokens ready to hand out, and the resume position after them."""
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+    position_ids: np.ndarray
+    cu_seqlens: list[np.ndarray]
+    start: int
+    after: Position
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+class StreamMismatch(ValueError):
+    """The texts given on resume do not continue the stream a saved state came from."""
+
+
+class ConcatPacker:
+    """Cuts a token stream, fed one window of documents at a time, into blocks of ``rows`` rows.
+
+    Rows start every ``seq_len`` tokens from the start of the stream; a segment starts at each row
+    start and at each document start, and ``position_ids`` restart there. ``cu_seqlens`` per row are
+    ``[segment starts..., seq_len]``; with ``mask_document_start`` the label of each document's first
+    token is IGNORE_INDEX.
+    """
+
+    def __init__(self, seq_len: int, rows: int, mask_document_start: bool, resume: Position) -> None:
+        self.seq_len = seq_len
+        self.rows = rows
+        self.mask_document_start = mask_document_start
+        self._tokens = np.empty(0, np.int32)
+        self._doc_starts = np.empty(0, np.int64)  # positions in _tokens where a document begins
+        self._doc_texts = np.empty(0, np.int64)  # stream index of each of those documents
+        self._head = resume  # the document that _tokens[0] belongs to, when no document begins there
+        self._fed = resume.text  # texts fed so far (stream index of the next one)
+        self._skip = resume.skip  # tokens of the first text to drop: delivered before a resume
+
+    @property
+    def buffered(self) -> int:
+        return int(self._tokens.size)
+
+    def position_at(self, offset: int) -> Position:
+        """The resume position after the first `offset` buffered tokens are delivered."""
+        if offset >= self._tokens.size:
+            return Position(self._fed, 0)
+        j = int(np.searchsorted(self._doc_starts, offset, side="right")) - 1
+        if j >= 0:
+            return Position(int(self._doc_texts[j]), offset - int(self._doc_starts[j]))
+        return Position(self._head.text, self._head.skip + offset)
+
+    def feed(self, ids: np.ndarray, offsets: np.ndarray, start: int) -> None:
+        """Append the documents of texts ``start, start + 1, ...`` (ragged ids and offsets)."""
+        if start != self._fed:
+            raise ValueError(f"windows must be fed in order: expected text {self._fed}, got {start}")
+        lengths = np.diff(offsets)
+        continues = False
+        if self._skip:
+            if lengths.size == 0 or lengths[0] <= self._skip:
+                have = int(lengths[0]) if lengths.size else 0
+                raise StreamMismatch(
+                    f"text {start} has {have} tokens but the saved state had delivered {self._skip} of them: "
+                    "the texts or the model differ from the run the state came from"
+                )
+            ids = ids[self._skip :]
+            offsets = np.maximum(offsets - self._skip, 0)
+            lengths = np.diff(offsets)
+            if self._tokens.size == 0:
+                self._head = Position(start, self._skip)
+            continues, self._skip = True, 0
+        documents = np.flatnonzero(lengths > 0)
+        if continues:
+            documents = documents[documents != 0]
+        base = self._tokens.size
+        self._doc_starts = np.concatenate([self._doc_starts, offsets[documents] + base])
+        self._doc_texts = np.concatenate([self._doc_texts, documents + start])
+        self._tokens = np.concatenate([self._tokens, np.asarray(ids, dtype=np.int32)])
+        self._fed = start + lengths.size
+
+    def take(self) -> Block | None:
+        """The next block of exactly ``rows`` rows, if the buffer holds one."""
+        if self._tokens.size < self.rows * self.seq_len:
+            return None
+        return self._block(self.rows)
+
+    def finish(self) -> tuple[Block | None, np.ndarray]:
+        """At the end of the stream: a last block of the full rows left (fewer than ``rows``), and the
+        tokens that fill no row."""
+        rows = self._tokens.size // self.seq_len
+        block = self._block(rows) if rows else None
+        return block, self._tokens.copy()
+
+    def _block(self, rows: int) -> Block:
+        seq_len = self.seq_len
+        used = rows * seq_len
+        starts = self._doc_starts[self._doc_starts < used]
+        seg_starts = np.union1d(np.arange(rows, dtype=np.int64) * seq_len, starts)
+        seg_lengths = np.diff(np.append(seg_starts, used))
+        positions = np.arange(used, dtype=np.int64) - np.repeat(seg_starts, seg_lengths)
+        input_ids = self._tokens[:used].reshape(rows, seq_len)
+        labels = input_ids.copy()
+        if self.mask_document_start:
+            labels.reshape(-1)[starts] = IGNORE_INDEX
+        seg_rows = seg_starts // seq_len
+        bounds = np.searchsorted(seg_rows, np.arange(rows + 1))
+        cols = (seg_starts - seg_rows * seq_len).astype(np.int32)
+        cu_seqlens = [np.append(cols[bounds[r] : bounds[r + 1]], np.int32(seq_len)) for r in range(rows)]
+        documents = starts.size + (0 if starts.size and starts[0] == 0 else 1)
+        block = Block(
+            input_ids=input_ids,
+            labels=labels,
+            position_ids=positions.astype(np.int32).reshape(rows, seq_len),
+            cu_seqlens=cu_seqlens,
+            start=self.position_at(0).text,
+            after=self.position_at(used),
+            stats={"rows": rows, "tokens": used, "padding_tokens": 0, "padding_fraction": 0.0, "documents": documents},
+        )
+        self._head = block.after
+        keep = self._doc_starts >= used
+        self._doc_starts = self._doc_starts[keep] - used
+        self._doc_texts = self._doc_texts[keep]
+        self._tokens = self._tokens[used:].copy()
+        return block
+
+
+@dataclass
+class _Rows:
+    input_ids: np.ndarray
+    labels: np.ndarray
+    position_ids: np.ndarray
+    cu_seqlens: list[np.ndarray]
+    start: int  # stream index of the first text of the request these rows came from
+    first: int  # rows before this one are delivered
+
+    @property
+    def left(self) -> int:
+        return int(self.input_ids.shape[0]) - self.first
+
+
+class RowRegrouper:
+    """Regroups the rows of best-fit packed windows into blocks of exactly ``rows`` rows, in order."""
+
+    def __init__(self, seq_len: int, rows: int, resume: Position) -> None:
+        self.seq_len = seq_len
+        self.rows = rows
+        self._parts: deque[_Rows] = deque()
+        self._fed = resume.text
+        self._skip = resume.skip
+
+    @property
+    def buffered(self) -> int:
+        return sum(part.left for part in self._parts)
+
+    def feed(
+        self,
+        input_ids: np.ndarray,
+        labels: np.ndarray,
+        position_ids: np.ndarray,
+        cu_seqlens: list[np.ndarray],
+        start: int,
+        stop: int,
+    ) -> None:
+        """Append the rows that texts ``[start, stop)`` packed into."""
+        if start != self._fed:
+            raise ValueError(f"windows must be fed in order: expected text {self._fed}, got {start}")
+        first, self._skip = self._skip, 0
+        count = int(input_ids.shape[0])
+        if first > count:
+            raise StreamMismatch(
+                f"texts from {start} packed into {count} rows but the saved state had delivered {first}: "
+                "the texts, the model or batch_size differ from the run the state came from"
+            )
+        if first < count:
+            self._parts.append(_Rows(input_ids, labels, position_ids, cu_seqlens, start, first))
+        self._fed = stop
+
+    def take(self) -> Block | None:
+        if self.buffered < self.rows:
+            return None
+        return self._block(self.rows)
+
+    def finish(self) -> Block | None:
+        rows = self.buffered
+        return self._block(rows) if rows else None
+
+    def _block(self, rows: int) -> Block:
+        pieces: list[tuple[_Rows, int, int]] = []
+        needed = rows
+        start = self._parts[0].start
+        while needed:
+            part = self._parts[0]
+            count = min(needed, part.left)
+            pieces.append((part, part.first, part.first + count))
+            part.first += count
+            needed -= count
+            if not part.left:
+                self._parts.popleft()
+        input_ids = np.concatenate([part.input_ids[a:b] for part, a, b in pieces])
+        cu_seqlens = [row for part, a, b in pieces for row in part.cu_seqlens[a:b]]
+        tokens = int(sum(int(row[-1]) for row in cu_seqlens))
+        padding = rows * self.seq_len - tokens
+        after = Position(self._parts[0].start, self._parts[0].first) if self._parts else Position(self._fed, 0)
+        return Block(
+            input_ids=input_ids,
+            labels=np.concatenate([part.labels[a:b] for part, a, b in pieces]),
+            position_ids=np.concatenate([part.position_ids[a:b] for part, a, b in pieces]),
+            cu_seqlens=cu_seqlens,
+            start=start,
+            after=after,
+            stats={
+                "rows": rows,
+                "tokens": tokens,
+                "padding_tokens": padding,
+                "padding_fraction": padding / (rows * self.seq_len),
+            },
+        )
