@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Docker end to end, as a user runs it: start a private dockerd, make a stand-in base image (no
+# registry here), `docker compose build tokenizer`, `docker compose up --wait tokenizer`, tokenize real
+# text through the published port and compare with in-process sentencepiece, then restart it with a
+# model in the mounted models directory and compare again. Any failure fails the stage; nothing skips.
+#
+# Needs root, docker.io, containerd, debootstrap, python3-venv, the compose plugin
+# (.ci/install-compose.sh) and the project installed in python3 (`pip install -e '.[test]'`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+W=$(mktemp -d /tmp/tokenizer-e2e.XXXXXX)
+# The Python the project is installed in (before PATH puts /usr/bin first).
+PYTHON=${PYTHON:-$(command -v python3)}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the checker imports tests.conftest
+# Debian's docker client first (it matches Debian's dockerd); a private daemon on a private socket.
+export PATH=/usr/bin:/usr/sbin:$PATH
+export DOCKER_CONFIG=$W/docker-config DOCKER_HOST=unix://$W/docker.sock
+export COMPOSE_PROJECT_NAME=tokenizer-e2e
+export BASE_IMAGE=local/python:3.11-slim
+export TOKENIZER_MODELS=$W/models TOKENIZER_WORKERS=2
+PORT=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+export TOKENIZER_PUBLISH=127.0.0.1:$PORT
+URL=http://127.0.0.1:$PORT
+
+START=$SECONDS
+step() { printf '[docker-e2e %4ds] %s\n' $((SECONDS - START)) "$*"; }
+fail() { printf '[docker-e2e] FAILED: %s\n' "$*" >&2; exit 1; }
+
+cleanup() {
+    local rc=$?
+    set +e
+    trap - EXIT
+    if [ -S "$W/docker.sock" ] && docker info >/dev/null 2>&1; then
+        if [ "$rc" -ne 0 ]; then
+            docker compose ps -a
+            docker compose logs --no-color --tail 200 tokenizer
+        fi
+        docker compose down --volumes --timeout 20 >/dev/null 2>&1
+    fi
+    if [ -f "$W/dockerd.pid" ]; then
+        local pid
+        pid=$(cat "$W/dockerd.pid")
+        kill "$pid" 2>/dev/null
+        for _ in $(seq 30); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+        kill -9 "$pid" 2>/dev/null
+    fi
+    [ "$rc" -ne 0 ] && [ -f "$W/dockerd.log" ] && tail -n 40 "$W/dockerd.log"
+    # Leftover mounts (a killed daemon) would make rm fail on busy files: unmount first.
+    grep -o " $W/[^ ]*" /proc/mounts | sort -r | xargs -r -n1 umount -l 2>/dev/null
+    rm -rf "$W"
+    step "finished with status $rc"
+    exit "$rc"
+}
+trap cleanup EXIT
+
+for tool in dockerd debootstrap; do
+    command -v "$tool" >/dev/null || fail "$tool is missing (apt-get install docker.io containerd debootstrap)"
+done
+docker compose version >/dev/null 2>&1 || fail "the docker compose plugin is missing (.ci/install-compose.sh)"
+mkdir -p "$DOCKER_CONFIG" "$TOKENIZER_MODELS"
+
+step "starting dockerd"
+dockerd --host "$DOCKER_HOST" --data-root "$W/docker-data" --exec-root "$W/docker-exec" \
+    --pidfile "$W/dockerd.pid" >"$W/dockerd.log" 2>&1 &
+for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
+docker info >/dev/null 2>&1 || fail "dockerd did not start"
+
+step "docker compose config"
+docker compose config -q
+
+step "building the stand-in base image $BASE_IMAGE (debootstrap bookworm)"
+debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,python-is-python3,ca-certificates \
+    bookworm "$W/rootfs" >"$W/debootstrap.log" 2>&1 || { tail -n 40 "$W/debootstrap.log"; fail "debootstrap"; }
+rm -rf "$W"/rootfs/var/cache/apt/archives/*.deb "$W"/rootfs/var/lib/apt/lists/* \
+    "$W"/rootfs/usr/lib/python3.*/EXTERNALLY-MANAGED
+cp /etc/ssl/certs/ca-certificates.crt "$W/rootfs/etc/ssl/certs/ca-certificates.crt"
+tar -C "$W/rootfs" -c . | docker import \
+    -c 'ENV LANG=C.UTF-8 PIP_CERT=/etc/ssl/certs/ca-certificates.crt SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt' \
+    -c 'CMD ["python3"]' - "$BASE_IMAGE" >/dev/null
+rm -rf "$W/rootfs"
+
+step "docker compose build tokenizer"
+docker compose build --progress plain tokenizer >"$W/build.log" 2>&1 || { tail -n 60 "$W/build.log"; fail "build"; }
+
+step "docker compose up --wait tokenizer (models dir empty: the bundled default model)"
+docker compose up --detach --wait --wait-timeout 180 tokenizer
+"$PYTHON" .ci/docker_e2e_check.py --url "$URL" --model default=app/models/default.model
+
+step "the image's own HEALTHCHECK, the user and the read-only root filesystem"
+"$PYTHON" .ci/docker_e2e_check.py --url "$URL" --inspect tokenizer-service:latest --service tokenizer
+
+step "a model in the mounted models directory, after a restart"
+"$PYTHON" - "$TOKENIZER_MODELS" <<'PY'
+import sys
+import sentencepiece as spm
+
+spm.SentencePieceTrainer.train(
+    input="tests/data/botchan.txt", model_prefix=f"{sys.argv[1]}/botchan_bpe", model_type="bpe",
+    vocab_size=2000, byte_fallback=True, minloglevel=2, num_threads=2,
+)
+PY
+chmod a+r "$TOKENIZER_MODELS"/*
+docker compose restart tokenizer
+docker compose up --detach --wait --wait-timeout 180 tokenizer
+"$PYTHON" .ci/docker_e2e_check.py --url "$URL" --model "botchan_bpe=$TOKENIZER_MODELS/botchan_bpe.model"
+
+step "docker compose down"
+docker compose down --volumes --timeout 20
+step "passed"

@@ -1,0 +1,114 @@
+"""Checks .ci/docker-e2e.sh runs against the tokenizer container it started.
+
+`--model NAME=PATH`: the container serves exactly that model file, and ids for every document of
+tests/data/botchan.txt (lines joined as the tests do), through the published port, equal
+in-process sentencepiece ids; /metrics counted those requests and tokens.
+`--inspect IMAGE --service NAME`: the image's own HEALTHCHECK passes inside the running container,
+which runs as the unprivileged user on a read-only root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import sentencepiece as spm
+from prometheus_client.parser import text_string_to_metric_families
+
+from client import TokenizerClient
+from tests.conftest import read_documents
+
+ROOT = Path(__file__).resolve().parent.parent
+BATCH = 256
+IMAGE_USER = "10001:10001"
+
+
+def sample_values(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the server's /metrics, keyed by name and sorted labels."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def check_tokenize(url: str, name: str, model_file: Path) -> None:
+    served = httpx.get(f"{url}/v1/models", timeout=10).json()
+    sha256 = hashlib.sha256(model_file.read_bytes()).hexdigest()
+    assert [m["name"] for m in served["models"]] == [name], served
+    assert served["models"][0]["sha256"] == sha256, (served, sha256)
+
+    processor = spm.SentencePieceProcessor(model_file=str(model_file))
+    texts = read_documents()
+    requests = tokens = 0
+    with TokenizerClient(url) as client:
+        for start in range(0, len(texts), BATCH):
+            batch = texts[start : start + BATCH]
+            got = [row.tolist() for row in client.tokenize(batch, model=name)]
+            assert got == processor.encode(batch), f"ids differ in paragraphs {start}..{start + len(batch)}"
+            requests += 1
+            tokens += sum(len(row) for row in got)
+        batch = texts[:BATCH]
+        got = [row.tolist() for row in client.tokenize(batch, model=name, add_bos=True, add_eos=True, format="json")]
+        assert got == processor.encode(batch, add_bos=True, add_eos=True), "ids differ with add_bos/add_eos (JSON)"
+        requests += 1
+        tokens += sum(len(row) for row in got)
+
+    samples = sample_values(url)
+    counted = samples[("tokenizer_requests_total", (("endpoint", "/v1/tokenize"), ("status", "200")))]
+    assert counted == requests, f"tokenizer_requests_total counted {counted} tokenize requests, sent {requests}"
+    counted = samples[("tokenizer_tokens_total", (("model", name),))]
+    assert counted == tokens, f"tokenizer_tokens_total is {counted}, tokenized {tokens}"
+    print(
+        f"  {len(texts)} documents of tests/data/botchan.txt, {tokens} tokens of {name!r} in {requests} requests:"
+        " identical to sentencepiece"
+    )
+
+
+def docker(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=60, check=False)
+
+
+def check_container(image: str, service: str) -> None:
+    config = json.loads(docker("image", "inspect", "--format", "{{json .Config}}", image).stdout)
+    assert config["User"] == IMAGE_USER, f"image user is {config['User']!r}, not {IMAGE_USER}"
+    assert "8000/tcp" in config["ExposedPorts"], config["ExposedPorts"]
+    test = config["Healthcheck"]["Test"]
+    assert test[0] == "CMD", test
+    ran = docker("compose", "exec", "-T", service, *test[1:])
+    assert ran.returncode == 0, f"the image's HEALTHCHECK failed: {ran.stderr}"
+
+    ids = docker("compose", "exec", "-T", service, "python", "-c", "import os; print(os.getuid(), os.getgid())")
+    assert ids.stdout.split() == ["10001", "10001"], f"runs as {ids.stdout!r} {ids.stderr}"
+    root = docker("compose", "exec", "-T", service, "python", "-c", "open('/probe', 'w')")
+    assert root.returncode != 0 and "Read-only file system" in root.stderr, f"root is writable: {root.stderr}"
+    tmp = docker("compose", "exec", "-T", service, "python", "-c", "open('/tmp/probe', 'w').write('x')")
+    assert tmp.returncode == 0, f"/tmp is not writable: {tmp.stderr}"
+    print(f"  HEALTHCHECK passes; runs as {IMAGE_USER}; root read-only, /tmp writable")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--model", help="NAME=PATH of the one model the container should serve")
+    parser.add_argument("--inspect", metavar="IMAGE")
+    parser.add_argument("--service", default="tokenizer")
+    args = parser.parse_args()
+    if args.model:
+        name, _, path = args.model.partition("=")
+        check_tokenize(args.url, name, Path(path))
+    if args.inspect:
+        check_container(args.inspect, args.service)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except AssertionError as exc:
+        sys.exit(f"docker e2e check failed: {exc}")
