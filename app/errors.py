@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 logger = logging.getLogger("tokenizer.errors")
 
@@ -63,13 +64,46 @@ class PayloadTooLarge(ServiceError):
     type = "payload_too_large"
 
 
+class Unauthorized(ServiceError):
+    """No API key, or one that is not configured; the body says which, never what the keys are."""
+
+    status = 401
+    type = "unauthorized"
+
+
+class PoisonInput(ServiceError):
+    """A text (or id row) that killed or stalled a tokenizer worker twice, the second time on its own."""
+
+    status = 422
+    type = "poison_input"
+
+
 class Unavailable(ServiceError):
     status = 503
     type = "unavailable"
 
 
+class Overloaded(ServiceError):
+    """More work is waiting than the server accepts (`--max-queued-texts`, `--max-concurrent-requests`)."""
+
+    status = 503
+    type = "overloaded"
+
+
+class RequestTimeout(ServiceError):
+    """The request ran past `--request-timeout`; the work it had queued is withdrawn."""
+
+    status = 504
+    type = "timeout"
+
+
 def error_response(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
     return Response(orjson.dumps(body), status_code=status, headers=headers, media_type="application/json")
+
+
+async def send_error(error: ServiceError, scope: Scope, receive: Receive, send: Send) -> None:
+    """Answer with `error` from plain ASGI middleware, which runs outside FastAPI's handlers."""
+    await error_response(error.status, error.body(), error.headers)(scope, receive, send)
 
 
 async def _service_error(request: Request, exc: Exception) -> Response:

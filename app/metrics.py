@@ -59,6 +59,44 @@ class Metrics:
             "tokenizer_model_info", "Served models (value 1).", ["model", "sha256", "vocab_size"], registry=r
         )
         self.ready = Gauge("tokenizer_ready", "1 when models are loaded and the pool answers.", registry=r)
+        # Reliability: backpressure, cancellation, worker crashes and poison input.
+        self.queued_texts = Gauge(
+            "tokenizer_queued_texts",
+            "Texts admitted to the worker pool and not yet tokenized (bounded by --max-queued-texts).",
+            registry=r,
+        )
+        self.rejected_requests = Counter(
+            "tokenizer_rejected_requests",
+            "Requests answered 503 at once because the server was full, by reason (queue, concurrency).",
+            ["reason"],
+            registry=r,
+        )
+        self.cancelled_requests = Counter(
+            "tokenizer_cancelled_requests",
+            "Requests abandoned before their answer, by reason (timeout, disconnect).",
+            ["reason"],
+            registry=r,
+        )
+        self.cancelled_chunks = Counter(
+            "tokenizer_cancelled_chunks",
+            "Chunks of work withdrawn before a worker ran them, because their request was abandoned.",
+            registry=r,
+        )
+        self.chunk_retries = Counter(
+            "tokenizer_chunk_retries", "Chunks run again because a worker died while they were in flight.", registry=r
+        )
+        self.worker_stalls = Counter(
+            "tokenizer_worker_stalls", "Chunks that ran past their deadline; their workers were killed.", registry=r
+        )
+        self.poison_inputs = Counter(
+            "tokenizer_poison_inputs", "Requests refused (422) because a text killed or stalled a worker.", registry=r
+        )
+        self.rebuild_seconds = Histogram(
+            "tokenizer_worker_rebuild_seconds",
+            "Time to replace a broken worker pool until its new workers answer.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
 
     def record_work(self, model: str, queue_wait: float, seconds: float) -> None:
         self.queue_wait.observe(max(queue_wait, 0.0))

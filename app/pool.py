@@ -1,4 +1,10 @@
-"""The pool of SentencePiece worker processes: split a request over workers, reassemble in order."""
+"""The pool of SentencePiece worker processes: split a request over workers, reassemble in order.
+
+Reliability lives here too, as policy over app.lanes: a chunk whose worker died is run once more on
+the rebuilt pool; a chunk that fails again, or stalls, goes to quarantine, a process of its own
+that runs it text by text and so names the poison text (422) if there is one. Everyone else's
+chunks are retried, not failed.
+"""
 
 from __future__ import annotations
 
@@ -7,23 +13,28 @@ import itertools
 import logging
 import multiprocessing
 import time
-from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
-from app import worker
-from app.errors import Unavailable
+from app import quarantine, worker, worker_start
+from app.admission import Admission, PoisonMemory
+from app.errors import PoisonInput, Unavailable
+from app.lanes import Lane, WorkerCrashed, WorkerStalled
 from app.metrics import Metrics
 from client.wire import split_ragged
 
 logger = logging.getLogger("tokenizer.pool")
 
 Result = TypeVar("Result")
+
+# A chunk may run this long per character (or id) on top of --stall-timeout before it counts as
+# stalled: 50 times what BPE needs on a busy core, so only a real hang ever reaches it.
+STALL_SECONDS_PER_UNIT = 10e-6
+DEFAULT_STALL_TIMEOUT = 15.0
 
 
 @dataclass(frozen=True)
@@ -77,71 +88,131 @@ def concat_batches(parts: list[worker.Encoded]) -> Batch:
 
 
 class WorkerPool:
-    """A ProcessPoolExecutor whose workers each hold every model; the event loop only schedules."""
+    """Worker processes that each hold every model; the event loop only schedules and supervises.
 
-    def __init__(self, model_paths: dict[str, str], workers: int, metrics: Metrics, min_chunk_chars: int) -> None:
+    Three lanes: `workers` processes for ordinary work; one for seeded sampling (sentencepiece
+    0.2.3 mixes per-process random state into its sampler, so a seed reproduces ids only within one
+    process); and quarantine, started on first need, which runs suspect chunks one at a time.
+    """
+
+    def __init__(
+        self,
+        model_paths: dict[str, str],
+        workers: int,
+        metrics: Metrics,
+        min_chunk_chars: int,
+        *,
+        max_queued_texts: int | None = None,
+        stall_timeout: float = DEFAULT_STALL_TIMEOUT,
+    ) -> None:
         self.model_paths = model_paths
         self.size = workers
         self.metrics = metrics
         self.min_chunk_chars = min_chunk_chars
-        self._executor: ProcessPoolExecutor | None = None
-        # sentencepiece 0.2.3 mixes per-process random state into its sampling generator, so a
-        # seed reproduces its ids only within one process: seeded sampling has a process of its own.
-        self._seeded_sampler: ProcessPoolExecutor | None = None
-
-    def _new_executor(self, workers: int) -> ProcessPoolExecutor:
-        return ProcessPoolExecutor(
-            max_workers=workers,
-            mp_context=multiprocessing.get_context("spawn"),
-            initializer=worker.load_models,
-            initargs=(self.model_paths,),
+        self.stall_timeout = stall_timeout
+        self.admission = Admission(max_queued_texts, metrics)
+        self.poison = PoisonMemory()
+        self._main = Lane("tokenizer", workers, worker_start.start, (model_paths,), metrics, on_change=self._changed)
+        self._seeded_sampler = Lane(
+            "seeded-sampler", 1, worker_start.start, (model_paths,), metrics, on_change=self._changed
         )
+        # Which text the quarantine process is on: shared memory it writes and the server reads.
+        self._progress = multiprocessing.get_context("spawn").RawValue("q", -1)
+        self._quarantine = Lane("quarantine", 1, quarantine.start, (model_paths, self._progress), metrics, depth=1)
 
     async def start(self) -> None:
         """Start every worker and wait until each has loaded the models."""
-        self._executor = self._new_executor(self.size)
-        self._seeded_sampler = self._new_executor(1)
-        await asyncio.gather(self._run(worker.ping, seeded=True), *(self._run(worker.ping) for _ in range(self.size)))
+        try:
+            await asyncio.gather(self._main.start(), self._seeded_sampler.start())
+        except BaseException:
+            self.close()
+            raise
         self.metrics.workers.set(self.size)
 
-    def close(self) -> None:
-        for executor in (self._executor, self._seeded_sampler):
-            if executor is not None:
-                executor.shutdown(wait=True, cancel_futures=True)
-        self._executor = self._seeded_sampler = None
+    def close(self, grace: float = 2.0) -> None:
+        """Stop every worker process: `grace` seconds to finish running chunks, then SIGKILL."""
+        for lane in (self._main, self._seeded_sampler, self._quarantine):
+            lane.close(grace)
         self.metrics.workers.set(0)
 
-    def worker_pids(self) -> list[int]:
-        processes = getattr(self._executor, "_processes", None) or {}
-        return sorted(processes)
+    @property
+    def ready(self) -> bool:
+        """Both lanes serve (not rebuilding); also notices a worker that died while idle."""
+        return all([self._main.check(), self._seeded_sampler.check()])
 
-    async def _run(self, function: Callable[..., Result], *args: Any, seeded: bool = False) -> Result:
-        executor = self._seeded_sampler if seeded else self._executor
-        if executor is None:
-            raise Unavailable("worker pool is not running", headers={"Retry-After": "1"})
-        loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(executor, partial(function, *args))
-        except BrokenProcessPool as exc:
-            raise Unavailable("a tokenizer worker died; retry", headers={"Retry-After": "1"}) from exc
+    def _changed(self) -> None:
+        self.metrics.ready.set(1 if self.ready else 0)
+
+    def worker_pids(self) -> list[int]:
+        return self._main.worker_pids()
+
+    def all_worker_pids(self) -> list[int]:
+        return sorted(self._main.worker_pids() + self._seeded_sampler.worker_pids() + self._quarantine.worker_pids())
+
+    def _deadline(self, units: int) -> float:
+        return self.stall_timeout + units * STALL_SECONDS_PER_UNIT
 
     async def ping(self) -> bool:
-        return await self._run(worker.ping) == len(self.model_paths)
+        return await self._main.call(worker.ping, self.stall_timeout) == len(self.model_paths)
+
+    async def _supervised(
+        self, lane: Lane, ordinary: Callable[[], Result], isolated: Callable[[], Result], units: int
+    ) -> tuple[Result | None, int]:
+        """Run a chunk: on `lane`, once more there if a worker died, else in quarantine.
+
+        Returns (result, -1), or (None, position) for the item in the chunk that killed or stalled
+        the quarantine process.
+        """
+        deadline = self._deadline(units)
+        try:
+            try:
+                return await lane.call(ordinary, deadline), -1
+            except WorkerStalled:
+                raise
+            except WorkerCrashed:
+                self.metrics.chunk_retries.inc()
+            return await lane.call(ordinary, deadline), -1
+        except WorkerCrashed as failure:
+            logger.warning("a chunk failed twice (%s); running it in quarantine", type(failure).__name__)
+        try:
+            return await self._quarantine.call(isolated, deadline, progress=self._progress), -1
+        except WorkerCrashed as failure:
+            if failure.progress < 0:  # the process died between texts: nothing to blame
+                raise Unavailable("a tokenizer worker died; retry", headers={"Retry-After": "1"}) from None
+            self.metrics.poison_inputs.inc()
+            return None, failure.progress
 
     async def encode(self, model: str, texts: list[str], options: worker.EncodeOptions) -> Batch:
         """Tokenize texts over all workers, in chunks of similar size, and reassemble them in order."""
+        if (known := self.poison.find(model, texts)) is not None:
+            self.metrics.poison_inputs.inc()
+            raise _poison("texts", known, "was found earlier to crash or hang a tokenizer worker")
         sizes = np.fromiter((len(text) for text in texts), dtype=np.int64, count=len(texts))
         seeded = options.sample_seed is not None
         bounds = chunk_bounds(sizes, 1 if seeded else self.size, self.min_chunk_chars)
         if not bounds:
             return Batch(np.zeros(0, dtype=np.int32), np.zeros(1, dtype=np.int64))
+        lane = self._seeded_sampler if seeded else self._main
+        self.admission.admit(len(texts))
         submitted = time.monotonic()
-        parts = await asyncio.gather(
-            *(
-                self._run(worker.encode_chunk, model, texts[start:end], options, start, seeded=seeded)
-                for start, end in bounds
-            )
-        )
+
+        async def chunk(start: int, end: int) -> worker.Encoded:
+            part = texts[start:end]
+            try:
+                result, position = await self._supervised(
+                    lane,
+                    partial(worker.encode_chunk, model, part, options, start),
+                    partial(quarantine.encode_each, model, part, options, start),
+                    int(sizes[start:end].sum()),
+                )
+            finally:
+                self.admission.release(end - start)
+            if result is None:
+                self.poison.add(model, texts[start + position])
+                raise _poison("texts", start + position, "crashed or hung a tokenizer worker twice")
+            return result
+
+        parts = await _all_or_none([chunk(start, end) for start, end in bounds])
         for part in parts:
             self.metrics.record_work(model, part.started - submitted, part.seconds)
         return concat_batches(parts)
@@ -149,20 +220,47 @@ class WorkerPool:
     async def decode(self, model: str, ids: np.ndarray, offsets: np.ndarray) -> list[str]:
         lengths = np.diff(offsets)
         bounds = chunk_bounds(lengths, self.size, self.min_chunk_chars // 4)
+        if not bounds:
+            return []
+        self.admission.admit(len(lengths))
         submitted = time.monotonic()
-        parts = await asyncio.gather(
-            *(
-                self._run(
-                    worker.decode_chunk,
-                    model,
-                    ids[offsets[start] : offsets[end]],
-                    offsets[start : end + 1] - offsets[start],
+
+        async def chunk(start: int, end: int) -> worker.Decoded:
+            part_ids = ids[offsets[start] : offsets[end]]
+            part_offsets = offsets[start : end + 1] - offsets[start]
+            try:
+                result, position = await self._supervised(
+                    self._main,
+                    partial(worker.decode_chunk, model, part_ids, part_offsets),
+                    partial(quarantine.decode_each, model, part_ids, part_offsets),
+                    len(part_ids),
                 )
-                for start, end in bounds
-            )
-        )
+            finally:
+                self.admission.release(end - start)
+            if result is None:
+                raise _poison("ids", start + position, "crashed or hung a tokenizer worker twice")
+            return result
+
+        parts = await _all_or_none([chunk(start, end) for start, end in bounds])
         texts: list[str] = []
         for part in parts:
             self.metrics.record_work(model, part.started - submitted, part.seconds)
             texts.extend(part.texts)
         return texts
+
+
+def _poison(field: str, index: int, what: str) -> PoisonInput:
+    return PoisonInput(f"{field}[{index}] {what}; it is refused", field=field, index=index)
+
+
+async def _all_or_none(chunks: list[Awaitable[Result]]) -> list[Result]:
+    """Await every chunk; on the first failure (or cancellation) withdraw the others."""
+    if len(chunks) == 1:
+        return [await chunks[0]]
+    tasks = [asyncio.ensure_future(chunk) for chunk in chunks]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise

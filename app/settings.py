@@ -6,11 +6,13 @@ import os
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 BUNDLED_MODELS_DIR = Path(__file__).parent / "models"
 BUNDLED_MODEL_NAME = "default"
+# --max-queued-texts defaults to this many full-size requests.
+QUEUED_REQUESTS_DEFAULT = 4
 
 
 def usable_cpus() -> int:
@@ -49,11 +51,46 @@ class Settings(BaseSettings):
     min_chunk_chars: int = Field(
         16384, ge=1, description="a request is split over workers only in chunks at least this many characters long"
     )
+    max_queued_texts: int | None = Field(
+        None,
+        ge=1,
+        description="texts admitted to the worker pool and not yet tokenized, at most; a request beyond it is "
+        f"answered 503 at once (default: {QUEUED_REQUESTS_DEFAULT} x --max-texts)",
+    )
+    max_concurrent_requests: int = Field(
+        128, ge=1, description="/v1 requests handled at once, at most (503 above); bounds what request bodies hold"
+    )
+    request_timeout: float = Field(
+        60.0, gt=0, description="seconds a /v1 request may take; then 504, and the work it queued is withdrawn"
+    )
+    stall_timeout: float = Field(
+        15.0,
+        gt=0,
+        description="seconds a chunk may run in a worker, plus 10 microseconds a character, before the worker "
+        "counts as stalled and is killed",
+    )
+    drain_timeout: float = Field(
+        30.0, ge=0, description="seconds in-flight requests get to finish after SIGTERM before they are cancelled"
+    )
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list,
+        description="API keys accepted as `Authorization: Bearer KEY` on /v1 endpoints; repeat the flag, or "
+        "comma-separate in the environment (prefer TOKENIZER_API_KEYS: flags show in `ps`); none: no authentication",
+    )
+    cors_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="origins browsers may call the API from (CORS), or *; repeat the flag, or comma-separate; "
+        "none: CORS off",
+    )
     log_level: str = Field("info", description="uvicorn log level")
 
-    @field_validator("model", mode="before")
+    @property
+    def queued_texts_limit(self) -> int:
+        return self.max_queued_texts or QUEUED_REQUESTS_DEFAULT * self.max_texts
+
+    @field_validator("model", "api_keys", "cors_origins", mode="before")
     @classmethod
-    def _split_model_list(cls, value: Any) -> Any:
+    def _split_list(cls, value: Any) -> Any:
         if isinstance(value, str):
             value = value.strip()
             if value.startswith("["):
