@@ -20,7 +20,9 @@ def main(argv: list[str] | None = None) -> None:
         port=settings.port,
         log_level=settings.log_level,
         access_log=False,
-        timeout_graceful_shutdown=30,
+        # SIGTERM: stop accepting, let in-flight requests finish for this long, then cancel them;
+        # the lifespan then stops every worker process.
+        timeout_graceful_shutdown=settings.drain_timeout,
     )
 
 

@@ -6,17 +6,21 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import __version__
+from app.auth import ApiKeyMiddleware, ApiKeys
 from app.errors import install_error_handlers
+from app.guard import RequestGuard
 from app.metrics import Metrics
+from app.openapi import publish
 from app.pool import WorkerPool
 from app.registry import ModelRegistry
-from app.routes import health, pack, tokenize
+from app.responses import MODEL_SHA256_HEADER
+from app.routes import health, models, pack, tokenize
 from app.settings import Settings
 from app.state import Service
 
@@ -54,22 +58,6 @@ class RequestMetricsMiddleware:
             self.metrics.request_duration.labels(endpoint).observe(time.perf_counter() - started)
 
 
-def _move_body_schemas_to_components(app: FastAPI) -> None:
-    """Routes that parse their own body carry their schemas in `x-components`; publish them properly."""
-    generate = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            schema = generate()
-            components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for path in schema.get("paths", {}).values():
-                for operation in path.values():
-                    components.update(operation.pop("x-components", {}))
-        return app.openapi_schema  # type: ignore[return-value]
-
-    app.openapi = openapi  # type: ignore[method-assign]
-
-
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     metrics = Metrics()
@@ -79,7 +67,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         registry = ModelRegistry.from_paths(settings.model_paths(), settings.default_model)
         for info in registry.models.values():
             metrics.model_info.labels(info.name, info.sha256, str(info.vocab_size)).set(1)
-        pool = WorkerPool(registry.paths(), settings.workers, metrics, settings.min_chunk_chars)
+        pool = WorkerPool(
+            registry.paths(),
+            settings.workers,
+            metrics,
+            settings.min_chunk_chars,
+            max_queued_texts=settings.queued_texts_limit,
+            stall_timeout=settings.stall_timeout,
+        )
         service = Service(settings=settings, registry=registry, metrics=metrics, pool=pool)
         started = time.perf_counter()
         await pool.start()
@@ -108,7 +103,27 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     app.include_router(tokenize.router)
     app.include_router(pack.router)
+    app.include_router(models.router)
     app.include_router(health.router)
+    # Innermost first: the last middleware added sees a request first.
+    app.add_middleware(
+        RequestGuard,
+        max_concurrent=settings.max_concurrent_requests,
+        timeout=settings.request_timeout,
+        metrics=metrics,
+    )
+    if settings.api_keys:
+        keys = ApiKeys([key.get_secret_value() for key in settings.api_keys])
+        app.add_middleware(ApiKeyMiddleware, keys=keys)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
-    _move_body_schemas_to_components(app)
+    if settings.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type", "Accept"],
+            expose_headers=[MODEL_SHA256_HEADER, "Retry-After"],
+            max_age=600,
+        )
+    publish(app, bearer_auth=bool(settings.api_keys))
     return app

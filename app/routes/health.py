@@ -1,48 +1,45 @@
-"""Liveness, readiness, the model list and Prometheus metrics."""
+"""Liveness, readiness and Prometheus metrics: open even when API keys are configured."""
 
 from __future__ import annotations
-
-import asyncio
 
 from fastapi import APIRouter
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
+from app.openapi import HealthAnswer, ReadinessAnswer, error_responses
 from app.responses import json_response
 from app.state import ServiceDep
 
-router = APIRouter()
+router = APIRouter(tags=["health"])
 
-READINESS_TIMEOUT_SECONDS = 5.0
+NOT_READY = {
+    503: {
+        "model": ReadinessAnswer,
+        "description": "Starting, shutting down, or rebuilding the worker pool after a worker died.",
+        "headers": error_responses(503)[503]["headers"],
+    }
+}
 
 
-@router.get("/healthz", tags=["health"])
+@router.get("/healthz", responses={200: {"model": HealthAnswer, "description": "OK"}})
 async def healthz() -> Response:
     """The process is alive and its event loop answers."""
     return json_response({"status": "ok"})
 
 
-@router.get("/readyz", tags=["health"])
+@router.get("/readyz", responses={200: {"model": ReadinessAnswer, "description": "Ready"}, **NOT_READY})
 async def readyz(service: ServiceDep) -> Response:
-    """Models are loaded and the worker pool answers a round trip."""
-    ready = service.ready
-    if ready:
-        try:
-            ready = await asyncio.wait_for(service.pool.ping(), READINESS_TIMEOUT_SECONDS)
-        except Exception:
-            ready = False
+    """Models are loaded and the worker pool serves: not-ready only while starting, rebuilding or stopping."""
+    ready = service.ready and service.pool.ready
     service.metrics.ready.set(1 if ready else 0)
     if not ready:
         return json_response({"status": "not ready"}, {"Retry-After": "1"}, status_code=503)
     return json_response({"status": "ready", "models": sorted(service.registry.models)})
 
 
-@router.get("/v1/models", tags=["models"])
-async def models(service: ServiceDep) -> Response:
-    registry = service.registry
-    return json_response({"default": registry.default, "models": [info.as_dict() for info in registry.models.values()]})
+PROMETHEUS_TEXT = {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}
 
 
-@router.get("/metrics", tags=["health"])
+@router.get("/metrics", responses={200: PROMETHEUS_TEXT})
 async def metrics(service: ServiceDep) -> Response:
     return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)

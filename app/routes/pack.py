@@ -11,6 +11,7 @@ from starlette.responses import Response
 
 from app.bodies import find_lone_surrogate, parse_json, read_body, validate
 from app.errors import InvalidField
+from app.openapi import BODY_ERRORS, PackAnswer, answer, error_responses
 from app.packing import PackedRows, pack_best_fit, pack_concat
 from app.registry import ModelInfo
 from app.responses import MODEL_SHA256_HEADER, binary_response, json_response, wants_binary
@@ -62,7 +63,11 @@ def packed_content(info: ModelInfo, body: PackRequest, packed: PackedRows) -> di
     }
 
 
-@router.post("/pack", openapi_extra=openapi_body(PackRequest))
+@router.post(
+    "/pack",
+    openapi_extra=openapi_body(PackRequest),
+    responses={**answer(PackAnswer, binary=True), **error_responses(*BODY_ERRORS)},
+)
 async def pack(request: Request, service: ServiceDep) -> Response:
     settings = service.settings
     document, lenient = parse_json(await read_body(request, settings.max_request_bytes))

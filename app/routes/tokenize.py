@@ -8,6 +8,7 @@ from starlette.responses import Response
 
 from app.bodies import find_lone_surrogate, parse_json, read_body, validate
 from app.errors import InvalidField, PayloadTooLarge
+from app.openapi import BODY_ERRORS, DetokenizeAnswer, TokenizeAnswer, answer, error_responses
 from app.responses import MODEL_SHA256_HEADER, binary_response, json_response, wants_binary
 from app.schemas import DetokenizeRequest, TokenizeRequest, openapi_body
 from app.state import ServiceDep
@@ -24,7 +25,11 @@ def check_text_count(document: object, field: str, limit: int) -> None:
             raise PayloadTooLarge(f"{len(items)} {field} in one request exceed the limit of {limit}", field=field)
 
 
-@router.post("/tokenize", openapi_extra=openapi_body(TokenizeRequest))
+@router.post(
+    "/tokenize",
+    openapi_extra=openapi_body(TokenizeRequest),
+    responses={**answer(TokenizeAnswer, binary=True), **error_responses(*BODY_ERRORS)},
+)
 async def tokenize(request: Request, service: ServiceDep) -> Response:
     settings = service.settings
     document, lenient = parse_json(await read_body(request, settings.max_request_bytes))
@@ -79,7 +84,11 @@ def flatten_ids(rows: list[list[int]], vocab_size: int) -> tuple[np.ndarray, np.
     return flat, ragged_offsets(lengths)
 
 
-@router.post("/detokenize", openapi_extra=openapi_body(DetokenizeRequest))
+@router.post(
+    "/detokenize",
+    openapi_extra=openapi_body(DetokenizeRequest),
+    responses={**answer(DetokenizeAnswer), **error_responses(*BODY_ERRORS)},
+)
 async def detokenize(request: Request, service: ServiceDep) -> Response:
     settings = service.settings
     document, _ = parse_json(await read_body(request, settings.max_request_bytes))

@@ -1,0 +1,70 @@
+"""Optional API keys on every /v1 endpoint: `Authorization: Bearer KEY`, compared in constant time."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from app.errors import Unauthorized, send_error
+
+PROTECTED_PREFIX = "/v1/"
+
+
+def _digest(key: str) -> bytes:
+    # Comparing fixed-length digests keeps even a key's length out of the timing.
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+class ApiKeys:
+    """The configured keys, kept only as sha256 digests."""
+
+    def __init__(self, keys: list[str]) -> None:
+        if not keys or any(not key for key in keys):
+            raise ValueError("API keys must be non-empty")
+        self._digests = [_digest(key) for key in keys]
+
+    def accepts(self, token: str) -> bool:
+        """Compare against every key, without stopping at a match, so timing says nothing of which."""
+        candidate = _digest(token)
+        accepted = False
+        for digest in self._digests:
+            accepted |= hmac.compare_digest(candidate, digest)
+        return accepted
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    if authorization is None:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+class ApiKeyMiddleware:
+    """Plain ASGI: refuses a /v1 request without a configured key (401) before its body is read."""
+
+    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        token = bearer_token(Headers(scope=scope).get("authorization"))
+        if token is not None and self.keys.accepts(token):
+            await self.app(scope, receive, send)
+            return
+        if token is None:
+            error = Unauthorized(
+                "this endpoint needs an API key: send `Authorization: Bearer <key>`",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        else:
+            invalid = {"WWW-Authenticate": 'Bearer error="invalid_token"'}
+            error = Unauthorized("the API key is not valid", headers=invalid)
+        await send_error(error, scope, receive, send)

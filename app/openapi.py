@@ -1,0 +1,162 @@
+"""What the OpenAPI document says about answers: success bodies, every error status, auth.
+
+Routes answer with plain `Response`s (orjson, or the binary frame), so FastAPI cannot infer their
+bodies: these models exist for the schema only, and tests (schemathesis) hold the server to them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from pydantic import BaseModel, Field
+
+from app.responses import MODEL_SHA256_HEADER
+from client.wire import MEDIA_TYPE as BINARY_MEDIA_TYPE
+
+PROTECTED_PREFIX = "/v1/"
+
+
+class ErrorDetail(BaseModel):
+    type: str = Field(description="machine-readable kind, e.g. invalid_field, overloaded, timeout")
+    message: str = Field(description="what went wrong, for people")
+    field: str | None = Field(None, description="the request field at fault, when there is one")
+    index: int | None = Field(None, description="the text (or id row) at fault, when there is one")
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+class TokenizeAnswer(BaseModel):
+    model: str
+    ids: list[list[int]]
+    lengths: list[int]
+    num_tokens: int
+
+
+class DetokenizeAnswer(BaseModel):
+    model: str
+    texts: list[str]
+
+
+class PackStatsAnswer(BaseModel):
+    rows: int
+    tokens: int
+    padding_tokens: int
+    padding_fraction: float
+    documents: int
+    documents_split: int
+
+
+class PackAnswer(BaseModel):
+    model: str
+    seq_len: int
+    strategy: Literal["concat", "best_fit"]
+    input_ids: list[list[int]]
+    labels: list[list[int]]
+    position_ids: list[list[int]]
+    cu_seqlens: list[list[int]]
+    leftover: list[int]
+    stats: PackStatsAnswer
+
+
+class ModelDescription(BaseModel):
+    name: str
+    type: str
+    vocab_size: int
+    bos_id: int
+    eos_id: int
+    pad_id: int
+    unk_id: int
+    sha256: str
+
+
+class ModelsAnswer(BaseModel):
+    default: str
+    models: list[ModelDescription]
+
+
+class HealthAnswer(BaseModel):
+    status: str
+
+
+class ReadinessAnswer(BaseModel):
+    status: str
+    models: list[str] | None = None
+
+
+ERRORS: dict[int, str] = {
+    400: "The body is not JSON, or not UTF-8 (`invalid_json`).",
+    401: "API keys are configured and the request carries none of them (`unauthorized`).",
+    404: "`model` is not served here (`model_not_found`).",
+    413: "The body is over the byte limit, or holds more texts or id rows than the server takes (`payload_too_large`).",
+    422: "A field is invalid (`invalid_field`), or a text crashed or hung a tokenizer worker twice "
+    "(`poison_input`); `field` and `index` say which.",
+    503: "Too much work is waiting (`overloaded`) or the workers are restarting (`unavailable`): "
+    "retry after `Retry-After` seconds.",
+    504: "The request took longer than the server's request timeout (`timeout`); its queued work was "
+    "withdrawn. Safe to retry.",
+}
+
+_HEADERS: dict[int, dict[str, Any]] = {
+    401: {"WWW-Authenticate": {"description": "`Bearer`", "required": True, "schema": {"type": "string"}}},
+    503: {"Retry-After": {"description": "seconds to wait", "required": True, "schema": {"type": "string"}}},
+}
+
+_SHA256_HEADER = {
+    MODEL_SHA256_HEADER: {
+        "description": "sha256 of the model file that answered",
+        "required": True,
+        "schema": {"type": "string"},
+    }
+}
+
+GUARDED_ERRORS = (401, 503, 504)
+BODY_ERRORS = (400, 401, 404, 413, 422, 503, 504)
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    responses: dict[int | str, dict[str, Any]] = {}
+    for status in statuses:
+        response: dict[str, Any] = {"model": ErrorBody, "description": ERRORS[status]}
+        if status in _HEADERS:
+            response["headers"] = _HEADERS[status]
+        responses[status] = response
+    return responses
+
+
+def answer(model: type[BaseModel], *, binary: bool = False, sha256: bool = True) -> dict[int | str, dict[str, Any]]:
+    """The 200 response: a JSON body, and the binary frame too where the route offers it."""
+    response: dict[str, Any] = {"model": model, "description": "OK"}
+    if binary:
+        response["description"] = f"JSON, or with `Accept: {BINARY_MEDIA_TYPE}` the binary frame (see README)"
+        response["content"] = {BINARY_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}
+    if sha256:
+        response["headers"] = _SHA256_HEADER
+    return {200: response}
+
+
+def publish(app: FastAPI, *, bearer_auth: bool) -> None:
+    """Finish the generated document: body schemas that routes carry in `x-components`, and auth.
+
+    Routes that parse their own body carry its schemas in `x-components`; they move to
+    `components/schemas`. With API keys configured, /v1 operations declare the bearer scheme.
+    """
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()
+            components = schema.setdefault("components", {})
+            schemas = components.setdefault("schemas", {})
+            for path, operations in schema.get("paths", {}).items():
+                for operation in operations.values():
+                    schemas.update(operation.pop("x-components", {}))
+                    if bearer_auth and path.startswith(PROTECTED_PREFIX):
+                        operation["security"] = [{"bearer": []}]
+            if bearer_auth:
+                components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        return app.openapi_schema  # type: ignore[return-value]
+
+    app.openapi = openapi  # type: ignore[method-assign]
