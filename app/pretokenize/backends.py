@@ -6,29 +6,27 @@ so reading the next texts and writing shards overlap with tokenizing.
 
 from __future__ import annotations
 
-import itertools
 import multiprocessing
 import signal
-import time
+import sys
+import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from typing import TypeVar
 
 import numpy as np
 
 from app import worker
-from client import TokenizedBatch, TokenizerClient
-from client.errors import TokenizerConnectionError, TokenizerError, TokenizerServiceError
+from client import TokenizerClient
 
 Batch = tuple[np.ndarray, np.ndarray]  # int32 ids end to end, int64 offsets
 
-RETRIES = 8
 Result = TypeVar("Result")
 
 
 class ServiceError(Exception):
-    """The service failed for good (after retries), or answered with another model than the output's."""
+    """The service answered with another model file than the one the output was started with."""
 
 
 def chunks(texts: Iterable[str], max_chars: int, max_texts: int) -> Iterator[list[str]]:
@@ -51,13 +49,30 @@ def start_worker(model_paths: dict[str, str]) -> None:
     worker.load_models(model_paths)
 
 
+def start_method() -> str:
+    """fork where it is safe (Linux, no other thread yet): a forked worker starts in milliseconds with
+    sentencepiece already imported, where a spawned one spends about half a second importing it again."""
+    if sys.platform == "linux" and threading.active_count() == 1:
+        return "fork"
+    return "spawn"
+
+
 def local_pool(model_name: str, model_path: str, workers: int) -> ProcessPoolExecutor:
-    return ProcessPoolExecutor(
+    """Start every worker now, with SIGINT ignored from birth: Ctrl-C reaches the whole process group,
+    and a worker still starting up would otherwise die with a traceback instead of finishing its chunk."""
+    pool = ProcessPoolExecutor(
         max_workers=workers,
-        mp_context=multiprocessing.get_context("spawn"),
+        mp_context=multiprocessing.get_context(start_method()),
         initializer=start_worker,
         initargs=({model_name: model_path},),
     )
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        for _ in range(workers):  # each submit starts one more process until there are `workers`
+            pool.submit(worker.ping)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return pool
 
 
 def in_order(submitted: Iterator[Future[Result]], depth: int) -> Iterator[Result]:
@@ -96,30 +111,8 @@ def tokenize_locally(
     return in_order(submitted, depth)
 
 
-def tokenize_with_retries(
-    clients: list[TokenizerClient], start: int, texts: list[str], model: str, add_bos: bool, add_eos: bool
-) -> TokenizedBatch:
-    """Tokenize on `clients[start]`; on overload or a lost connection wait and try the next URL, a few times."""
-    for attempt in itertools.count():
-        client = clients[(start + attempt) % len(clients)]
-        try:
-            return client.tokenize_batch(texts, model=model, add_bos=add_bos, add_eos=add_eos)
-        except TokenizerServiceError as exc:
-            if not exc.retryable or attempt >= RETRIES:
-                raise ServiceError(f"{client.url}: {exc}") from exc
-            delay = exc.retry_after if exc.retry_after is not None else 0.1 * 2**attempt
-        except TokenizerConnectionError as exc:
-            if attempt >= RETRIES:
-                raise ServiceError(f"{client.url}: {exc}") from exc
-            delay = 0.1 * 2**attempt
-        except TokenizerError as exc:
-            raise ServiceError(f"{client.url}: {exc}") from exc
-        time.sleep(min(delay, 10.0))
-    raise AssertionError("unreachable")  # itertools.count() never ends
-
-
 def tokenize_via_service(
-    clients: list[TokenizerClient],
+    client: TokenizerClient,
     texts: Iterable[str],
     *,
     model: str,
@@ -129,20 +122,19 @@ def tokenize_via_service(
     batch_size: int,
     depth: int,
 ) -> Iterator[Batch]:
-    """Tokenize through the service: `batch_size` texts a request over the URLs in turn, `depth` in flight.
+    """Tokenize through the service with the client's prefetch: `batch_size` texts a request, `depth` in
+    flight, over all of the client's URLs, with its retries and failover.
 
     Every answer must come from the model file the output was started with (its sha256).
     """
-    with ThreadPoolExecutor(depth, thread_name_prefix="pretokenize-request") as threads:
-        submitted = (
-            threads.submit(tokenize_with_retries, clients, index, chunk, model, add_bos, add_eos)
-            for index, chunk in enumerate(chunks(texts, 1 << 22, batch_size))
-        )
-        for batch in in_order(submitted, depth):
+    with client.prefetch(
+        texts, batch_size=batch_size, depth=depth, model=model, add_bos=add_bos, add_eos=add_eos
+    ) as batches:
+        for batch in batches:
             answered = batch.model_sha256
             if answered is not None and answered != sha256:
                 raise ServiceError(
                     f"the service answered with model {model!r} sha256 {answered[:12]}…, "
                     f"but this output is tokenized with {sha256[:12]}…"
                 )
-            yield batch.ids, batch.offsets
+            yield np.asarray(batch.ids), np.asarray(batch.offsets)

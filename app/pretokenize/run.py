@@ -23,6 +23,7 @@ from client.dataset import FORMAT_NAME, FORMAT_VERSION, id_dtype
 
 DEFAULT_SHARD_TOKENS = 1 << 24
 SERVICE_BATCH = 256
+SERVICE_DEPTH = 4  # requests in flight per URL
 LOCAL_CHUNK_CHARS = (1 << 16, 1 << 20)  # a chunk for one worker: at least 64 KiB, at most 1 MiB of text
 
 
@@ -89,20 +90,21 @@ def resolve_local_model(name_or_path: str | None) -> ModelInfo:
     return inspect_model(name, paths[name])
 
 
-def resolve_service_model(clients: list[TokenizerClient], name: str | None) -> ModelInfo:
+def resolve_service_model(urls: list[str], name: str | None) -> ModelInfo:
     """The model as every URL serves it; they must agree on its sha256."""
     infos = []
-    for client in clients:
-        answer = client.models()
+    for url in urls:
+        with TokenizerClient(url) as client:
+            answer = client.models()
         wanted = name or answer["default"]
         entry = next((model for model in answer["models"] if model["name"] == wanted), None)
         if entry is None:
             served = ", ".join(model["name"] for model in answer["models"])
-            raise ModelLoadError(f"{client.url} does not serve model {wanted!r} (it serves {served})")
+            raise ModelLoadError(f"{url} does not serve model {wanted!r} (it serves {served})")
         infos.append(
             ModelInfo(
                 name=entry["name"],
-                path=Path(client.url),
+                path=Path(url),
                 type=entry["type"],
                 vocab_size=entry["vocab_size"],
                 bos_id=entry["bos_id"],
@@ -113,7 +115,7 @@ def resolve_service_model(clients: list[TokenizerClient], name: str | None) -> M
             )
         )
     if len({info.sha256 for info in infos}) > 1:
-        found = ", ".join(f"{client.url}: {info.sha256[:12]}…" for client, info in zip(clients, infos, strict=True))
+        found = ", ".join(f"{url}: {info.sha256[:12]}…" for url, info in zip(urls, infos, strict=True))
         raise ModelLoadError(f"the URLs serve different files as model {infos[0].name!r} ({found})")
     return infos[0]
 
@@ -196,8 +198,8 @@ def run(
     started = time.monotonic()
     sources = [Source.from_path(path) for path in options.inputs]
     with ExitStack() as stack:
-        clients = [stack.enter_context(TokenizerClient(url, timeout=300)) for url in options.urls]
-        model = resolve_service_model(clients, options.model) if clients else resolve_local_model(options.model)
+        urls = options.urls
+        model = resolve_service_model(urls, options.model) if urls else resolve_local_model(options.model)
         out = OutputDir(options.output)
         metadata, complete = open_output(out, new_metadata(model, sources, options))
         if complete:
@@ -218,16 +220,16 @@ def run(
                 positions.append(position)
                 yield text
 
-        if clients:
+        if urls:
             batches = tokenize_via_service(
-                clients,
+                stack.enter_context(TokenizerClient(urls, timeout=300)),
                 texts(),
                 model=model.name,
                 sha256=model.sha256,
                 add_bos=options.add_bos,
                 add_eos=options.add_eos,
                 batch_size=SERVICE_BATCH,
-                depth=2 * len(clients) + 1,
+                depth=SERVICE_DEPTH * len(urls),
             )
         else:
             pool = stack.enter_context(local_pool(model.name, str(model.path), options.workers))

@@ -17,7 +17,14 @@ from typing import Any, BinaryIO, NamedTuple
 import orjson
 
 FORMATS = {".jsonl": "jsonl", ".txt": "txt"}
-JSON_TYPES = {bool: "a boolean", int: "a number", float: "a number", type(None): "null", list: "an array", dict: "an object"}
+JSON_TYPES = {
+    bool: "a boolean",
+    int: "a number",
+    float: "a number",
+    type(None): "null",
+    list: "an array",
+    dict: "an object",
+}
 
 
 class InputError(Exception):
