@@ -31,3 +31,12 @@ __all__ = [
     "TokenizerProtocolError",
     "TokenizerServiceError",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """TokenizedIterableDataset on first use only: it imports torch."""
+    if name == "TokenizedIterableDataset":
+        from client.torch_data import TokenizedIterableDataset
+
+        return TokenizedIterableDataset
+    raise AttributeError(f"module 'client' has no attribute {name!r}")
