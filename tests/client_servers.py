@@ -11,7 +11,7 @@ import os
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -93,6 +93,7 @@ class GaugedServer:
     models: dict[str, Path]
     directory: Path
     workers: int = 1
+    env: dict[str, str] = field(default_factory=dict)
     process: subprocess.Popen[bytes] | None = None
     starts: int = 0
 
@@ -106,12 +107,12 @@ class GaugedServer:
         self.starts += 1
         log = self.directory / f"server-{self.starts}.log"
         env = {
-            **os.environ,
+            **{name: value for name, value in os.environ.items() if not name.startswith("TOKENIZER_")},
             "PYTHONPATH": str(ROOT),
             "TOKENIZER_MODEL": ",".join(f"{name}={path}" for name, path in self.models.items()),
             "TOKENIZER_WORKERS": str(self.workers),
+            **self.env,
         }
-        env.pop("TOKENIZER_DEFAULT_MODEL", None)
         self.process = subprocess.Popen(
             [sys.executable, str(script), str(self.port)],
             stdout=log.open("wb"),
@@ -144,8 +145,11 @@ class GaugedServer:
         return document
 
 
-def gauged_server(models: dict[str, Path], directory: Path, workers: int = 1) -> GaugedServer:
-    server = GaugedServer(port=free_port(), models=models, directory=directory, workers=workers)
+def gauged_server(
+    models: dict[str, Path], directory: Path, workers: int = 1, env: dict[str, str] | None = None
+) -> GaugedServer:
+    """Start one; `env` adds TOKENIZER_* settings (TOKENIZER_API_KEYS, TOKENIZER_MAX_CONCURRENT_REQUESTS, ...)."""
+    server = GaugedServer(port=free_port(), models=models, directory=directory, workers=workers, env=env or {})
     server.start()
     return server
 
