@@ -1,0 +1,372 @@
+"""tokenizer-pretokenize end to end: real models, real files, a real server, real SIGKILL."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sentencepiece as spm
+
+from app.packing import pack_best_fit, pack_concat
+from app.pretokenize import main
+from app.pretokenize.sources import DocumentReader, Source
+from app.settings import BUNDLED_MODELS_DIR
+from client.dataset import TokenDataset
+from client.wire import ragged_offsets
+from tests.conftest import ROOT, Server
+
+SHARD_TOKENS = "4000"
+
+
+def write_jsonl(path: Path, texts: list[str], opener=open) -> Path:  # type: ignore[no-untyped-def]
+    with opener(path, "wt", encoding="utf-8") as file:
+        for number, text in enumerate(texts):
+            file.write(json.dumps({"id": number, "text": text}) + "\n")
+    return path
+
+
+def write_txt(path: Path, texts: list[str], opener=open) -> Path:  # type: ignore[no-untyped-def]
+    with opener(path, "wt", encoding="utf-8") as file:
+        file.write("\n\n".join(texts) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(documents: list[str], tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Path], list[str]]:
+    """Four inputs, one of each kind, and every document in reading order."""
+    directory = tmp_path_factory.mktemp("corpus")
+    parts = [documents[:300], documents[300:450], documents[450:600], documents[600:700]]
+    multi_line = [text.replace(". ", ".\n", 1) for text in parts[3]]  # .txt documents may span lines
+    files = [
+        write_jsonl(directory / "a.jsonl", parts[0]),
+        write_jsonl(directory / "b.jsonl.gz", parts[1], gzip.open),
+        write_txt(directory / "c.txt.gz", parts[2], gzip.open),
+        write_txt(directory / "d.txt", multi_line),
+    ]
+    return files, parts[0] + parts[1] + parts[2] + multi_line
+
+
+def pretokenize(*args: object) -> int:
+    return main([str(arg) for arg in args])
+
+
+def ragged(sp: spm.SentencePieceProcessor, texts: list[str], **options: bool) -> tuple[np.ndarray, np.ndarray]:
+    pieces = sp.encode(texts, add_eos=options.get("add_eos", True), add_bos=options.get("add_bos", False))
+    ids = np.concatenate([np.asarray(piece, np.int32) for piece in pieces])
+    return ids, ragged_offsets(np.array([len(piece) for piece in pieces]))
+
+
+def files_of(directory: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
+
+
+def test_ragged_output_equals_in_process_tokenization(
+    corpus: tuple[list[Path], list[str]], model_files: dict[str, Path], tmp_path: Path
+) -> None:
+    inputs, texts = corpus
+    out = tmp_path / "out"
+    args = ["--local", "--model", model_files["uni"], "--shard-tokens", "9000"]
+    assert pretokenize(*inputs, "--output", out, *args) == 0
+
+    sp = spm.SentencePieceProcessor(model_file=str(model_files["uni"]))
+    expected = sp.encode(texts, add_eos=True)
+    dataset = TokenDataset(out)
+    assert len(dataset) == dataset.num_documents == len(texts)
+    assert dataset.num_tokens == sum(len(ids) for ids in expected)
+    assert dataset.num_shards > 2
+    for index, ids in enumerate(expected):
+        assert dataset[index].tolist() == ids
+    meta = dataset.metadata
+    assert meta["complete"] and "resume" not in meta
+    assert meta["dtype"] == "<u2" and dataset[0].dtype == np.dtype("<u2")
+    assert meta["model"]["sha256"] == hashlib.sha256(model_files["uni"].read_bytes()).hexdigest()
+    assert meta["model"]["vocab_size"] == 3000
+    assert meta["options"]["add_eos"] is True and meta["bad_records"] == 0
+    assert [source["path"] for source in meta["sources"]] == [str(path.resolve()) for path in inputs]
+    assert all(source["done"] for source in meta["sources"])
+    assert [source["documents"] for source in meta["sources"]] == [300, 150, 150, 100]
+    plain = [source for source in meta["sources"] if not source["compressed"]]
+    assert all(source["read_bytes"] == source["size"] for source in plain)
+    assert sum(shard["documents"] for shard in meta["shards"]) == len(texts)
+    assert all(shard["tokens"] >= 9000 for shard in meta["shards"][:-1])
+
+
+@pytest.mark.parametrize("strategy", ["concat", "best_fit"])
+def test_packed_rows_equal_the_online_packing(
+    strategy: str, corpus: tuple[list[Path], list[str]], model_files: dict[str, Path], tmp_path: Path
+) -> None:
+    inputs, texts = corpus
+    out, seq_len = tmp_path / "out", 96
+    args = ["--local", "--model", model_files["bpe"], "--seq-len", seq_len, "--strategy", strategy]
+    assert pretokenize(*inputs, "--output", out, *args, "--shard-tokens", SHARD_TOKENS) == 0
+
+    sp = spm.SentencePieceProcessor(model_file=str(model_files["bpe"]))
+    dataset = TokenDataset(out)
+    assert dataset.num_shards > 2
+    if strategy == "concat":  # one stream cut every seq_len, as /v1/pack with carry cuts it
+        ids, offsets = ragged(sp, texts)
+        expected = [pack_concat(ids, offsets, seq_len, eos_id=sp.eos_id())]
+        assert dataset.metadata["leftover"]["ids"] == expected[0].leftover.tolist()
+    else:  # each shard's documents packed together, as one /v1/pack request packs them
+        expected, start = [], 0
+        for shard in dataset.metadata["shards"]:
+            ids, offsets = ragged(sp, texts[start : start + shard["documents"]])
+            expected.append(pack_best_fit(ids, offsets, seq_len, pad_id=sp.eos_id()))
+            start += shard["documents"]
+        assert start == len(texts)
+    assert len(dataset) == sum(packed.num_rows for packed in expected)
+    row_index = 0
+    for packed in expected:
+        for row in range(packed.num_rows):
+            got = dataset.row(row_index)
+            assert np.array_equal(got.input_ids, packed.input_ids[row])
+            assert np.array_equal(got.labels, packed.labels[row])
+            assert np.array_equal(got.position_ids, packed.position_ids[row])
+            assert np.array_equal(got.cu_seqlens, packed.row_cu_seqlens(row))
+            row_index += 1
+    assert dataset.metadata["tokens"] == sum(len(ids) for ids in sp.encode(texts, add_eos=True))
+
+
+@pytest.mark.parametrize("packing", [[], ["--seq-len", "64", "--strategy", "concat"]], ids=["ragged", "concat"])
+def test_through_the_service_gives_the_same_files_as_local(
+    packing: list[str], corpus: tuple[list[Path], list[str]], server: Server, tmp_path: Path
+) -> None:
+    inputs, _ = corpus
+    common = [*inputs, "--shard-tokens", SHARD_TOKENS, *packing]
+    assert pretokenize(*common, "--output", tmp_path / "service", "--url", server.url, "--model", "uni") == 0
+    assert pretokenize(*common, "--output", tmp_path / "local", "--local", "--model", server.model_files["uni"]) == 0
+    assert files_of(tmp_path / "service") == files_of(tmp_path / "local")
+
+
+def test_service_with_two_urls_and_the_default_model(
+    corpus: tuple[list[Path], list[str]], server: Server, tmp_path: Path
+) -> None:
+    inputs, texts = corpus
+    out = tmp_path / "out"
+    assert pretokenize(inputs[0], "--output", out, "--url", server.url, "--url", server.url + "/") == 0
+    dataset = TokenDataset(out)
+    assert dataset.model["name"] == "default"
+    sp = server.processor("default")
+    assert [dataset[i].tolist() for i in range(len(dataset))] == sp.encode(texts[:300], add_eos=True)
+
+
+def test_bad_records_are_reported_with_file_and_line_skipped_and_counted(
+    documents: list[str], model_files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    jsonl = tmp_path / "bad.jsonl"
+    lines = [json.dumps({"text": documents[0]}).encode(), b"{not json", b'{"body": "no text field"}']
+    lines += [b'{"text": 42}', b'["text"]', b"", json.dumps({"text": documents[1]}).encode(), b'{"text": "caf\xe9"}']
+    jsonl.write_bytes(b"\n".join(lines) + b"\n")
+    txt = tmp_path / "bad.txt"
+    txt.write_bytes(documents[2].encode() + b"\n\nfine line\nbroken \xff line\n\n" + documents[3].encode() + b"\n")
+    out = tmp_path / "out"
+    assert pretokenize(jsonl, txt, "--output", out, "--local", "--model", model_files["uni"], "-q") == 0
+
+    errors = capsys.readouterr().err
+    for where, reason in [
+        (f"{jsonl.resolve()}:2:", "invalid JSON"),
+        (f"{jsonl.resolve()}:3:", "no field 'text'"),
+        (f"{jsonl.resolve()}:4:", "field 'text' is a number, not a string"),
+        (f"{jsonl.resolve()}:5:", "an array, not a JSON object"),
+        (f"{jsonl.resolve()}:8:", "undecodable bytes"),
+        (f"{txt.resolve()}:4:", "undecodable bytes"),
+    ]:
+        assert any(line.startswith(where) and reason in line for line in errors.splitlines()), (where, errors)
+    dataset = TokenDataset(out)
+    meta = dataset.metadata
+    assert meta["bad_records"] == 6
+    assert [source["bad_records"] for source in meta["sources"]] == [5, 1]
+    sp = spm.SentencePieceProcessor(model_file=str(model_files["uni"]))
+    good = [documents[0], documents[1], documents[2], documents[3]]
+    assert [dataset[i].tolist() for i in range(len(dataset))] == sp.encode(good, add_eos=True)
+
+
+def test_strict_stops_at_the_first_bad_record(
+    documents: list[str], model_files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    jsonl = tmp_path / "bad.jsonl"
+    jsonl.write_text(json.dumps({"text": documents[0]}) + "\n" + json.dumps({"txt": "x"}) + "\n")
+    code = pretokenize(jsonl, "--output", tmp_path / "out", "--local", "--model", model_files["uni"], "--strict")
+    assert code == 1
+    assert f"{jsonl.resolve()}:2: no field 'text'" in capsys.readouterr().err
+    assert not json.loads((tmp_path / "out" / "metadata.json").read_text())["complete"]
+
+
+@pytest.fixture(scope="module")
+def big_input(documents: list[str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """About 2 MB of documents with bad records early and late: long enough to be killed half way."""
+    path = tmp_path_factory.mktemp("big") / "big.jsonl"
+    with path.open("w", encoding="utf-8") as file:
+        for copy in range(7):
+            for number, text in enumerate(documents):
+                file.write(json.dumps({"text": f"{copy}.{number} {text}"}) + "\n")
+                if number in (3, 1500):
+                    file.write('{"text": null}\n')
+    return path
+
+
+def wait_for_first_shard(out: Path, process: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if json.loads((out / "metadata.json").read_text())["shards"]:
+                return
+        except (FileNotFoundError, ValueError):
+            pass
+        if process.poll() is not None:
+            raise AssertionError(f"the run ended ({process.returncode}) before a shard was written")
+        time.sleep(0.002)
+    raise AssertionError("no shard within the timeout")
+
+
+@pytest.mark.parametrize(
+    ("stop", "packing"),
+    [
+        (signal.SIGKILL, []),
+        (signal.SIGKILL, ["--seq-len", "100", "--strategy", "concat"]),
+        (signal.SIGINT, ["--seq-len", "100", "--strategy", "best_fit"]),
+    ],
+    ids=["kill-9-ragged", "kill-9-concat", "ctrl-c-best-fit"],
+)
+def test_an_interrupted_run_resumes_to_byte_identical_files(
+    stop: signal.Signals, packing: list[str], big_input: Path, tmp_path: Path
+) -> None:
+    model = BUNDLED_MODELS_DIR / "default.model"
+    args = [str(big_input), "--local", "--model", str(model), "--shard-tokens", "20000", "--workers", "1", *packing]
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    assert pretokenize(*args, "--output", reference, "-q") == 0
+
+    command = [sys.executable, "-m", "app.pretokenize", *args, "--output", str(resumed), "-q"]
+    # A session of its own: the signal reaches the workers too, as kill -9 of a job or Ctrl-C would.
+    process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        wait_for_first_shard(resumed, process)
+        os.killpg(process.pid, stop)
+        _, errors = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert process.returncode == (130 if stop == signal.SIGINT else -signal.SIGKILL), errors.decode()
+    interrupted = json.loads((resumed / "metadata.json").read_text())
+    assert not interrupted["complete"], "the run finished before it could be interrupted"
+    done = len(interrupted["shards"])
+    assert done >= 1
+
+    assert pretokenize(*args, "--output", resumed, "-q") == 0
+    assert files_of(resumed) == files_of(reference)  # metadata.json too: bad records counted once
+    assert json.loads((resumed / "metadata.json").read_text())["bad_records"] == 14
+    assert len(TokenDataset(resumed).metadata["shards"]) > done
+
+
+def test_a_finished_output_is_left_alone(
+    corpus: tuple[list[Path], list[str]],
+    model_files: dict[str, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    inputs, _ = corpus
+    out = tmp_path / "out"
+    args = [*inputs, "--output", out, "--local", "--model", model_files["uni"], "--shard-tokens", SHARD_TOKENS]
+    assert pretokenize(*args) == 0
+    before = {path.name: path.stat().st_mtime_ns for path in out.iterdir()}
+    capsys.readouterr()
+    assert pretokenize(*args) == 0
+    assert "already complete, nothing to do" in capsys.readouterr().out
+    assert {path.name: path.stat().st_mtime_ns for path in out.iterdir()} == before
+
+
+@pytest.mark.parametrize(
+    ("change", "complaint"),
+    [
+        (["--model", "bpe"], "model sha256"),
+        (["--seq-len", "128"], "option seq_len"),
+        (["--add-bos"], "option add_bos"),
+        (["--shard-tokens", "5000"], "option shard_tokens"),
+        (["--extra-input"], "inputs"),
+    ],
+)
+def test_another_model_or_other_options_refuse_to_mix(
+    change: list[str],
+    complaint: str,
+    corpus: tuple[list[Path], list[str]],
+    model_files: dict[str, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    inputs, _ = corpus
+    out = tmp_path / "out"
+    base = {"inputs": [inputs[0]], "model": model_files["uni"], "options": ["--shard-tokens", SHARD_TOKENS]}
+    assert pretokenize(*base["inputs"], "--output", out, "--local", "--model", base["model"], *base["options"]) == 0
+    before = files_of(out)
+    if change[0] == "--model":
+        base["model"] = model_files[change[1]]
+    elif change[0] == "--extra-input":
+        base["inputs"] = [inputs[0], inputs[1]]
+    else:
+        base["options"] = [*base["options"], *change] if change[0] != "--shard-tokens" else change
+    capsys.readouterr()
+    code = pretokenize(*base["inputs"], "--output", out, "--local", "--model", base["model"], *base["options"])
+    assert code == 2
+    errors = capsys.readouterr().err
+    assert "refusing to mix" in errors and complaint in errors
+    assert files_of(out) == before
+
+
+def test_refuses_foreign_directories_and_unknown_inputs(
+    corpus: tuple[list[Path], list[str]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    inputs, _ = corpus
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.md").write_text("mine")
+    assert pretokenize(inputs[0], "--output", foreign, "--local") == 2
+    assert "not a tokenizer-pretokenize output" in capsys.readouterr().err
+    unknown = tmp_path / "data.csv"
+    unknown.write_text("text\nhello\n")
+    assert pretokenize(unknown, "--output", tmp_path / "out", "--local") == 1
+    assert "unknown input kind" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        pretokenize(inputs[0], "--output", tmp_path / "out")  # neither --url nor --local
+
+
+def test_model_names_resolve_as_the_server_resolves_them(
+    corpus: tuple[list[Path], list[str]],
+    model_files: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    inputs, _ = corpus
+    assert pretokenize(inputs[0], "--output", tmp_path / "bundled", "--local", "-q") == 0
+    bundled = TokenDataset(tmp_path / "bundled").model
+    assert bundled["name"] == "default"
+    assert bundled["sha256"] == hashlib.sha256((BUNDLED_MODELS_DIR / "default.model").read_bytes()).hexdigest()
+    monkeypatch.setenv("TOKENIZER_MODEL", f"mine={model_files['bpe']}")
+    assert pretokenize(inputs[0], "--output", tmp_path / "named", "--local", "--model", "mine", "-q") == 0
+    assert TokenDataset(tmp_path / "named").model["vocab_size"] == 2000
+    assert pretokenize(inputs[0], "--output", tmp_path / "x", "--local", "--model", "nope", "-q") == 1
+
+
+def test_reader_resumes_mid_file_from_a_position(corpus: tuple[list[Path], list[str]]) -> None:
+    inputs, texts = corpus
+    everything = list(DocumentReader([Source.from_path(path) for path in inputs], "text", pytest.fail))
+    assert [text for text, _ in everything] == texts
+    for stop in (10, 299, 300, 420, 520, 650):  # plain and gzipped, .jsonl and .txt, at a file's end too
+        position = everything[stop][1]
+        sources = [Source.from_path(path) for path in inputs]
+        for source in sources[: position.source]:
+            source.done = True
+        resumed = sources[position.source]
+        resumed.read_bytes, resumed.lines = position.read_bytes, position.lines
+        resumed.documents, resumed.bad_records = position.documents, position.bad_records
+        rest = list(DocumentReader(sources, "text", pytest.fail))
+        assert rest == everything[stop + 1 :]
