@@ -15,10 +15,16 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
 RUN python -m venv /opt/venv
+# Dependencies first, from pyproject.toml alone (empty packages stand in for the sources), so editing
+# the code rebuilds only the last layer.
 COPY pyproject.toml README.md ./
+RUN mkdir app client && touch app/__init__.py client/__init__.py \
+    && /opt/venv/bin/pip install --no-cache-dir '.[server]' \
+    && rm -rf app client build ./*.egg-info
 COPY client ./client
 COPY app ./app
-RUN /opt/venv/bin/pip install --no-cache-dir '.[server]'
+RUN /opt/venv/bin/pip install --no-cache-dir --no-deps --force-reinstall . \
+    && rm -rf build ./*.egg-info
 
 # Runtime: the base image plus that virtual environment, run as an unprivileged user.
 FROM ${BASE_IMAGE}
