@@ -89,8 +89,9 @@ def container() -> dict[str, Any]:
     return only
 
 
-def container_env() -> dict[str, str]:
-    return {item["name"]: item["value"] for item in container()["env"]}
+def container_env() -> dict[str, Any]:
+    """Name -> literal value, or the valueFrom reference."""
+    return {item["name"]: item.get("value", item.get("valueFrom")) for item in container()["env"]}
 
 
 def compose() -> dict[str, Any]:
@@ -215,6 +216,7 @@ def test_compose_tokenizer_service_stands_alone() -> None:
     assert tokenizer["build"]["args"]["BASE_IMAGE"] == "${BASE_IMAGE:-python:3.11-slim}"
     assert [port.rsplit(":", 1)[1] for port in tokenizer["ports"]] == [str(PORT)]
     assert tokenizer["environment"]["TOKENIZER_MODELS_DIR"] == MODELS_DIR
+    assert tokenizer["environment"]["TOKENIZER_API_KEYS"] == "${TOKENIZER_API_KEYS:-}", "keys come from the shell"
     assert int(re.sub(r"\$\{\w+:-(\d+)\}", r"\1", str(tokenizer["environment"]["TOKENIZER_WORKERS"]))) >= 1
     assert MODELS_DIR in compose_binds(tokenizer)
     test = tokenizer["healthcheck"]["test"]
@@ -280,6 +282,9 @@ def test_k8s_pod_is_unprivileged_with_read_only_root() -> None:
     mounts = {mount["mountPath"]: mount["name"] for mount in main["volumeMounts"]}
     assert "emptyDir" in volumes[mounts["/tmp"]], "a writable /tmp on a read-only root"
     assert MODELS_DIR in mounts and container_env()["TOKENIZER_MODELS_DIR"] == MODELS_DIR
+    # API keys come from a Secret, never from the manifest; pods start without it (no keys: open API).
+    api_keys = container_env()["TOKENIZER_API_KEYS"]["secretKeyRef"]
+    assert api_keys["optional"] is True and api_keys["name"] and api_keys["key"]
 
 
 def test_k8s_probes_and_cpu_request_match_the_server() -> None:
