@@ -82,6 +82,7 @@ rm -rf "$W/rootfs"
 
 step "docker compose build tokenizer"
 docker compose build --progress plain tokenizer >"$W/build.log" 2>&1 || { tail -n 60 "$W/build.log"; fail "build"; }
+docker image ls --format '  {{.Repository}}:{{.Tag}} {{.Size}}' tokenizer-service
 
 step "docker compose up --wait tokenizer (models dir empty: the bundled default model)"
 docker compose up --detach --wait --wait-timeout 180 tokenizer
@@ -90,7 +91,7 @@ docker compose up --detach --wait --wait-timeout 180 tokenizer
 step "the image's own HEALTHCHECK, the user and the read-only root filesystem"
 "$PYTHON" .ci/docker_e2e_check.py --url "$URL" --inspect tokenizer-service:latest --service tokenizer
 
-step "a model in the mounted models directory, after a restart"
+step "a model in the mounted models directory, and API keys, in a recreated container"
 "$PYTHON" - "$TOKENIZER_MODELS" <<'PY'
 import sys
 import sentencepiece as spm
@@ -101,9 +102,10 @@ spm.SentencePieceTrainer.train(
 )
 PY
 chmod a+r "$TOKENIZER_MODELS"/*
-docker compose restart tokenizer
+export TOKENIZER_API_KEYS=e2e-key-1,e2e-key-2
 docker compose up --detach --wait --wait-timeout 180 tokenizer
-"$PYTHON" .ci/docker_e2e_check.py --url "$URL" --model "botchan_bpe=$TOKENIZER_MODELS/botchan_bpe.model"
+"$PYTHON" .ci/docker_e2e_check.py --url "$URL" --model "botchan_bpe=$TOKENIZER_MODELS/botchan_bpe.model" \
+    --api-key e2e-key-2
 
 step "docker compose down"
 docker compose down --volumes --timeout 20

@@ -1,8 +1,9 @@
 """Checks .ci/docker-e2e.sh runs against the tokenizer container it started.
 
-`--model NAME=PATH`: the container serves exactly that model file, and ids for every document of
-tests/data/botchan.txt (lines joined as the tests do), through the published port, equal
-in-process sentencepiece ids; /metrics counted those requests and tokens.
+`--model NAME=PATH [--api-key KEY]`: the container serves exactly that model file (and refuses
+/v1 requests without the key), and ids for every document of tests/data/botchan.txt (lines joined
+as the tests do), through the published port, equal in-process sentencepiece ids; /metrics counted
+those requests and tokens.
 `--inspect IMAGE --service NAME`: the image's own HEALTHCHECK passes inside the running container,
 which runs as the unprivileged user on a read-only root.
 """
@@ -38,8 +39,12 @@ def sample_values(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], flo
     }
 
 
-def check_tokenize(url: str, name: str, model_file: Path) -> None:
-    served = httpx.get(f"{url}/v1/models", timeout=10).json()
+def check_tokenize(url: str, name: str, model_file: Path, api_key: str | None) -> None:
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    if api_key:
+        refused = httpx.get(f"{url}/v1/models", timeout=10)
+        assert refused.status_code == 401, f"/v1/models without the API key answered {refused.status_code}"
+    served = httpx.get(f"{url}/v1/models", headers=headers, timeout=10).json()
     sha256 = hashlib.sha256(model_file.read_bytes()).hexdigest()
     assert [m["name"] for m in served["models"]] == [name], served
     assert served["models"][0]["sha256"] == sha256, (served, sha256)
@@ -47,7 +52,7 @@ def check_tokenize(url: str, name: str, model_file: Path) -> None:
     processor = spm.SentencePieceProcessor(model_file=str(model_file))
     texts = read_documents()
     requests = tokens = 0
-    with TokenizerClient(url) as client:
+    with TokenizerClient(url, api_key=api_key) as client:
         for start in range(0, len(texts), BATCH):
             batch = texts[start : start + BATCH]
             got = [row.tolist() for row in client.tokenize(batch, model=name)]
@@ -97,12 +102,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", required=True)
     parser.add_argument("--model", help="NAME=PATH of the one model the container should serve")
+    parser.add_argument("--api-key", help="the container wants API keys: check 401 without, use this one")
     parser.add_argument("--inspect", metavar="IMAGE")
     parser.add_argument("--service", default="tokenizer")
     args = parser.parse_args()
     if args.model:
         name, _, path = args.model.partition("=")
-        check_tokenize(args.url, name, Path(path))
+        check_tokenize(args.url, name, Path(path), args.api_key)
     if args.inspect:
         check_container(args.inspect, args.service)
 
