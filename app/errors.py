@@ -9,6 +9,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -125,6 +126,12 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
     return error_response(422, body)
 
 
+async def _client_disconnect(request: Request, exc: Exception) -> Response:
+    """The client hung up while sending its body: nobody will read an answer (nginx's 499)."""
+    logger.info("client hung up during %s %s", request.method, request.url.path)
+    return Response(status_code=499)
+
+
 async def _unexpected_error(request: Request, exc: Exception) -> Response:
     logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(500, {"error": {"type": "internal_error", "message": "internal server error"}})
@@ -134,4 +141,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ServiceError, _service_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(ClientDisconnect, _client_disconnect)
     app.add_exception_handler(Exception, _unexpected_error)

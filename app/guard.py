@@ -14,12 +14,18 @@ import logging
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.admission import RETRY_AFTER_SECONDS
-from app.errors import Overloaded, RequestTimeout, send_error
+from app.errors import Overloaded, RequestTimeout, Unavailable, send_error
 from app.metrics import Metrics
 
 logger = logging.getLogger("tokenizer.guard")
 
 GUARDED_PREFIX = "/v1/"
+
+
+def shutting_down() -> Unavailable:
+    return Unavailable(
+        "the server is shutting down; retry, another replica may answer", headers={"Retry-After": RETRY_AFTER_SECONDS}
+    )
 
 
 class RequestGuard:
@@ -77,7 +83,19 @@ class RequestGuard:
 
         handler = asyncio.ensure_future(self.app(scope, receive_body, send_response))
         try:
-            done, _ = await asyncio.wait({handler, hung_up}, timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED)
+            try:
+                done, _ = await asyncio.wait(
+                    {handler, hung_up}, timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED
+                )
+            except asyncio.CancelledError:
+                # uvicorn cancels what is still running when --drain-timeout runs out: say so, and end
+                # quietly, so the client can retry elsewhere instead of finding its connection dropped.
+                handler.cancel()
+                if response_started:
+                    raise
+                logger.info("%s %s cancelled: shutting down", scope["method"], scope["path"])
+                await send_error(shutting_down(), scope, receive, send)
+                return
             if handler in done:
                 handler.result()  # the handler's own exception, if any, goes on to the error middleware
                 return

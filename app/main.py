@@ -26,6 +26,8 @@ from app.state import Service
 
 logger = logging.getLogger("tokenizer")
 
+CLIENT_CLOSED_REQUEST = 499
+
 
 class RequestMetricsMiddleware:
     """Counts and times every HTTP request by route template (bounded labels), plain ASGI."""
@@ -38,7 +40,9 @@ class RequestMetricsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = 500
+        # A request that ends without an answer had its client hang up: nginx's 499. One that
+        # raises is answered 500 further out.
+        status = CLIENT_CLOSED_REQUEST
         started = time.perf_counter()
 
         async def send_with_status(message: Message) -> None:
@@ -50,6 +54,9 @@ class RequestMetricsMiddleware:
         self.metrics.inflight.inc()
         try:
             await self.app(scope, receive, send_with_status)
+        except Exception:
+            status = 500
+            raise
         finally:
             self.metrics.inflight.dec()
             route = scope.get("route")
