@@ -63,8 +63,10 @@ except a sequence that spans two shards. Needs numpy only; ``torch()`` imports t
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
+import operator
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -156,7 +158,8 @@ def _map(path: Path, dtype: np.dtype, offset: int = 0) -> np.ndarray:
     """Read-only memory map of a whole file from `offset` (an empty file cannot be mapped)."""
     if path.stat().st_size <= offset:
         return np.zeros(0, dtype)
-    return np.memmap(path, dtype=dtype, mode="r", offset=offset)
+    # a plain ndarray over the map: slices of an np.memmap are np.memmap too, several times slower to make
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset).view(np.ndarray)
 
 
 @dataclass(frozen=True, eq=False)
@@ -218,6 +221,7 @@ class TokenDataset:
         ]
         self._count_starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         self._id_starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        self._count_bounds: list[int] = self._count_starts.tolist()  # bisect on a list beats numpy for one value
         self._open: OrderedDict[int, Shard] = OrderedDict()
 
     def _read_metadata(self) -> dict[str, Any]:
@@ -284,7 +288,8 @@ class TokenDataset:
         index = range(self.num_shards)[index]
         shard = self._open.get(index)
         if shard is not None:
-            self._open.move_to_end(index)
+            if index != next(reversed(self._open)):
+                self._open.move_to_end(index)
             return shard
         shard = self._map_shard(index)
         self._open[index] = shard
@@ -320,12 +325,15 @@ class TokenDataset:
 
     def _locate(self, index: int) -> tuple[int, int]:
         """(shard, position in shard) of document or row `index`; negative counts from the end."""
-        total = len(self)
-        if not -total <= index < total:
+        bounds = self._count_bounds
+        total = bounds[-1]
+        index = operator.index(index)
+        if index < 0:
+            index += total
+        if not 0 <= index < total:
             raise IndexError(f"index {index} out of range for {total} items")
-        index %= total
-        shard = int(np.searchsorted(self._count_starts, index, side="right")) - 1
-        return shard, index - int(self._count_starts[shard])
+        shard = bisect.bisect_right(bounds, index) - 1
+        return shard, index - bounds[shard]
 
     def __getitem__(self, index: int) -> np.ndarray:
         """Document `index` (ragged) or row `index`'s ids (packed), as a read-only view."""
