@@ -51,5 +51,12 @@ def test_help_lists_every_option():
         "--default-model",
         "--max-request-bytes",
         "--max-texts",
+        "--max-queued-texts",
+        "--max-concurrent-requests",
+        "--request-timeout",
+        "--stall-timeout",
+        "--drain-timeout",
+        "--api-keys",
+        "--cors-origins",
     ):
         assert flag in output

@@ -126,3 +126,16 @@ def test_client_connection_error_and_closed_client():
     client.close()
     with pytest.raises(RuntimeError, match="closed"):
         client.tokenize(["x"])
+
+
+def test_a_model_is_a_name_never_a_path(server):
+    served = str(server.model_files["uni"])
+    for name in (served, served.removesuffix(".model"), "../uni", "./uni", "/etc/passwd", "uni/../uni", "UNI", ""):
+        response = post(server, "tokenize", {"texts": ["x"], "model": name})
+        assert response.status_code == 404, name
+        error = response.json()["error"]
+        assert error["type"] == "model_not_found" and error["field"] == "model"
+        assert error["message"].startswith(f"model {name!r} is not served here; served models: ")
+    listing = httpx.get(f"{server.url}/v1/models").text
+    assert "path" not in listing and str(server.model_files["uni"].parent) not in listing  # no file paths
+    assert_still_serving(server)
