@@ -476,6 +476,8 @@ class _TextReader:
     """Reads windows of texts from the caller's iterable, skipping the texts a saved state delivered."""
 
     def __init__(self, texts: Iterable[str], batch_size: int, start: int) -> None:
+        if isinstance(texts, (str, bytes)):
+            raise TypeError("texts must be an iterable of str (a list, a generator, a file...), not one string")
         self._iterator: Iterator[str] = iter(texts)
         self._batch_size = batch_size
         self._start = start
@@ -494,9 +496,10 @@ class _TextReader:
         return self._window(texts)
 
     def _window(self, texts: list[str]) -> Window | None:
-        for i, text in enumerate(texts):
-            if not isinstance(text, str):
-                raise TypeError(f"text {self._position + i} is a {type(text).__name__}, not a str")
+        if set(map(type, texts)) - {str}:  # one pass in C; then look closer (str subclasses are fine)
+            for i, text in enumerate(texts):
+                if not isinstance(text, str):
+                    raise TypeError(f"text {self._position + i} is a {type(text).__name__}, not a str")
         if not texts:
             return None
         window = Window(self._position, texts)

@@ -330,4 +330,6 @@ def test_errors_of_the_text_source_are_raised_in_order(client, documents):
         next(prefetcher)
     with pytest.raises(TypeError, match="text 3 is a bytes"):
         list(client.prefetch(["a", "b", "c", b"d"], batch_size=2))
+    with pytest.raises(TypeError, match="not one string"):
+        client.prefetch("a single text")
     assert not prefetch_threads()

@@ -1,0 +1,179 @@
+"""A simulated training loop: how long does it wait for tokenized data? Measured in one run.
+
+    python bench/training_loop.py [--corpus FILE] [--docs N] [--batch B] [--steps S] [--load 0.7]
+
+Each step sleeps T ms (a GPU step leaves the CPU free) and consumes one batch: B texts, or one packed
+batch of rows x seq_len tokens holding about as many tokens. Strategies:
+  (a) inline loop     [sp.encode(text) for text in batch]              (what training scripts do today)
+  (b) inline batched  sp.encode(batch, num_threads=cores)
+  (c) prefetch        client.prefetch(texts, batch_size=B, depth=D)
+  (d) prefetch, pack  client.prefetch(texts, batch_size=B, depth=D, pack=PackSpec(seq_len, rows))
+First the service's capacity is measured (a prefetcher drained with no step in between, ragged and
+packed); T is then set so that the loop asks for `--load` (0.7) of that capacity. Per strategy it
+prints steps/s against the ideal 1/T and the data-wait fraction: time blocked on data / wall time.
+Target: prefetch's wait fraction <= 1%, where (a)'s is what tokenization costs.
+Starts its own server on a free loopback port; client and server share this machine's cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import sentencepiece as spm
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from throughput import FALLBACK_CORPUS, SHARED_CORPUS, bench_model, load_documents, start_server  # noqa: E402
+
+from client import PackSpec, TokenizerClient  # noqa: E402
+
+TARGET_WAIT_FRACTION = 0.01
+
+
+@dataclass
+class Result:
+    name: str
+    steps: int
+    wall_s: float
+    waits_s: np.ndarray
+    ideal_steps_per_s: float
+
+    @property
+    def steps_per_s(self) -> float:
+        return self.steps / self.wall_s
+
+    @property
+    def wait_fraction(self) -> float:
+        return float(self.waits_s.sum()) / self.wall_s
+
+
+def training_loop(name: str, next_batch: Callable[[], object], steps: int, step_s: float) -> Result:
+    """`steps` steps of: wait for the next batch (timed), then a step of `step_s` seconds (sleep)."""
+    waits = np.empty(steps)
+    started = time.perf_counter()
+    for step in range(steps):
+        asked = time.perf_counter()
+        next_batch()
+        waits[step] = time.perf_counter() - asked
+        time.sleep(step_s)
+    return Result(name, steps, time.perf_counter() - started, waits, 1 / step_s)
+
+
+def texts_forever(docs: list[str]) -> Iterator[str]:
+    return itertools.cycle(docs)
+
+
+def capacity(client: TokenizerClient, docs: list[str], batch: int, depth: int, pack: PackSpec | None) -> tuple:
+    """Texts/s and tokens/s the service delivers to one prefetcher that is drained as fast as it can be."""
+    best = (0.0, 0.0)
+    for _ in range(2):  # the first run warms connections and workers
+        started = time.perf_counter()
+        with client.prefetch(docs, batch_size=batch, depth=depth, model="bench", pack=pack) as prefetcher:
+            for _ in prefetcher:
+                pass
+            stats = prefetcher.stats
+        seconds = time.perf_counter() - started
+        best = max(best, (stats.texts / seconds, stats.tokens / seconds))
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--corpus", type=Path, default=SHARED_CORPUS if SHARED_CORPUS.exists() else FALLBACK_CORPUS)
+    parser.add_argument("--model", type=Path, help="a SentencePiece model (default: train one on the corpus)")
+    parser.add_argument("--docs", type=int, default=20_000, help="documents (the loop cycles over them)")
+    parser.add_argument("--batch", type=int, default=256, help="texts a step consumes (B)")
+    parser.add_argument("--steps", type=int, default=300, help="steps per strategy")
+    parser.add_argument("--load", type=float, default=0.7, help="demand as a fraction of the measured capacity")
+    parser.add_argument("--depth", type=int, default=4, help="requests in flight")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    args = parser.parse_args()
+
+    cores = len(os.sched_getaffinity(0))
+    docs = load_documents(args.corpus, args.docs)
+    model = args.model or bench_model(args.corpus)
+    sp = spm.SentencePieceProcessor(model_file=str(model))
+    tokens_per_doc = sum(len(ids) for ids in sp.encode(docs[:2000])) / 2000 + 1  # + EOS when packing
+    rows = max(1, round(args.batch * tokens_per_doc / args.seq_len))
+    spec = PackSpec(seq_len=args.seq_len, rows=rows)
+    print(
+        f"corpus {args.corpus.name}: {len(docs)} documents, {tokens_per_doc - 1:.0f} tokens each on average; "
+        f"model {model.name} (vocab {sp.vocab_size()}); {cores} cores; B={args.batch} texts a step, "
+        f"packed: {rows} x {args.seq_len}; depth {args.depth}",
+        flush=True,
+    )
+
+    url, server = start_server(model, cores)
+    try:
+        with TokenizerClient(url, timeout=120) as client:
+            texts_s, _ = capacity(client, docs, args.batch, args.depth, None)
+            _, tokens_s = capacity(client, docs, args.batch, args.depth, spec)
+            step_s = args.batch / (args.load * texts_s)
+            packed_step_s = rows * args.seq_len / (args.load * tokens_s)
+            print(
+                f"service capacity through one prefetcher: {texts_s:,.0f} texts/s ragged, "
+                f"{tokens_s / 1e6:.2f} M tokens/s packed; at load {args.load:.0%} a step takes "
+                f"{step_s * 1000:.1f} ms (ragged) or {packed_step_s * 1000:.1f} ms (packed)",
+                flush=True,
+            )
+
+            stream = texts_forever(docs)
+            results = [
+                training_loop(
+                    "(a) inline sp.encode(text) loop",
+                    lambda: [sp.encode(text) for text in itertools.islice(stream, args.batch)],
+                    args.steps,
+                    step_s,
+                ),
+                training_loop(
+                    f"(b) inline sp.encode(batch, num_threads={cores})",
+                    lambda: sp.encode(list(itertools.islice(stream, args.batch)), num_threads=cores),
+                    args.steps,
+                    step_s,
+                ),
+            ]
+            prefetch_stats = {}
+            for name, pack, seconds in [
+                (f"(c) client.prefetch, depth {args.depth}", None, step_s),
+                (f"(d) client.prefetch, pack {rows}x{args.seq_len}", spec, packed_step_s),
+            ]:
+                with client.prefetch(
+                    texts_forever(docs), batch_size=args.batch, depth=args.depth, model="bench", pack=pack
+                ) as prefetcher:
+                    results.append(training_loop(name, prefetcher.__next__, args.steps, seconds))
+                    prefetch_stats[name] = prefetcher.stats
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+    print()
+    print("| strategy | step ms | steps/s | ideal steps/s | data wait | wait p50 ms | wait p99 ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for result in results:
+        print(
+            f"| {result.name} | {1000 / result.ideal_steps_per_s:.1f} | {result.steps_per_s:.1f} | "
+            f"{result.ideal_steps_per_s:.1f} | {result.wait_fraction:.1%} | "
+            f"{np.percentile(result.waits_s, 50) * 1000:.2f} | {np.percentile(result.waits_s, 99) * 1000:.2f} |"
+        )
+    print()
+    for name, stats in prefetch_stats.items():
+        print(
+            f"{name}: prefetcher.stats wait_fraction {stats.wait_fraction:.2%}, request p50 "
+            f"{stats.request_p50_s * 1000:.1f} ms p99 {stats.request_p99_s * 1000:.1f} ms, retries {stats.retries}"
+        )
+    verdict = all(r.wait_fraction <= TARGET_WAIT_FRACTION for r in results[2:])
+    print(f"target: prefetch data wait <= {TARGET_WAIT_FRACTION:.0%}: {'met' if verdict else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()
