@@ -44,6 +44,10 @@ async def tokenize(request: Request, service: ServiceDep) -> Response:
         )
     info = service.model(body.model)
     sample = body.sample
+    if sample is not None and sample.nbest_size in (0, 1):  # sentencepiece raises on these
+        raise InvalidField(
+            "sample.nbest_size must be -1 (sample from every segmentation) or at least 2", field="sample.nbest_size"
+        )
     options = EncodeOptions(
         add_bos=body.add_bos,
         add_eos=body.add_eos,
