@@ -12,7 +12,8 @@ Both clients run the same loop around their own send and sleep::
 
 A failure moves on at once to the next replica not yet tried in this round (failover); once every
 replica has failed in a round, the loop sleeps (exponential backoff with jitter, at least what
-Retry-After asked) and starts a new round, until the policy's time budget is spent.
+Retry-After asked) and starts a new round, until the policy's time budget is spent: the last wait
+is cut short to end with the budget, and one last round is tried then.
 """
 
 from __future__ import annotations
@@ -148,8 +149,12 @@ class Attempt:
         retry_after = exc.retry_after if isinstance(exc, TokenizerServiceError) else None
         delay = self.policy.backoff(self._rounds, retry_after, self._rng)
         self._rounds += 1
-        if elapsed + delay > self.policy.budget_s:
-            raise self._final(exc, elapsed)
+        remaining = self.policy.budget_s - elapsed
+        if delay > remaining:
+            # One last attempt when the budget ends, unless the server asked us to stay away longer.
+            if remaining <= 0 or (retry_after is not None and retry_after > remaining):
+                raise self._final(exc, elapsed)
+            delay = remaining
         self.retries += 1
         return delay
 

@@ -555,7 +555,12 @@ class _LoopThread:
         self._thread = threading.Thread(target=self._run, name="tokenizer-prefetch", daemon=True)
         self._thread.start()
         self._closed = False
-        self.pipeline: _Pipeline = self.call(self._open(make_client, options, resume)).result()
+        try:
+            self.pipeline: _Pipeline = self.call(self._open(make_client, options, resume)).result()
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            raise
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)

@@ -292,7 +292,7 @@ def test_past_the_retry_budget_next_raises_with_the_position():
         started = time.perf_counter()
         with pytest.raises(PrefetchError) as caught:
             next(prefetcher)
-    assert 0.3 < time.perf_counter() - started < 5
+    assert 0.45 < time.perf_counter() - started < 5  # the whole budget was used
     error = caught.value
     assert (error.batch_index, error.text_start, error.text_stop) == (0, 0, 2)
     assert isinstance(error.cause, TokenizerConnectionError) and "attempts" in str(error.cause)
