@@ -41,7 +41,9 @@ def open_schema(server: Server) -> schemathesis.BaseSchema:
 
 @pytest.fixture
 def keyed_schema(keyed_url: str) -> schemathesis.BaseSchema:
-    return schemathesis.openapi.from_url(f"{keyed_url}/openapi.json")
+    schema = schemathesis.openapi.from_url(f"{keyed_url}/openapi.json")
+    schema.config.update(headers={"Authorization": f"Bearer {API_KEY}"})  # fixed, not generated
+    return schema
 
 
 bounded = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
@@ -56,5 +58,9 @@ def test_every_answer_matches_the_schema(case):
 @schemathesis.pytest.from_fixture("keyed_schema").parametrize()
 @bounded
 def test_every_answer_matches_the_schema_with_api_keys(case):
-    response = case.call_and_validate(headers={"Authorization": f"Bearer {API_KEY}"}, excluded_checks=LENIENT)
-    assert response.status_code != 401  # the key was sent: not a run that only ever saw refusals
+    response = case.call_and_validate(excluded_checks=LENIENT)
+    # The key is sent, so a 401 only answers the cases schemathesis makes without it on purpose:
+    # this is not a run that only ever saw refusals.
+    scenario = getattr(getattr(getattr(case, "meta", None), "phase", None), "data", None)
+    if getattr(scenario, "parameter", None) != "Authorization":
+        assert response.status_code != 401
