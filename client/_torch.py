@@ -11,13 +11,11 @@ from __future__ import annotations
 import dataclasses
 import threading
 import warnings
-from typing import Any, TypeVar
+from typing import Any, overload
 
 import numpy as np
 
 from client._protocol import PackedBatch, TokenizedBatch
-
-AnyBatch = TypeVar("AnyBatch", TokenizedBatch, PackedBatch)
 
 _warned = False
 _warn_lock = threading.Lock()
@@ -71,7 +69,11 @@ def tensor(array: Any, torch: Any, pin_memory: bool) -> Any:
     return torch.from_numpy(array)
 
 
-def to_torch(batch: AnyBatch, pin_memory: bool = False) -> AnyBatch:
+@overload
+def to_torch(batch: TokenizedBatch, pin_memory: bool = False) -> TokenizedBatch: ...
+@overload
+def to_torch(batch: PackedBatch, pin_memory: bool = False) -> PackedBatch: ...
+def to_torch(batch: TokenizedBatch | PackedBatch, pin_memory: bool = False) -> TokenizedBatch | PackedBatch:
     """The same batch with torch tensors in place of numpy arrays (int32 ids, int64 offsets)."""
     torch = import_torch()
     if isinstance(batch, TokenizedBatch):

@@ -25,7 +25,8 @@ class TokenizerServiceError(TokenizerError):
     def __init__(self, status: int, body: dict[str, Any] | None, retry_after: float | None = None) -> None:
         self.status = status
         self.body = body or {}
-        error = self.body.get("error") if isinstance(self.body.get("error"), dict) else {}
+        found = self.body.get("error")
+        error: dict[str, Any] = found if isinstance(found, dict) else {}
         self.error_type: str | None = error.get("type")
         self.message: str = error.get("message") or f"HTTP {status}"
         self.field: str | None = error.get("field")
