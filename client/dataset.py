@@ -134,7 +134,7 @@ class IndexHeader(NamedTuple):
     layout: int
     itemsize: int
     seq_len: int
-    count: int
+    items: int  # documents (ragged) or rows (packed)
     num_ids: int
 
 
@@ -388,7 +388,8 @@ class TokenDataset:
 
     def torch(self, seq_len: int | None = None) -> torch.utils.data.Dataset[Any]:
         """A torch map-style Dataset of int64 tensors (imports torch now); see TorchTokenDataset."""
-        return _torch_dataset_class()(self, seq_len)
+        dataset: torch.utils.data.Dataset[Any] = _torch_dataset_class()(self, seq_len)
+        return dataset
 
 
 class Sequences:

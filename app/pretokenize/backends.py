@@ -18,7 +18,7 @@ from typing import TypeVar
 import numpy as np
 
 from app import worker
-from client import TokenizerClient
+from client import TokenizedBatch, TokenizerClient
 
 Batch = tuple[np.ndarray, np.ndarray]  # int32 ids end to end, int64 offsets
 
@@ -131,6 +131,8 @@ def tokenize_via_service(
         texts, batch_size=batch_size, depth=depth, model=model, add_bos=add_bos, add_eos=add_eos
     ) as batches:
         for batch in batches:
+            if not isinstance(batch, TokenizedBatch):  # only with pack=, which is not asked for here
+                raise TypeError(f"prefetch handed out a {type(batch).__name__}, not a TokenizedBatch")
             answered = batch.model_sha256
             if answered is not None and answered != sha256:
                 raise ServiceError(

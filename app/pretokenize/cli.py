@@ -114,9 +114,10 @@ def describe(summary: Summary) -> str:
     meta = summary.metadata
     shards = len(meta["shards"])
     what = f"{meta['rows']:,} rows of {meta['seq_len']} ({meta['strategy']})" if meta["seq_len"] else "ragged"
+    plural = "" if shards == 1 else "s"
     totals = (
-        f"{summary.output}: {shards} shards, {meta['documents']:,} documents, {meta['tokens']:,} tokens, {what}, "
-        f"dtype {meta['dtype']}, model {meta['model']['name']} ({meta['model']['sha256'][:12]}…)"
+        f"{summary.output}: {shards} shard{plural}, {meta['documents']:,} documents, {meta['tokens']:,} tokens, "
+        f"{what}, dtype {meta['dtype']}, model {meta['model']['name']} ({meta['model']['sha256'][:12]}…)"
     )
     if meta["bad_records"]:
         totals += f"; {meta['bad_records']:,} bad records skipped"

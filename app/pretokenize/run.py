@@ -80,7 +80,7 @@ def resolve_local_model(name_or_path: str | None) -> ModelInfo:
     if name_or_path is not None and Path(name_or_path).expanduser().is_file():
         path = Path(name_or_path).expanduser()
         return inspect_model(path.stem, path)
-    settings = Settings()
+    settings = Settings()  # type: ignore[call-arg]  # every field has a default or comes from TOKENIZER_*
     paths = settings.model_paths()
     name = name_or_path or settings.default_model or ("default" if "default" in paths else next(iter(paths)))
     if name not in paths:

@@ -133,7 +133,7 @@ class DocumentReader:
                 self._raw = raw
                 stream: BinaryIO = raw
                 if source.compressed:
-                    stream = io.BufferedReader(gzip.GzipFile(fileobj=raw, mode="rb"), buffer_size=1 << 20)  # type: ignore[arg-type]
+                    stream = io.BufferedReader(gzip.GzipFile(fileobj=raw, mode="rb"), buffer_size=1 << 20)
                 try:
                     if source.read_bytes:
                         stream.seek(source.read_bytes)
