@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from client import wire
+
 IGNORE_INDEX = -100
 """Label value that PyTorch's cross-entropy skips."""
 
@@ -141,9 +143,12 @@ class ConcatPacker:
         if self.mask_document_start:
             labels.reshape(-1)[starts] = IGNORE_INDEX
         seg_rows = seg_starts // seq_len
-        bounds = np.searchsorted(seg_rows, np.arange(rows + 1))
-        cols = (seg_starts - seg_rows * seq_len).astype(np.int32)
-        cu_seqlens = [np.append(cols[bounds[r] : bounds[r + 1]], np.int32(seq_len)) for r in range(rows)]
+        per_row = np.bincount(seg_rows, minlength=rows) + 1  # each row: its segment starts, then seq_len
+        bounds = wire.ragged_offsets(per_row)
+        flat = np.empty(int(bounds[-1]), np.int32)
+        flat[np.arange(seg_rows.size) + seg_rows] = seg_starts - seg_rows * seq_len
+        flat[bounds[1:] - 1] = seq_len
+        cu_seqlens = wire.split_ragged(flat, bounds)
         documents = starts.size + (0 if starts.size and starts[0] == 0 else 1)
         block = Block(
             input_ids=input_ids,
