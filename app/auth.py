@@ -1,4 +1,8 @@
-"""Optional API keys on every /v1 endpoint: `Authorization: Bearer KEY`, compared in constant time."""
+"""Optional API keys: `Authorization: Bearer KEY`, compared in constant time.
+
+Deny by default: with keys configured, every path needs one except the probes, the metrics and
+the API description, so a route added later is protected without anyone remembering to.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.errors import Unauthorized, send_error
 
-PROTECTED_PREFIX = "/v1/"
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+
+
+def route_path(scope: Scope) -> str:
+    """The path the router matches: without the root path a proxy may mount the app under."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
 
 
 def _digest(key: str) -> bytes:
@@ -45,14 +56,14 @@ def bearer_token(authorization: str | None) -> str | None:
 
 
 class ApiKeyMiddleware:
-    """Plain ASGI: refuses a /v1 request without a configured key (401) before its body is read."""
+    """Plain ASGI: refuses a request without a configured key (401) before its body is read."""
 
     def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
         self.app = app
         self.keys = keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
+        if scope["type"] != "http" or route_path(scope) in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         token = bearer_token(Headers(scope=scope).get("authorization"))

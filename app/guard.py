@@ -14,6 +14,7 @@ import logging
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.admission import RETRY_AFTER_SECONDS
+from app.auth import route_path
 from app.errors import Overloaded, RequestTimeout, Unavailable, send_error
 from app.metrics import Metrics
 
@@ -37,7 +38,7 @@ class RequestGuard:
         self.active = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(GUARDED_PREFIX):
+        if scope["type"] != "http" or not route_path(scope).startswith(GUARDED_PREFIX):
             await self.app(scope, receive, send)
             return
         if self.active >= self.max_concurrent:

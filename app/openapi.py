@@ -11,10 +11,9 @@ from typing import Any, Literal
 from fastapi import FastAPI
 from pydantic import BaseModel, Field
 
+from app.auth import OPEN_PATHS
 from app.responses import MODEL_SHA256_HEADER
 from client.wire import MEDIA_TYPE as BINARY_MEDIA_TYPE
-
-PROTECTED_PREFIX = "/v1/"
 
 
 class ErrorDetail(BaseModel):
@@ -178,7 +177,7 @@ def publish(app: FastAPI, *, bearer_auth: bool) -> None:
             for path, operations in schema.get("paths", {}).items():
                 for operation in operations.values():
                     schemas.update(operation.pop("x-components", {}))
-                    if bearer_auth and path.startswith(PROTECTED_PREFIX):
+                    if bearer_auth and path not in OPEN_PATHS:
                         operation["security"] = [{"bearer": []}]
             if bearer_auth:
                 components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}

@@ -19,6 +19,8 @@ CASES = [
     ("tokenize", {"texts": ["ok"], "sample": {"alpha": 0.1, "seed": -5}}, 422, "invalid_field", "sample.seed", None),
     ("tokenize", {"texts": ["ok"], "sample": {"nbest_size": 0}}, 422, "invalid_field", "sample.nbest_size", None),
     ("tokenize", {"texts": ["ok"], "sample": {"nbest_size": 1}}, 422, "invalid_field", "sample.nbest_size", None),
+    ("tokenize", {"texts": ["ok"], "sample": {"nbest_size": 513}}, 422, "invalid_field", "sample.nbest_size", None),
+    ("tokenize", {"texts": ["ok"], "sample": {"nbest_size": 2**40}}, 422, "invalid_field", "sample.nbest_size", None),
     ("tokenize", {"texts": ["ok"], "unknown_option": 1}, 422, "invalid_field", "unknown_option", None),
     ("tokenize", {}, 422, "invalid_field", "texts", None),
     ("tokenize", [1, 2], 422, "invalid_field", None, None),

@@ -402,6 +402,7 @@ def test_v1_needs_a_configured_key(guarded, authorization):
         ("POST", "/v1/pack"),
         ("GET", "/v1/models"),
         ("GET", "/v1/nothing"),
+        ("GET", "/nothing"),
     ):
         response = httpx.request(method, f"{guarded.url}{path}", json={"texts": ["x"]}, headers=headers)
         assert response.status_code == 401, (path, response.text)
@@ -418,7 +419,7 @@ def test_every_configured_key_works_and_probes_stay_open(guarded):
             headers={"Authorization": f"bearer {key}"},
         )
         check_answer(guarded, ["key"], answer)
-    for path in ("/healthz", "/readyz", "/metrics"):
+    for path in ("/healthz", "/readyz", "/metrics", "/openapi.json", "/docs"):
         assert httpx.get(f"{guarded.url}{path}").status_code == 200
     # Refused before the body is read: an unauthenticated client cannot make the server buffer anything.
     huge = httpx.post(f"{guarded.url}/v1/tokenize", content=b"x" * (8 << 20), timeout=30)

@@ -17,6 +17,8 @@ from client.wire import ragged_offsets
 
 router = APIRouter(prefix="/v1", tags=["tokenize"])
 
+MAX_NBEST_SIZE = 512  # sentencepiece's kMaxNBestSize
+
 
 def check_text_count(document: object, field: str, limit: int) -> None:
     if isinstance(document, dict):
@@ -44,9 +46,10 @@ async def tokenize(request: Request, service: ServiceDep) -> Response:
         )
     info = service.model(body.model)
     sample = body.sample
-    if sample is not None and sample.nbest_size in (0, 1):  # sentencepiece raises on these
-        raise InvalidField(
-            "sample.nbest_size must be -1 (sample from every segmentation) or at least 2", field="sample.nbest_size"
+    if sample is not None and not (sample.nbest_size == -1 or 2 <= sample.nbest_size <= MAX_NBEST_SIZE):
+        raise InvalidField(  # sentencepiece raises on anything else
+            f"sample.nbest_size must be -1 (sample from every segmentation) or between 2 and {MAX_NBEST_SIZE}",
+            field="sample.nbest_size",
         )
     options = EncodeOptions(
         add_bos=body.add_bos,
