@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Docker end to end, as a user runs it: start a private dockerd, make a stand-in base image (no
 # registry here), `docker compose build tokenizer`, `docker compose up --wait tokenizer`, tokenize real
-# text through the published port and compare with in-process sentencepiece, then restart it with a
-# model in the mounted models directory and compare again. Any failure fails the stage; nothing skips.
+# text through the published port and compare with in-process sentencepiece, then recreate it with a
+# model in the mounted models directory and API keys, and compare again. Any failure fails the stage;
+# nothing skips. Cleans up (compose down, dockerd stopped, scratch directory removed) on any exit.
 #
 # Needs root, docker.io, containerd, debootstrap, python3-venv, the compose plugin
 # (.ci/install-compose.sh) and the project installed in python3 (`pip install -e '.[test]'`).
