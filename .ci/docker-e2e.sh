@@ -54,6 +54,8 @@ cleanup() {
     exit "$rc"
 }
 trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
 for tool in dockerd debootstrap; do
     command -v "$tool" >/dev/null || fail "$tool is missing (apt-get install docker.io containerd debootstrap)"
