@@ -3,8 +3,9 @@
 A ProcessPoolExecutor cannot say which task killed a worker: when one dies, every task in flight
 fails with BrokenProcessPool and the executor is unusable for good. A Lane
 
-- keeps at most `depth` tasks in the executor (one running per worker plus one ready to go); the
-  rest wait here, in order, where withdrawing a cancelled one is free;
+- keeps at most `depth` tasks in the executor (by default one running and one ready to go per
+  worker: fewer leaves workers idle while a result makes its way back through the event loop);
+  the rest wait here, in order, where withdrawing a cancelled one is free;
 - notices the breakage and replaces the executor exactly once, however many tasks saw it break
   (a generation number tells late observers that the replacement is already under way);
 - kills the workers of a task that runs past its deadline, which turns a stall into a breakage;
@@ -69,7 +70,7 @@ class Lane:
     ) -> None:
         self.name = name
         self.size = size
-        self.depth = depth or size + 1
+        self.depth = depth or 2 * size
         self._initializer = initializer
         self._initargs = initargs
         self._metrics = metrics
