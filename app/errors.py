@@ -115,7 +115,8 @@ async def _service_error(request: Request, exc: Exception) -> Response:
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
     kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    return error_response(exc.status_code, {"error": {"type": kind, "message": str(exc.detail)}}, exc.headers)
+    headers = dict(exc.headers) if exc.headers else None
+    return error_response(exc.status_code, {"error": {"type": kind, "message": str(exc.detail)}}, headers)
 
 
 async def _validation_error(request: Request, exc: Exception) -> Response:

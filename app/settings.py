@@ -116,8 +116,8 @@ class Settings(BaseSettings):
             for path in sorted(self.models_dir.glob("*.model")):
                 paths[path.stem] = path
         for spec in self.model:
-            name, _, path = spec.partition("=")
-            paths[name.strip()] = Path(path.strip()).expanduser()
+            name, _, file = spec.partition("=")
+            paths[name.strip()] = Path(file.strip()).expanduser()
         if not paths:
             paths[BUNDLED_MODEL_NAME] = BUNDLED_MODELS_DIR / f"{BUNDLED_MODEL_NAME}.model"
         return paths

@@ -45,7 +45,9 @@ def expected_ids(server: Server, documents: list[str]) -> dict[str, list[list[in
     return {name: server.processor(name).encode(documents) for name in MODELS}
 
 
-def client_loop(server: Server, documents: list[str], expected: dict, seed: int, until: float, tally: Tally) -> None:
+def client_loop(
+    server: Server, documents: list[str], expected: dict[str, list[list[int]]], seed: int, until: float, tally: Tally
+) -> None:
     rng = random.Random(seed)
     special = {name: (server.processor(name).bos_id(), server.processor(name).eos_id()) for name in MODELS}
     with httpx.Client(base_url=server.url, timeout=60) as client:

@@ -41,8 +41,8 @@ class Running:
     log: Path
     headers: dict[str, str] = field(default_factory=dict)
 
-    def post(self, path: str, document: object, timeout: float = 60.0, **kwargs: object) -> httpx.Response:
-        return httpx.post(f"{self.url}{path}", json=document, headers=self.headers, timeout=timeout, **kwargs)
+    def post(self, path: str, document: object, timeout: float = 60.0) -> httpx.Response:
+        return httpx.post(f"{self.url}{path}", json=document, headers=self.headers, timeout=timeout)
 
     def tokenize(self, texts: list[str], timeout: float = 60.0, **options: object) -> httpx.Response:
         return self.post("/v1/tokenize", {"texts": texts, "model": "uni", **options}, timeout=timeout)

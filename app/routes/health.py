@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
@@ -12,7 +14,7 @@ from app.state import ServiceDep
 
 router = APIRouter(tags=["health"])
 
-NOT_READY = {
+NOT_READY: dict[int | str, dict[str, Any]] = {
     503: {
         "model": ReadinessAnswer,
         "description": "Starting, shutting down, or rebuilding the worker pool after a worker died.",
