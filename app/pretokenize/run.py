@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pydantic import ValidationError
 
 from app.pretokenize.backends import local_pool, tokenize_locally, tokenize_via_service
 from app.pretokenize.shards import BestFitShards, ConcatShards, RaggedShards, ShardSink
@@ -80,7 +81,10 @@ def resolve_local_model(name_or_path: str | None) -> ModelInfo:
     if name_or_path is not None and Path(name_or_path).expanduser().is_file():
         path = Path(name_or_path).expanduser()
         return inspect_model(path.stem, path)
-    settings = Settings()  # type: ignore[call-arg]  # every field has a default or comes from TOKENIZER_*
+    try:
+        settings = Settings()  # type: ignore[call-arg]  # every field has a default or comes from TOKENIZER_*
+    except ValidationError as exc:
+        raise ModelLoadError(f"the server's options (TOKENIZER_* variables) are invalid: {exc}") from exc
     paths = settings.model_paths()
     name = name_or_path or settings.default_model or ("default" if "default" in paths else next(iter(paths)))
     if name not in paths:
