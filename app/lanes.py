@@ -83,7 +83,6 @@ class Lane:
         self._build_task: asyncio.Task[None] | None = None
         self._stalled: set[Future[Any]] = set()
         self._closed = False
-        self.in_flight = 0
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -159,26 +158,28 @@ class Lane:
         if broken is not None:
             await asyncio.to_thread(_dispose, broken, 0.0)
         delay = REBUILD_BACKOFF_SECONDS[0]
-        while not self._closed:
-            executor = self._new_executor()
+        while not self._closed and self._healthy is not None:
+            healthy = self._healthy
+            executor: ProcessPoolExecutor | None = None
             try:
+                executor = self._new_executor()
                 await self._warm_up(executor)
             except asyncio.CancelledError:
-                _dispose(executor, grace=0.0)
+                if executor is not None:
+                    _dispose(executor, grace=0.0)
                 raise
             except Exception as exc:  # a model file gone, the machine out of memory: keep trying
-                await asyncio.to_thread(_dispose, executor, 0.0)
+                if executor is not None:
+                    await asyncio.to_thread(_dispose, executor, 0.0)
                 logger.error("%s workers: restart failed (%r); next try in %.1fs", self.name, exc, delay)
-                assert self._healthy is not None
-                self._healthy.set_exception(_unavailable("the tokenizer workers are restarting; retry"))
-                self._healthy.exception()
+                healthy.set_exception(_unavailable("the tokenizer workers are restarting; retry"))
+                healthy.exception()  # retrieved: waiters, if any, got it already
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, REBUILD_BACKOFF_SECONDS[1])
                 self._healthy = asyncio.get_running_loop().create_future()
                 continue
             self._executor = executor
-            assert self._healthy is not None
-            self._healthy.set_result(None)
+            healthy.set_result(None)
             elapsed = time.monotonic() - started
             if restart:
                 self._metrics.rebuild_seconds.observe(elapsed)
@@ -199,10 +200,9 @@ class Lane:
             if self._healthy is None:  # a lane that starts on first use
                 self._begin_rebuild(self._generation, restart=False)
             healthy = self._healthy
-            assert healthy is not None
             if _succeeded(healthy) and self._executor is not None:
                 return self._executor, self._generation
-            if healthy.done():
+            if healthy is None or healthy.done():
                 raise _unavailable("the tokenizer workers are restarting; retry")
             await asyncio.shield(healthy)
 
@@ -238,7 +238,6 @@ class Lane:
         except BaseException:
             self._slots.release()
             raise
-        self.in_flight += 1
         waiter: asyncio.Future[Result] = loop.create_future()
         timer = loop.call_later(deadline, self._on_deadline, future, generation, deadline)
 
@@ -259,7 +258,6 @@ class Lane:
     ) -> None:
         timer.cancel()
         self._slots.release()
-        self.in_flight -= 1
         stalled = future in self._stalled
         self._stalled.discard(future)
         error = _unavailable("the server is shutting down") if future.cancelled() else future.exception()
@@ -313,18 +311,21 @@ def _watch(future: Future[Result], loop: asyncio.AbstractEventLoop) -> asyncio.F
 
 def _dispose(executor: ProcessPoolExecutor, grace: float) -> None:
     """Shut an executor down and make sure none of its processes outlives this call."""
-    processes = list((getattr(executor, "_processes", None) or {}).values())
-    manager = getattr(executor, "_executor_manager_thread", None)
-    executor.shutdown(wait=False, cancel_futures=False)
-    alive = [process for process in processes if process.exitcode is None]
-    if alive and grace > 0:
-        wait_for_sentinels([process.sentinel for process in alive], timeout=grace)
-    for process in processes:
-        if process.exitcode is None:
-            process.kill()
-    for process in processes:
-        process.join(timeout=5.0)
-    if manager is not None:
-        manager.join(timeout=5.0)
-        if manager.is_alive():
-            logger.error("an executor manager thread did not stop")
+    try:
+        processes = list((getattr(executor, "_processes", None) or {}).values())
+        manager = getattr(executor, "_executor_manager_thread", None)
+        executor.shutdown(wait=False, cancel_futures=False)
+        alive = [process for process in processes if process.exitcode is None]
+        if alive and grace > 0:
+            wait_for_sentinels([process.sentinel for process in alive], timeout=grace)
+        for process in processes:
+            if process.exitcode is None:
+                process.kill()
+        for process in processes:
+            process.join(timeout=5.0)
+        if manager is not None:
+            manager.join(timeout=5.0)
+            if manager.is_alive():
+                logger.error("an executor manager thread did not stop")
+    except Exception:  # logged, not raised: disposing of the old pool must not stop the new one
+        logger.exception("could not shut a worker pool down cleanly")

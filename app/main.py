@@ -81,6 +81,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             settings.min_chunk_chars,
             max_queued_texts=settings.queued_texts_limit,
             stall_timeout=settings.stall_timeout,
+            model_sha256={name: info.sha256 for name, info in registry.models.items()},
         )
         service = Service(settings=settings, registry=registry, metrics=metrics, pool=pool)
         started = time.perf_counter()

@@ -35,6 +35,7 @@ Result = TypeVar("Result")
 # stalled: 50 times what BPE needs on a busy core, so only a real hang ever reaches it.
 STALL_SECONDS_PER_UNIT = 10e-6
 DEFAULT_STALL_TIMEOUT = 15.0
+WATCHDOG_SECONDS = 0.5
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,9 @@ class WorkerPool:
         *,
         max_queued_texts: int | None = None,
         stall_timeout: float = DEFAULT_STALL_TIMEOUT,
+        model_sha256: dict[str, str] | None = None,
     ) -> None:
+        """`model_sha256`: what each model file must still hold whenever a worker (re)starts."""
         self.model_paths = model_paths
         self.size = workers
         self.metrics = metrics
@@ -112,13 +115,13 @@ class WorkerPool:
         self.stall_timeout = stall_timeout
         self.admission = Admission(max_queued_texts, metrics)
         self.poison = PoisonMemory()
-        self._main = Lane("tokenizer", workers, worker_start.start, (model_paths,), metrics, on_change=self._changed)
-        self._seeded_sampler = Lane(
-            "seeded-sampler", 1, worker_start.start, (model_paths,), metrics, on_change=self._changed
-        )
+        startup = (model_paths, model_sha256)
+        self._main = Lane("tokenizer", workers, worker_start.start, startup, metrics, on_change=self._changed)
+        self._seeded_sampler = Lane("seeded-sampler", 1, worker_start.start, startup, metrics, on_change=self._changed)
         # Which text the quarantine process is on: shared memory it writes and the server reads.
         self._progress = multiprocessing.get_context("spawn").RawValue("q", -1)
-        self._quarantine = Lane("quarantine", 1, quarantine.start, (model_paths, self._progress), metrics, depth=1)
+        self._watchdog: asyncio.Future[None] | None = None
+        self._quarantine = Lane("quarantine", 1, quarantine.start, (*startup, self._progress), metrics, depth=1)
 
     async def start(self) -> None:
         """Start every worker and wait until each has loaded the models."""
@@ -128,9 +131,21 @@ class WorkerPool:
             self.close()
             raise
         self.metrics.workers.set(self.size)
+        self._watchdog = asyncio.ensure_future(self._watch())
+
+    async def _watch(self) -> None:
+        """Notice a worker that died while its pool was idle, and rebuild before anyone needs it."""
+        while True:
+            await asyncio.sleep(WATCHDOG_SECONDS)
+            try:
+                self.ready  # noqa: B018 - checking is what starts the rebuild
+            except Exception:  # keep watching; a failure here is a bug worth a log line, not a dead watchdog
+                logger.exception("worker pool watchdog")
 
     def close(self, grace: float = 2.0) -> None:
         """Stop every worker process: `grace` seconds to finish running chunks, then SIGKILL."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         for lane in (self._main, self._seeded_sampler, self._quarantine):
             lane.close(grace)
         self.metrics.workers.set(0)

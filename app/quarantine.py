@@ -20,9 +20,9 @@ from client.wire import ragged_offsets
 _progress: dict[str, Any] = {}
 
 
-def start(paths: dict[str, str], progress: Any) -> None:
-    """Pool initializer: load every model, keep the shared progress counter."""
-    worker_start.start(paths)
+def start(paths: dict[str, str], sha256: dict[str, str] | None, progress: Any) -> None:
+    """Pool initializer: load every model (as app.worker_start does), keep the shared progress counter."""
+    worker_start.start(paths, sha256)
     _progress["value"] = progress
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -240,7 +241,9 @@ def test_a_text_that_kills_workers_is_refused_by_index_and_others_are_served(fau
     poison_count = faulty.metric("tokenizer_poison_inputs_total")
     with Load(faulty, documents, clients=3) as load:
         time.sleep(0.3)
+        started = time.monotonic()
         response = faulty.tokenize(poisoned)
+        print(f"\nkilling poison text answered 422 after {time.monotonic() - started:.2f}s")
         time.sleep(0.5)
     assert response.status_code == 422, response.text
     assert response.json()["error"] == {
@@ -264,6 +267,7 @@ def test_a_text_that_hangs_a_worker_is_refused_by_index(faulty, documents):
     started = time.monotonic()
     response = faulty.tokenize([*documents[:5], "FAULT:hang"])
     elapsed = time.monotonic() - started
+    print(f"\nhanging poison text answered 422 after {elapsed:.2f}s (stall timeout 2 s)")
     assert response.status_code == 422, response.text
     assert response.json()["error"]["index"] == 5
     assert faulty.metric("tokenizer_worker_stalls_total") == stalls + 2  # once in the pool, once in quarantine
@@ -497,5 +501,32 @@ def test_drain_timeout_bounds_shutdown_even_with_a_hung_worker(tmp_path_factory,
         while not gone(pids) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert gone(pids), "the hung worker outlived the server"
+    finally:
+        stop_server(server.process)
+
+
+def test_a_model_file_replaced_on_disk_is_never_served(tmp_path_factory, model_files, documents):
+    """Workers restarted after a crash check the file still holds the bytes announced at startup."""
+    directory = tmp_path_factory.mktemp("swap")
+    served = directory / "uni.model"
+    shutil.copyfile(model_files["uni"], served)
+    server = launch(tmp_path_factory, "swap", ["--model", f"uni={served}", "--workers", "1"], model_files)
+    try:
+        check_answer(server, ["before the swap"], server.tokenize(["before the swap"]))
+        shutil.copyfile(model_files["bpe"], served)  # another model under the same name
+        restarts = server.metric("tokenizer_worker_restarts_total")
+        victim = busiest_worker(server, lambda: [server.tokenize(documents[:500]) for _ in range(3)])
+        victim.send_signal(signal.SIGKILL)  # idle by now: the pool's watchdog notices
+        server.wait_for_metric("tokenizer_worker_restarts_total", lambda value: value > restarts)
+        refused = server.tokenize(["after the swap"])
+        assert refused.status_code == 503, refused.text  # never ids from the other file
+        assert refused.json()["error"]["type"] == "unavailable" and refused.headers["retry-after"] == "1"
+        assert httpx.get(f"{server.url}/readyz").status_code == 503
+        assert "changed since the server started" in server.log.read_text()
+        shutil.copyfile(model_files["uni"], served)  # the announced file back: the next try serves
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{server.url}/readyz").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        check_answer(server, ["after the swap"], server.tokenize(["after the swap"]))
     finally:
         stop_server(server.process)
