@@ -78,7 +78,7 @@ class Lane:
         self._slots = asyncio.Semaphore(self.depth)
         self._executor: ProcessPoolExecutor | None = None
         self._generation = 0
-        # Pending while (re)building, None once serving, an exception while a rebuild keeps failing.
+        # Pending while (re)building, done once serving, failed while a rebuild keeps failing.
         self._healthy: asyncio.Future[None] | None = None
         self._build_task: asyncio.Task[None] | None = None
         self._stalled: set[Future[Any]] = set()
@@ -151,7 +151,12 @@ class Lane:
             self._metrics.worker_restarts.inc()
             logger.warning("%s workers: a worker died; rebuilding the pool", self.name)
         self._build_task = asyncio.ensure_future(self._rebuild(broken, restart))
+        self._build_task.add_done_callback(self._rebuild_ended)
         self._changed()
+
+    def _rebuild_ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and (error := task.exception()) is not None:  # a bug: say so, loudly
+            logger.error("%s workers: the rebuild stopped: %r", self.name, error, exc_info=error)
 
     async def _rebuild(self, broken: ProcessPoolExecutor | None, restart: bool) -> None:
         started = time.monotonic()

@@ -138,7 +138,7 @@ class WorkerPool:
         while True:
             await asyncio.sleep(WATCHDOG_SECONDS)
             try:
-                self.ready  # noqa: B018 - checking is what starts the rebuild
+                self.check()
             except Exception:  # keep watching; a failure here is a bug worth a log line, not a dead watchdog
                 logger.exception("worker pool watchdog")
 
@@ -150,13 +150,16 @@ class WorkerPool:
             lane.close(grace)
         self.metrics.workers.set(0)
 
-    @property
-    def ready(self) -> bool:
-        """Both lanes serve (not rebuilding); also notices a worker that died while idle."""
+    def check(self) -> bool:
+        """Both lanes serve (none is rebuilding); a lane whose worker died while idle starts its rebuild."""
         return all([self._main.check(), self._seeded_sampler.check()])
 
+    @property
+    def ready(self) -> bool:
+        return self.check()
+
     def _changed(self) -> None:
-        self.metrics.ready.set(1 if self.ready else 0)
+        self.metrics.ready.set(1 if self.check() else 0)
 
     def worker_pids(self) -> list[int]:
         return self._main.worker_pids()
@@ -179,16 +182,17 @@ class WorkerPool:
         the quarantine process.
         """
         deadline = self._deadline(units)
-        try:
+        for attempt in (1, 2):
             try:
                 return await lane.call(ordinary, deadline), -1
             except WorkerStalled:
-                raise
+                logger.warning("a chunk stalled its worker; running it in quarantine")
+                break
             except WorkerCrashed:
+                if attempt == 2:
+                    logger.warning("a chunk was in flight in two pool crashes; running it in quarantine")
+                    break
                 self.metrics.chunk_retries.inc()
-            return await lane.call(ordinary, deadline), -1
-        except WorkerCrashed as failure:
-            logger.warning("a chunk failed twice (%s); running it in quarantine", type(failure).__name__)
         try:
             return await self._quarantine.call(isolated, deadline, progress=self._progress), -1
         except WorkerCrashed as failure:
