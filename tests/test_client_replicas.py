@@ -67,8 +67,10 @@ def test_requests_go_round_robin_over_replicas(server: Server, guarded: GaugedSe
     assert [row.tolist() for batch in batches for row in batch.to_list()] == sp.encode(texts)
     to_session = tokenize_requests(server.url) - before_session
     to_guarded = guarded.gauge()["total"] - before_guarded
-    assert to_session + to_guarded == 10 + 20
-    assert 5 <= to_session <= 25 and 5 <= to_guarded <= 25
+    # 30 answered requests; a few more if the guarded replica (one request at a time) still counted
+    # the previous request as running when the next arrived, answered 503, and the client failed over.
+    assert 30 <= to_session + to_guarded <= 36
+    assert 10 <= to_session <= 25 and 10 <= to_guarded <= 25
 
 
 def test_a_replica_that_is_down_is_failed_over(server: Server, documents):
