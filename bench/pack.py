@@ -35,8 +35,8 @@ sys.path.insert(0, str(BENCH))
 
 from throughput import FALLBACK_CORPUS, SHARED_CORPUS, bench_model, load_documents, start_server  # noqa: E402
 
-from app.packing import first_fit_rows, pack_best_fit, split_pieces  # noqa: E402
 from client import TokenizerClient  # noqa: E402
+from client.packing import first_fit_rows, pack_best_fit, split_pieces  # noqa: E402
 
 SEQ_LENS = (2048, 8192)
 

@@ -3,9 +3,9 @@
 Concat packing cuts one continuous token stream every ``seq_len`` tokens. Each /v1/pack request
 with ``carry`` needs the previous request's leftover, so at most one such request can be in flight.
 The prefetcher instead tokenizes windows of texts with /v1/tokenize (any number in flight: the
-ids of a text do not depend on its neighbours) and cuts rows here, in stream order. The rows equal
-what ``app.packing.pack_concat`` makes of the whole stream at once, which tests check; the server's
-packing is not imported because the client must not depend on the server.
+ids of a text do not depend on its neighbours) and cuts rows here, in stream order, with the same
+``client.packing.pack_concat`` the server's /v1/pack uses, so the rows equal what /v1/pack makes of
+the whole stream at once (which tests check).
 
 Best-fit packing has no carry, so the server packs each window (/v1/pack, any number in flight) and
 :class:`RowRegrouper` regroups its rows into blocks of exactly ``rows``.
@@ -23,9 +23,7 @@ from typing import Any
 import numpy as np
 
 from client import wire
-
-IGNORE_INDEX = -100
-"""Label value that PyTorch's cross-entropy skips."""
+from client.packing import pack_concat
 
 
 @dataclass(frozen=True)
@@ -132,29 +130,22 @@ class ConcatPacker:
         return block, self._tokens.copy()
 
     def _block(self, rows: int) -> Block:
-        seq_len = self.seq_len
-        used = rows * seq_len
+        used = rows * self.seq_len
         starts = self._doc_starts[self._doc_starts < used]
-        seg_starts = np.union1d(np.arange(rows, dtype=np.int64) * seq_len, starts)
-        seg_lengths = np.diff(np.append(seg_starts, used))
-        positions = np.arange(used, dtype=np.int64) - np.repeat(seg_starts, seg_lengths)
-        input_ids = self._tokens[:used].reshape(rows, seq_len)
-        labels = input_ids.copy()
-        if self.mask_document_start:
-            labels.reshape(-1)[starts] = IGNORE_INDEX
-        seg_rows = seg_starts // seq_len
-        per_row = np.bincount(seg_rows, minlength=rows) + 1  # each row: its segment starts, then seq_len
-        bounds = wire.ragged_offsets(per_row)
-        flat = np.empty(int(bounds[-1]), np.int32)
-        flat[np.arange(seg_rows.size) + seg_rows] = seg_starts - seg_rows * seq_len
-        flat[bounds[1:] - 1] = seq_len
-        cu_seqlens = wire.split_ragged(flat, bounds)
-        documents = starts.size + (0 if starts.size and starts[0] == 0 else 1)
+        continued = int(starts[0]) if starts.size else used  # tokens of a document begun in an earlier block
+        packed = pack_concat(
+            self._tokens[continued:used],
+            np.append(starts, used) - continued,
+            self.seq_len,
+            carry=self._tokens[:continued],
+            mask_document_start=self.mask_document_start,
+        )
+        documents = starts.size + (1 if continued else 0)
         block = Block(
-            input_ids=input_ids,
-            labels=labels,
-            position_ids=positions.astype(np.int32).reshape(rows, seq_len),
-            cu_seqlens=cu_seqlens,
+            input_ids=packed.input_ids,
+            labels=packed.labels,
+            position_ids=packed.position_ids,
+            cu_seqlens=wire.split_ragged(packed.cu_seqlens, packed.cu_seqlens_offsets),
             start=self.position_at(0).text,
             after=self.position_at(used),
             stats={"rows": rows, "tokens": used, "padding_tokens": 0, "padding_fraction": 0.0, "documents": documents},

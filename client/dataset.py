@@ -75,6 +75,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from client.packing import IGNORE_INDEX
+
 if TYPE_CHECKING:
     import torch
 
@@ -115,8 +117,6 @@ LAYOUT_PACKED = 1
 LAYOUTS = {"ragged": LAYOUT_RAGGED, "packed": LAYOUT_PACKED}
 OFFSET_DTYPE = np.dtype("<i8")
 SEG_DTYPE = np.dtype("<i4")
-IGNORE_INDEX = -100
-"""Label value PyTorch's cross-entropy skips (the same as /v1/pack's)."""
 
 _SHARDS_OPEN = 64  # memory maps kept open at once; each holds file descriptors
 

@@ -10,8 +10,8 @@ import httpx
 import numpy as np
 import pytest
 
-from app.packing import pack_concat
 from client import AsyncTokenizerClient, PackSpec, PrefetchError, TokenizerClient, TokenizerServiceError
+from client.packing import pack_concat
 from tests.client_servers import dead_url, numbered_texts, ragged
 from tests.conftest import Server
 

@@ -6,8 +6,8 @@ import httpx
 import numpy as np
 import pytest
 
-from app.packing import IGNORE_INDEX, pack_best_fit, pack_concat
 from client import TokenizerClient, TokenizerServiceError
+from client.packing import IGNORE_INDEX, pack_best_fit, pack_concat
 from client.wire import ragged_offsets
 from tests.conftest import Server
 

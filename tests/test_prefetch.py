@@ -13,7 +13,6 @@ import numpy as np
 import psutil
 import pytest
 
-from app.packing import pack_best_fit, pack_concat
 from client import (
     PackSpec,
     PrefetchError,
@@ -22,6 +21,7 @@ from client import (
     TokenizerConnectionError,
     TokenizerServiceError,
 )
+from client.packing import pack_best_fit, pack_concat
 from tests.client_servers import GaugedServer, dead_url, gauged_server, numbered_texts, ragged
 from tests.conftest import Server
 

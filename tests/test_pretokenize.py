@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from app.packing import pack_best_fit, pack_concat
 from app.pretokenize import main
 from app.pretokenize.sources import DocumentReader, Source
 from app.settings import BUNDLED_MODELS_DIR
 from client.dataset import TokenDataset
+from client.packing import pack_best_fit, pack_concat
 from client.wire import ragged_offsets
 from tests.conftest import ROOT, Server
 

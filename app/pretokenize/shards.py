@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 
-from app.packing import pack_best_fit, pack_concat
 from app.pretokenize.sources import Position, Source, source_at
 from app.pretokenize.store import OutputDir
 from client.dataset import (
@@ -27,6 +26,7 @@ from client.dataset import (
     index_header,
     shard_name,
 )
+from client.packing import pack_best_fit, pack_concat
 from client.wire import ragged_offsets
 
 

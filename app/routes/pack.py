@@ -12,13 +12,13 @@ from starlette.responses import Response
 from app.bodies import find_lone_surrogate, parse_json, read_body, validate
 from app.errors import InvalidField
 from app.openapi import BODY_ERRORS, PackAnswer, answer, error_responses
-from app.packing import PackedRows, pack_best_fit, pack_concat
 from app.registry import ModelInfo
 from app.responses import MODEL_SHA256_HEADER, binary_response, json_response, wants_binary
 from app.routes.tokenize import check_text_count
 from app.schemas import PackRequest, openapi_body
 from app.state import ServiceDep
 from app.worker import EncodeOptions
+from client.packing import PackedRows, pack_best_fit, pack_concat
 from client.wire import split_ragged
 
 router = APIRouter(prefix="/v1", tags=["pack"])
