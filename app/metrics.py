@@ -13,6 +13,9 @@ TEXT_COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8
 RATIO_BUCKETS = (0.0, 0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
 
 
+REJECT_REASONS = ("queue", "concurrency")
+CANCEL_REASONS = ("timeout", "disconnect")
+
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -91,6 +94,10 @@ class Metrics:
         self.poison_inputs = Counter(
             "tokenizer_poison_inputs", "Requests refused (422) because a text killed or stalled a worker.", registry=r
         )
+        for reason in REJECT_REASONS:  # exported at 0 from the start, so rate() and alerts see them
+            self.rejected_requests.labels(reason)
+        for reason in CANCEL_REASONS:
+            self.cancelled_requests.labels(reason)
         self.rebuild_seconds = Histogram(
             "tokenizer_worker_rebuild_seconds",
             "Time to replace a broken worker pool until its new workers answer.",

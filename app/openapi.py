@@ -136,36 +136,11 @@ def answer(model: type[BaseModel], *, binary: bool = False, sha256: bool = True)
     return {200: response}
 
 
-_BOUNDS = {"gt": "exclusiveMinimum", "ge": "minimum", "lt": "exclusiveMaximum", "le": "maximum"}
-
-
-def fix_union_bounds(node: Any) -> None:
-    """Move the bounds pydantic leaves beside a union (`gt`, `le`, ... are not JSON Schema) into it.
-
-    `Annotated[StrictFloat | StrictInt, Field(gt=0, le=1)]` comes out as
-    `{"anyOf": [{"type": "number"}, {"type": "integer"}], "gt": 0, "le": 1}`, which validators
-    ignore and generators then violate; each numeric branch gets the bounds as JSON Schema says them.
-    """
-    if isinstance(node, list):
-        for item in node:
-            fix_union_bounds(item)
-        return
-    if not isinstance(node, dict):
-        return
-    bounds = {_BOUNDS[key]: node.pop(key) for key in list(node) if key in _BOUNDS and "anyOf" in node}
-    for branch in node.get("anyOf", []) if bounds else []:
-        if isinstance(branch, dict) and branch.get("type") in ("number", "integer"):
-            branch.update(bounds)
-    for value in node.values():
-        fix_union_bounds(value)
-
-
 def publish(app: FastAPI, *, bearer_auth: bool) -> None:
     """Finish the generated document: body schemas that routes carry in `x-components`, and auth.
 
     Routes that parse their own body carry its schemas in `x-components`; they move to
     `components/schemas`. With API keys configured, /v1 operations declare the bearer scheme.
-    Numeric bounds on unions are made JSON Schema.
     """
     generate = app.openapi
 
@@ -181,7 +156,6 @@ def publish(app: FastAPI, *, bearer_auth: bool) -> None:
                         operation["security"] = [{"bearer": []}]
             if bearer_auth:
                 components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-            fix_union_bounds(schema)
         return app.openapi_schema  # type: ignore[return-value]
 
     app.openapi = openapi  # type: ignore[method-assign]

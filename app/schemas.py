@@ -4,18 +4,36 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, WithJsonSchema
+
+MAX_NBEST_SIZE = 512
+"""sentencepiece's kMaxNBestSize; it raises on 0, 1 or more."""
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _check_nbest_size(value: int) -> int:
+    if value == -1 or 2 <= value <= MAX_NBEST_SIZE:
+        return value
+    raise ValueError(f"must be -1 (sample from every segmentation) or between 2 and {MAX_NBEST_SIZE}, got {value}")
+
+
+NBestSize = Annotated[
+    StrictInt,
+    AfterValidator(_check_nbest_size),
+    WithJsonSchema(
+        {"anyOf": [{"type": "integer", "const": -1}, {"type": "integer", "minimum": 2, "maximum": MAX_NBEST_SIZE}]}
+    ),
+]
+
+
 class SampleOptions(_Body):
     """SentencePiece subword regularization; the same seed gives the same ids."""
 
-    alpha: Annotated[StrictFloat | StrictInt, Field(gt=0, le=1)] = 0.1
-    nbest_size: Annotated[StrictInt, Field(ge=-1)] = -1
+    alpha: Annotated[float, Field(strict=True, gt=0, le=1)] = 0.1  # strict float still takes a JSON 1
+    nbest_size: NBestSize = -1
     seed: Annotated[StrictInt, Field(ge=0, lt=1 << 32)] | None = None
 
 

@@ -17,8 +17,6 @@ from client.wire import ragged_offsets
 
 router = APIRouter(prefix="/v1", tags=["tokenize"])
 
-MAX_NBEST_SIZE = 512  # sentencepiece's kMaxNBestSize
-
 
 def check_text_count(document: object, field: str, limit: int) -> None:
     if isinstance(document, dict):
@@ -46,11 +44,6 @@ async def tokenize(request: Request, service: ServiceDep) -> Response:
         )
     info = service.model(body.model)
     sample = body.sample
-    if sample is not None and not (sample.nbest_size == -1 or 2 <= sample.nbest_size <= MAX_NBEST_SIZE):
-        raise InvalidField(  # sentencepiece raises on anything else
-            f"sample.nbest_size must be -1 (sample from every segmentation) or between 2 and {MAX_NBEST_SIZE}",
-            field="sample.nbest_size",
-        )
     options = EncodeOptions(
         add_bos=body.add_bos,
         add_eos=body.add_eos,
