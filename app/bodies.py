@@ -14,6 +14,34 @@ from app.errors import InvalidField, InvalidJSON, PayloadTooLarge
 Body = TypeVar("Body", bound=BaseModel)
 
 
+async def read_request(request: Request, model: type[Body], items: str, max_bytes: int, max_items: int) -> Body:
+    """Read, parse and validate a body whose list field `items` (texts, id rows) is capped at `max_items`.
+
+    Every refusal says where: 413 over either limit, 400 for bad JSON, 422 with the field and index
+    (a lone surrogate in a text included, which SentencePiece cannot take).
+    """
+    document, lenient = parse_json(await read_body(request, max_bytes))
+    check_item_count(document, items, max_items)
+    body = validate(model, document)
+    texts = getattr(body, "texts", None)
+    if lenient and texts is not None and (found := find_lone_surrogate(texts)) is not None:
+        index, position = found
+        raise InvalidField(
+            f"texts[{index}] has a lone surrogate at character {position}; text must be valid Unicode",
+            field="texts",
+            index=index,
+        )
+    return body
+
+
+def check_item_count(document: object, field: str, limit: int) -> None:
+    """413 before validation, so an oversized list costs no per-item work."""
+    if isinstance(document, dict):
+        items = document.get(field)
+        if isinstance(items, list) and len(items) > limit:
+            raise PayloadTooLarge(f"{len(items)} {field} in one request exceed the limit of {limit}", field=field)
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The raw body, refusing (413) as soon as it is known to exceed `limit` bytes."""
     declared = request.headers.get("content-length")

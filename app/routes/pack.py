@@ -9,12 +9,11 @@ import numpy as np
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from app.bodies import find_lone_surrogate, parse_json, read_body, validate
+from app.bodies import read_request
 from app.errors import InvalidField
 from app.openapi import BODY_ERRORS, PackAnswer, answer, error_responses
 from app.registry import ModelInfo
 from app.responses import MODEL_SHA256_HEADER, binary_response, json_response, wants_binary
-from app.routes.tokenize import check_text_count
 from app.schemas import PackRequest, openapi_body
 from app.state import ServiceDep
 from app.worker import EncodeOptions
@@ -70,16 +69,7 @@ def packed_content(info: ModelInfo, body: PackRequest, packed: PackedRows) -> di
 )
 async def pack(request: Request, service: ServiceDep) -> Response:
     settings = service.settings
-    document, lenient = parse_json(await read_body(request, settings.max_request_bytes))
-    check_text_count(document, "texts", settings.max_texts)
-    body = validate(PackRequest, document)
-    if lenient and (found := find_lone_surrogate(body.texts)) is not None:
-        index, position = found
-        raise InvalidField(
-            f"texts[{index}] has a lone surrogate at character {position}; text must be valid Unicode",
-            field="texts",
-            index=index,
-        )
+    body = await read_request(request, PackRequest, "texts", settings.max_request_bytes, settings.max_texts)
     info = service.model(body.model)
     carry = check_pack_request(body, info, settings.max_seq_len)
     service.metrics.batch_size.observe(len(body.texts))

@@ -6,8 +6,8 @@ import numpy as np
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from app.bodies import find_lone_surrogate, parse_json, read_body, validate
-from app.errors import InvalidField, PayloadTooLarge
+from app.bodies import read_request
+from app.errors import InvalidField
 from app.openapi import BODY_ERRORS, DetokenizeAnswer, TokenizeAnswer, answer, error_responses
 from app.responses import MODEL_SHA256_HEADER, binary_response, json_response, wants_binary
 from app.schemas import DetokenizeRequest, TokenizeRequest, openapi_body
@@ -18,13 +18,6 @@ from client.wire import ragged_offsets
 router = APIRouter(prefix="/v1", tags=["tokenize"])
 
 
-def check_text_count(document: object, field: str, limit: int) -> None:
-    if isinstance(document, dict):
-        items = document.get(field)
-        if isinstance(items, list) and len(items) > limit:
-            raise PayloadTooLarge(f"{len(items)} {field} in one request exceed the limit of {limit}", field=field)
-
-
 @router.post(
     "/tokenize",
     openapi_extra=openapi_body(TokenizeRequest),
@@ -32,16 +25,7 @@ def check_text_count(document: object, field: str, limit: int) -> None:
 )
 async def tokenize(request: Request, service: ServiceDep) -> Response:
     settings = service.settings
-    document, lenient = parse_json(await read_body(request, settings.max_request_bytes))
-    check_text_count(document, "texts", settings.max_texts)
-    body = validate(TokenizeRequest, document)
-    if lenient and (found := find_lone_surrogate(body.texts)) is not None:
-        index, position = found
-        raise InvalidField(
-            f"texts[{index}] has a lone surrogate at character {position}; text must be valid Unicode",
-            field="texts",
-            index=index,
-        )
+    body = await read_request(request, TokenizeRequest, "texts", settings.max_request_bytes, settings.max_texts)
     info = service.model(body.model)
     sample = body.sample
     options = EncodeOptions(
@@ -91,9 +75,7 @@ def flatten_ids(rows: list[list[int]], vocab_size: int) -> tuple[np.ndarray, np.
 )
 async def detokenize(request: Request, service: ServiceDep) -> Response:
     settings = service.settings
-    document, _ = parse_json(await read_body(request, settings.max_request_bytes))
-    check_text_count(document, "ids", settings.max_texts)
-    body = validate(DetokenizeRequest, document)
+    body = await read_request(request, DetokenizeRequest, "ids", settings.max_request_bytes, settings.max_texts)
     info = service.model(body.model)
     ids, offsets = flatten_ids(body.ids, info.vocab_size)
     service.metrics.batch_size.observe(len(body.ids))
