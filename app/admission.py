@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter, OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from app.errors import Overloaded
 from app.metrics import Metrics
@@ -38,6 +40,33 @@ class Admission:
     def release(self, count: int) -> None:
         self.queued -= count
         self._metrics.queued_texts.set(self.queued)
+
+    @contextmanager
+    def holding(self, count: int) -> Iterator[Held]:
+        """Admit `count` texts for a block that releases them chunk by chunk as they finish.
+
+        What the block has not released when it ends is released then: a request cancelled before
+        some of its chunks ever ran (a timeout, a hang-up) must not leave them counted for good.
+        """
+        self.admit(count)
+        held = Held(self, count)
+        try:
+            yield held
+        finally:
+            held.release(held.remaining)
+
+
+class Held:
+    """Texts admitted for one request and not yet released."""
+
+    def __init__(self, admission: Admission, count: int) -> None:
+        self._admission = admission
+        self.remaining = count
+
+    def release(self, count: int) -> None:
+        count = min(count, self.remaining)
+        self.remaining -= count
+        self._admission.release(count)
 
 
 def _digest(text: str) -> bytes:

@@ -212,26 +212,26 @@ class WorkerPool:
         if not bounds:
             return Batch(np.zeros(0, dtype=np.int32), np.zeros(1, dtype=np.int64))
         lane = self._seeded_sampler if seeded else self._main
-        self.admission.admit(len(texts))
-        submitted = time.monotonic()
+        with self.admission.holding(len(texts)) as held:
+            submitted = time.monotonic()
 
-        async def chunk(start: int, end: int) -> worker.Encoded:
-            part = texts[start:end]
-            try:
-                result, position = await self._supervised(
-                    lane,
-                    partial(worker.encode_chunk, model, part, options, start),
-                    partial(quarantine.encode_each, model, part, options, start),
-                    int(sizes[start:end].sum()),
-                )
-            finally:
-                self.admission.release(end - start)
-            if result is None:
-                self.poison.add(model, texts[start + position])
-                raise _poison("texts", start + position, "crashed or hung a tokenizer worker twice")
-            return result
+            async def chunk(start: int, end: int) -> worker.Encoded:
+                part = texts[start:end]
+                try:
+                    result, position = await self._supervised(
+                        lane,
+                        partial(worker.encode_chunk, model, part, options, start),
+                        partial(quarantine.encode_each, model, part, options, start),
+                        int(sizes[start:end].sum()),
+                    )
+                finally:
+                    held.release(end - start)
+                if result is None:
+                    self.poison.add(model, texts[start + position])
+                    raise _poison("texts", start + position, "crashed or hung a tokenizer worker twice")
+                return result
 
-        parts = await _all_or_none([chunk(start, end) for start, end in bounds])
+            parts = await _all_or_none([chunk(start, end) for start, end in bounds])
         for part in parts:
             self.metrics.record_work(model, part.started - submitted, part.seconds)
         return concat_batches(parts)
@@ -241,26 +241,26 @@ class WorkerPool:
         bounds = chunk_bounds(lengths, self.size, self.min_chunk_chars // 4)
         if not bounds:
             return []
-        self.admission.admit(len(lengths))
-        submitted = time.monotonic()
+        with self.admission.holding(len(lengths)) as held:
+            submitted = time.monotonic()
 
-        async def chunk(start: int, end: int) -> worker.Decoded:
-            part_ids = ids[offsets[start] : offsets[end]]
-            part_offsets = offsets[start : end + 1] - offsets[start]
-            try:
-                result, position = await self._supervised(
-                    self._main,
-                    partial(worker.decode_chunk, model, part_ids, part_offsets),
-                    partial(quarantine.decode_each, model, part_ids, part_offsets),
-                    len(part_ids),
-                )
-            finally:
-                self.admission.release(end - start)
-            if result is None:
-                raise _poison("ids", start + position, "crashed or hung a tokenizer worker twice")
-            return result
+            async def chunk(start: int, end: int) -> worker.Decoded:
+                part_ids = ids[offsets[start] : offsets[end]]
+                part_offsets = offsets[start : end + 1] - offsets[start]
+                try:
+                    result, position = await self._supervised(
+                        self._main,
+                        partial(worker.decode_chunk, model, part_ids, part_offsets),
+                        partial(quarantine.decode_each, model, part_ids, part_offsets),
+                        len(part_ids),
+                    )
+                finally:
+                    held.release(end - start)
+                if result is None:
+                    raise _poison("ids", start + position, "crashed or hung a tokenizer worker twice")
+                return result
 
-        parts = await _all_or_none([chunk(start, end) for start, end in bounds])
+            parts = await _all_or_none([chunk(start, end) for start, end in bounds])
         texts: list[str] = []
         for part in parts:
             self.metrics.record_work(model, part.started - submitted, part.seconds)

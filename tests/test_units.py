@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from pathlib import Path
 
@@ -112,3 +113,35 @@ def test_settings_default_to_the_bundled_model(monkeypatch):
 def test_settings_reject_a_bad_model_spec():
     with pytest.raises(ValueError, match="NAME=PATH"):
         Settings(model=["no-equals-sign"])
+
+
+def test_admission_releases_what_a_request_never_got_to_release():
+    """A request cancelled before some of its chunks ran must not leave their texts counted."""
+    from app.admission import Admission
+    from app.metrics import Metrics
+
+    admission = Admission(limit=10, metrics=Metrics())
+
+    async def request() -> None:
+        with admission.holding(6) as held:
+
+            async def chunk(count: int) -> None:
+                try:
+                    await asyncio.sleep(60)
+                finally:
+                    held.release(count)
+
+            tasks = [asyncio.ensure_future(chunk(3)) for _ in range(2)]
+            for task in tasks:
+                task.cancel()  # before either chunk body ever ran: its finally never runs
+            await asyncio.gather(*tasks, return_exceptions=True)
+            assert admission.queued == 6
+
+    asyncio.run(request())
+    assert admission.queued == 0
+    with admission.holding(4) as held:
+        held.release(3)
+        assert admission.queued == 1
+        held.release(3)  # more than is left releases only what is left
+        assert admission.queued == 0
+    assert admission.queued == 0
