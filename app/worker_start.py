@@ -1,8 +1,12 @@
-"""How a server's worker process starts: deaf to Ctrl-C, models checked, then loaded.
+"""How a worker process starts: deaf to Ctrl-C, bound to its parent's life, models checked, then loaded.
 
 Ctrl-C in a terminal sends SIGINT to the whole process group. The server drains and then stops its
 workers itself; a worker that died of KeyboardInterrupt first would only look like a crash and
 trigger a pointless rebuild in the middle of the shutdown.
+
+An idle `ProcessPoolExecutor` worker waits on its call queue forever: if its parent is killed
+(`kill -9`, the OOM killer), it would live on, orphaned, holding every model in memory. A daemon
+thread waits on the parent's sentinel and ends the worker when the parent is gone.
 
 Workers started after a crash load the model files again. A file replaced on disk meanwhile would
 give ids from another model than the one whose sha256 the server announces, so a worker refuses to
@@ -12,7 +16,10 @@ start on a file whose sha256 changed (the pool then answers 503 until the server
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
+import os
 import signal
+import threading
 from pathlib import Path
 
 from app import worker
@@ -32,9 +39,22 @@ def check_models(paths: dict[str, str], sha256: dict[str, str]) -> None:
             )
 
 
+def exit_with_parent() -> None:
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def start(paths: dict[str, str], sha256: dict[str, str] | None = None) -> None:
-    """Pool initializer."""
+    """Pool initializer, for the server's pools and the pre-tokenizer's."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_with_parent()
     if sha256:
         check_models(paths, sha256)
     worker.load_models(paths)

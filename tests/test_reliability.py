@@ -8,6 +8,7 @@ PYTHONPATH makes its worker processes crash, hang or sleep on texts that start w
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -478,6 +479,25 @@ def test_sigterm_finishes_in_flight_requests_and_leaves_no_worker(tmp_path_facto
             time.sleep(0.05)
         assert gone(pids), "a worker process outlived the server"
     finally:
+        stop_server(server.process)
+
+
+def test_workers_exit_when_the_server_is_killed(tmp_path_factory, model_files, uni_args):
+    """kill -9 of the server process alone (no process group): its workers must not live on, orphaned."""
+    server = launch(tmp_path_factory, "orphans", [*uni_args, "--workers", "2"], model_files)
+    try:
+        pids = [worker.pid for worker in server.workers()]
+        assert len(pids) == 3  # two workers and the seeded sampler
+        server.process.kill()
+        server.process.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while not gone(pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert gone(pids), "a worker process outlived its killed server"
+    finally:
+        for pid in pids:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(pid).kill()
         stop_server(server.process)
 
 

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from app import worker
+from app import worker, worker_start
 from client import TokenizedBatch, TokenizerClient
 
 Batch = tuple[np.ndarray, np.ndarray]  # int32 ids end to end, int64 offsets
@@ -43,12 +43,6 @@ def chunks(texts: Iterable[str], max_chars: int, max_texts: int) -> Iterator[lis
         yield chunk
 
 
-def start_worker(model_paths: dict[str, str]) -> None:
-    """Pool initializer: Ctrl-C is the parent's to handle; then load the models as the server's workers do."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    worker.load_models(model_paths)
-
-
 def start_method() -> str:
     """fork where it is safe (Linux, no other thread yet): a forked worker starts in milliseconds with
     sentencepiece already imported, where a spawned one spends about half a second importing it again."""
@@ -63,7 +57,7 @@ def local_pool(model_name: str, model_path: str, workers: int) -> ProcessPoolExe
     pool = ProcessPoolExecutor(
         max_workers=workers,
         mp_context=multiprocessing.get_context(start_method()),
-        initializer=start_worker,
+        initializer=worker_start.start,
         initargs=({model_name: model_path},),
     )
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
