@@ -42,8 +42,8 @@ are -100 and ``position_ids`` 0; elsewhere ``labels`` equal the ids.
 (``"ragged"``/``"packed"``), ``dtype``, ``seq_len``, ``strategy``, ``model`` (name, sha256, vocab_size,
 bos/eos/pad ids), ``options``, ``shards`` (each: name; documents read into it; tokens, the ids in its
 ``.bin``; rows; padding ids), ``documents``, ``tokens`` (of all documents, padding not counted), ``rows``,
-``bad_records``, ``sources`` (each input file and how far it was read), ``leftover``
-(concat: the last ids that did not fill a row) and, while incomplete, ``resume``.
+``bad_records``, ``sources`` (each input file and how far it was read) and ``leftover`` (concat only:
+``ids``, the last ids that did not fill a row, and ``document_starts``, where documents begin in them).
 
 Reading shard 0 with plain numpy::
 
