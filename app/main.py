@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.routing import APIRoute
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -32,9 +33,17 @@ CLIENT_CLOSED_REQUEST = 499
 class RequestMetricsMiddleware:
     """Counts and times every HTTP request by route template (bounded labels), plain ASGI."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics, paths: frozenset[str]) -> None:
         self.app = app
         self.metrics = metrics
+        self.paths = paths  # every route's path: none has parameters, so the path is the template
+
+    def endpoint(self, scope: Scope) -> str:
+        """The route template; also for a request refused (401, 503) before routing ran."""
+        route = scope.get("route")
+        if route is not None:
+            return str(route.path)
+        return scope["path"] if scope["path"] in self.paths else "unmatched"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -59,8 +68,7 @@ class RequestMetricsMiddleware:
             raise
         finally:
             self.metrics.inflight.dec()
-            route = scope.get("route")
-            endpoint = getattr(route, "path", None) or "unmatched"
+            endpoint = self.endpoint(scope)
             self.metrics.requests.labels(endpoint, str(status)).inc()
             self.metrics.request_duration.labels(endpoint).observe(time.perf_counter() - started)
 
@@ -109,10 +117,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     install_error_handlers(app)
-    app.include_router(tokenize.router)
-    app.include_router(pack.router)
-    app.include_router(models.router)
-    app.include_router(health.router)
+    routers = (tokenize.router, pack.router, models.router, health.router)
+    for router in routers:
+        app.include_router(router)
+    paths = frozenset(route.path for router in routers for route in router.routes if isinstance(route, APIRoute))
     # Innermost first: the last middleware added sees a request first.
     app.add_middleware(
         RequestGuard,
@@ -123,7 +131,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if settings.api_keys:
         keys = ApiKeys([key.get_secret_value() for key in settings.api_keys])
         app.add_middleware(ApiKeyMiddleware, keys=keys)
-    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics, paths=paths)
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware,

@@ -416,6 +416,12 @@ def test_v1_needs_a_configured_key(guarded, authorization):
         assert API_KEYS[0] not in response.text
 
 
+def test_refusals_before_routing_are_counted_under_their_route(guarded):
+    before = guarded.metric("tokenizer_requests_total", endpoint="/v1/pack", status="401")
+    assert httpx.post(f"{guarded.url}/v1/pack", json={"texts": ["x"], "seq_len": 8}).status_code == 401
+    assert guarded.metric("tokenizer_requests_total", endpoint="/v1/pack", status="401") == before + 1
+
+
 def test_every_configured_key_works_and_probes_stay_open(guarded):
     for key in API_KEYS:
         answer = httpx.post(
