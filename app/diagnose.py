@@ -80,14 +80,14 @@ def local_server(model: Path, workers: int, timeout: float = 120.0) -> Iterator[
         deadline = time.monotonic() + timeout
         while True:
             if process.poll() is not None:
-                raise RuntimeError(f"the server exited with {process.returncode}; see {log.name}")
+                raise RuntimeError(f"the server exited with {process.returncode}:\n{Path(log.name).read_text()}")
             try:
                 if httpx.get(f"{url}/readyz", timeout=1.0).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the server was not ready after {timeout:.0f} s; see {log.name}")
+                raise RuntimeError(f"the server was not ready after {timeout:.0f} s:\n{Path(log.name).read_text()}")
             time.sleep(0.1)
         yield url, "bench"
     finally:
