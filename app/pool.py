@@ -161,17 +161,8 @@ class WorkerPool:
     def _changed(self) -> None:
         self.metrics.ready.set(1 if self.check() else 0)
 
-    def worker_pids(self) -> list[int]:
-        return self._main.worker_pids()
-
-    def all_worker_pids(self) -> list[int]:
-        return sorted(self._main.worker_pids() + self._seeded_sampler.worker_pids() + self._quarantine.worker_pids())
-
     def _deadline(self, units: int) -> float:
         return self.stall_timeout + units * STALL_SECONDS_PER_UNIT
-
-    async def ping(self) -> bool:
-        return await self._main.call(worker.ping, self.stall_timeout) == len(self.model_paths)
 
     async def _supervised(
         self, lane: Lane, ordinary: Callable[[], Result], isolated: Callable[[], Result], units: int

@@ -71,7 +71,7 @@ def sample_in_fresh_thread(
 
 
 def ping() -> int:
-    """Round trip used by readiness checks: answers the number of loaded models."""
+    """A round trip that starts a worker process and proves it loaded its models (their number)."""
     return len(_processors)
 
 

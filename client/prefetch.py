@@ -218,10 +218,6 @@ class _LoopThread:
         if self._thread.is_alive():
             raise RuntimeError(f"the prefetch thread did not stop within {STOP_TIMEOUT_S}s")
 
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
 
 class Prefetcher:
     """Iterator over batches tokenized in the background, in stream order; a context manager.
