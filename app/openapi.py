@@ -57,6 +57,7 @@ class PackAnswer(BaseModel):
     position_ids: list[list[int]]
     cu_seqlens: list[list[int]]
     leftover: list[int]
+    leftover_document_starts: list[int]
     stats: PackStatsAnswer
 
 

@@ -69,4 +69,5 @@ class PackRequest(_Body):
     add_bos: StrictBool = False
     add_eos: StrictBool = True
     carry: list[StrictInt] | None = None
+    carry_document_starts: list[StrictInt] | None = None
     mask_document_start: StrictBool = False

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterable, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -21,6 +21,7 @@ from client._protocol import (
     TokenizedBatch,
     accept_header,
     batch_from_response,
+    chunked,
     default_headers,
     detokenize_payload,
     dumps,
@@ -161,8 +162,11 @@ class AsyncTokenizerClient:
         mask_document_start: bool,
         format: Format = "binary",
         policy: RetryPolicy | None = None,
+        carry_document_starts: Sequence[int] | np.ndarray | None = None,
     ) -> tuple[PackedBatch, Answer]:
-        payload = pack_payload(texts, seq_len, strategy, model, add_bos, add_eos, carry, mask_document_start)
+        payload = pack_payload(
+            texts, seq_len, strategy, model, add_bos, add_eos, carry, mask_document_start, carry_document_starts
+        )
         answer = await self._request(
             "POST",
             "/v1/pack",
@@ -214,14 +218,37 @@ class AsyncTokenizerClient:
         add_bos: bool = False,
         add_eos: bool = True,
         carry: Sequence[int] | np.ndarray | None = None,
+        carry_document_starts: Sequence[int] | np.ndarray | None = None,
         mask_document_start: bool = False,
         format: Format = "binary",
     ) -> PackedBatch:
         """Tokenize and pack texts into rows of exactly `seq_len` tokens (see /v1/pack)."""
         packed, _ = await self._pack_answer(
-            texts, seq_len, strategy, model, add_bos, add_eos, carry, mask_document_start, format
+            texts,
+            seq_len,
+            strategy,
+            model,
+            add_bos,
+            add_eos,
+            carry,
+            mask_document_start,
+            format,
+            carry_document_starts=carry_document_starts,
         )
         return packed
+
+    async def pack_stream(
+        self, texts: Iterable[str], seq_len: int, *, texts_per_request: int = 256, **options: Any
+    ) -> AsyncIterator[PackedBatch]:
+        """`TokenizerClient.pack_stream` for asyncio: concat over several requests, carry threaded through."""
+        carry: np.ndarray | None = None
+        starts: np.ndarray | None = None
+        for chunk in chunked(texts, texts_per_request):
+            packed = await self.pack(
+                chunk, seq_len, strategy="concat", carry=carry, carry_document_starts=starts, **options
+            )
+            carry, starts = packed.leftover, packed.leftover_document_starts
+            yield packed
 
     async def detokenize(
         self, ids: Sequence[Sequence[int]] | Sequence[np.ndarray], *, model: str | None = None

@@ -21,6 +21,7 @@ from client._protocol import (
     TokenizedBatch,
     accept_header,
     batch_from_response,
+    chunked,
     default_headers,
     detokenize_payload,
     dumps,
@@ -49,17 +50,6 @@ __all__ = [
 ]
 
 JSON_HEADERS = {"content-type": "application/json"}
-
-
-def _chunks(items: Iterable[str], size: int) -> Iterator[list[str]]:
-    chunk: list[str] = []
-    for item in items:
-        chunk.append(item)
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
 
 
 class TokenizerClient:
@@ -190,11 +180,14 @@ class TokenizerClient:
         add_bos: bool = False,
         add_eos: bool = True,
         carry: Sequence[int] | np.ndarray | None = None,
+        carry_document_starts: Sequence[int] | np.ndarray | None = None,
         mask_document_start: bool = False,
         format: Format = "binary",
     ) -> PackedBatch:
         """Tokenize and pack texts into rows of exactly `seq_len` tokens (see /v1/pack)."""
-        payload = pack_payload(texts, seq_len, strategy, model, add_bos, add_eos, carry, mask_document_start)
+        payload = pack_payload(
+            texts, seq_len, strategy, model, add_bos, add_eos, carry, mask_document_start, carry_document_starts
+        )
         response, source = self._request(
             "POST", "/v1/pack", content=dumps(payload), headers={**JSON_HEADERS, "accept": accept_header(format)}
         )
@@ -212,9 +205,10 @@ class TokenizerClient:
         rows so far; after the last batch it is the stream's remainder, shorter than one row.
         """
         carry: np.ndarray | None = None
-        for chunk in _chunks(texts, texts_per_request):
-            packed = self.pack(chunk, seq_len, strategy="concat", carry=carry, **options)
-            carry = packed.leftover
+        starts: np.ndarray | None = None
+        for chunk in chunked(texts, texts_per_request):
+            packed = self.pack(chunk, seq_len, strategy="concat", carry=carry, carry_document_starts=starts, **options)
+            carry, starts = packed.leftover, packed.leftover_document_starts
             yield packed
 
     def detokenize(self, ids: Sequence[Sequence[int]] | Sequence[np.ndarray], *, model: str | None = None) -> list[str]:

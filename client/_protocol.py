@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
@@ -74,7 +74,8 @@ class PackedBatch:
     """Fixed-length training rows from /v1/pack, as numpy arrays.
 
     ``leftover`` is the tail of the token stream that did not fill a row (concat only): pass it as
-    ``carry`` to the next pack call so that no token is lost or repeated. From a prefetcher,
+    ``carry``, and ``leftover_document_starts`` as ``carry_document_starts``, to the next pack call so
+    that no token is lost or repeated and every document start stays a segment start. From a prefetcher,
     ``index`` is the batch's number in the stream and ``start`` the stream index of the first text
     with tokens in it (concat) or of the first text of the request its first row came from (best_fit).
     """
@@ -91,6 +92,7 @@ class PackedBatch:
     model_sha256: str | None
     index: int | None = None
     start: int | None = None
+    leftover_document_starts: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -166,6 +168,18 @@ def tokenize_payload(
     return payload
 
 
+def chunked(items: Iterable[str], size: int) -> Iterator[list[str]]:
+    """Consecutive lists of `size` items (the last may be shorter), read lazily."""
+    chunk: list[str] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
 def pack_payload(
     texts: Sequence[str],
     seq_len: int,
@@ -175,6 +189,7 @@ def pack_payload(
     add_eos: bool,
     carry: Sequence[int] | np.ndarray | None,
     mask_document_start: bool,
+    carry_document_starts: Sequence[int] | np.ndarray | None = None,
 ) -> dict[str, Any]:
     payload: dict[str, Any] = {
         "texts": texts if isinstance(texts, list) else list(texts),
@@ -188,6 +203,9 @@ def pack_payload(
         payload["model"] = model
     if carry is not None:
         payload["carry"] = carry.tolist() if isinstance(carry, np.ndarray) else list(carry)
+    if carry_document_starts is not None:
+        starts = carry_document_starts
+        payload["carry_document_starts"] = starts.tolist() if isinstance(starts, np.ndarray) else list(starts)
     return payload
 
 
@@ -246,6 +264,7 @@ def packed_from_response(response: httpx.Response) -> PackedBatch:
                 position_ids=frame["position_ids"],
                 cu_seqlens=wire.split_ragged(frame["cu_seqlens"], frame["cu_seqlens_offsets"]),
                 leftover=frame["leftover"],
+                leftover_document_starts=frame["leftover_document_starts"],
                 stats=meta["stats"],
                 model=meta["model"],
                 seq_len=meta["seq_len"],
@@ -264,6 +283,7 @@ def packed_from_response(response: httpx.Response) -> PackedBatch:
             position_ids=matrix("position_ids"),
             cu_seqlens=[np.asarray(row, dtype=np.int32) for row in document["cu_seqlens"]],
             leftover=np.asarray(document["leftover"], dtype=np.int32),
+            leftover_document_starts=np.asarray(document["leftover_document_starts"], dtype=np.int32),
             stats=document["stats"],
             model=document["model"],
             seq_len=seq_len,

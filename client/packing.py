@@ -70,6 +70,7 @@ class PackedRows:
     cu_seqlens: np.ndarray
     cu_seqlens_offsets: np.ndarray
     leftover: np.ndarray
+    leftover_document_starts: np.ndarray
     stats: PackStats
 
     @property
@@ -97,32 +98,39 @@ def pack_concat(
     seq_len: int,
     *,
     carry: npt.ArrayLike | None = None,
+    carry_document_starts: npt.ArrayLike | None = None,
     eos_id: int | None = None,
     mask_document_start: bool = False,
 ) -> PackedRows:
     """Cut ``carry + documents`` into rows of exactly ``seq_len`` tokens.
 
     Nothing is padded or dropped: what does not fill a last row is returned as
-    ``leftover`` for the caller to send back as ``carry``. The carry's first
-    token continues a document from an earlier request; with ``eos_id`` a new
-    document starts after each ``eos_id`` inside the carry. Segments start at
-    each row start and at each document start; ``position_ids`` restart there.
+    ``leftover``, with ``leftover_document_starts`` (where documents begin in
+    it), for the caller to send back as ``carry`` and ``carry_document_starts``:
+    then any sequence of calls gives the rows one call over the whole stream
+    gives. Without ``carry_document_starts`` the starts inside the carry are
+    guessed: after each ``eos_id`` in it, never at its first token. Segments
+    start at each row start and at each document start; ``position_ids``
+    restart there.
     """
     seq_len = _check_seq_len(seq_len)
     ids, offsets = _check_ragged(ids, offsets)
     carry_ids = np.empty(0, np.int32) if carry is None else _check_tokens(carry, "carry")
     eos = None if eos_id is None else _check_int(eos_id, "eos_id")
+    if carry_document_starts is not None:
+        carry_starts = _check_starts(carry_document_starts, carry_ids.size)
+    elif eos is not None:
+        carry_starts = np.flatnonzero(carry_ids[:-1] == eos) + 1
+    else:
+        carry_starts = np.empty(0, np.int64)
 
     stream = np.concatenate([carry_ids, ids])
     rows = stream.size // seq_len
     used = rows * seq_len
 
     lengths = np.diff(offsets)
-    doc_starts = offsets[:-1][lengths > 0] + carry_ids.size
-    if eos is not None:
-        carry_starts = np.flatnonzero(carry_ids[:-1] == eos) + 1
-        doc_starts = np.concatenate([carry_starts, doc_starts])
-    doc_starts = doc_starts[doc_starts < used]
+    all_starts = np.concatenate([carry_starts, offsets[:-1][lengths > 0] + carry_ids.size])
+    doc_starts = all_starts[all_starts < used]
     seg_starts = np.union1d(np.arange(rows, dtype=np.int64) * seq_len, doc_starts)
 
     seg_lengths = np.diff(np.append(seg_starts, used))
@@ -147,6 +155,7 @@ def pack_concat(
         cu_seqlens=cu_seqlens,
         cu_seqlens_offsets=cu_offsets,
         leftover=stream[used:].copy(),
+        leftover_document_starts=(all_starts[all_starts >= used] - used).astype(np.int32),
         stats=_stats(rows, seq_len, used, lengths.size, int(split.sum())),
     )
 
@@ -207,6 +216,7 @@ def pack_best_fit(
         cu_seqlens=cu_seqlens,
         cu_seqlens_offsets=cu_offsets,
         leftover=np.empty(0, np.int32),
+        leftover_document_starts=np.empty(0, np.int32),
         stats=_stats(rows, seq_len, total, lengths.size, int((lengths > seq_len).sum())),
     )
 
@@ -396,6 +406,13 @@ def _check_ragged(ids: npt.ArrayLike, offsets: npt.ArrayLike) -> tuple[np.ndarra
     if (np.diff(bounds) < 0).any():
         raise ValueError("offsets must be non-decreasing")
     return tokens, bounds
+
+
+def _check_starts(values: npt.ArrayLike, size: int) -> np.ndarray:
+    starts = _integer_array(values, "carry_document_starts").astype(np.int64, copy=False)
+    if starts.size and (starts[0] < 0 or starts[-1] >= size or (np.diff(starts) <= 0).any()):
+        raise ValueError(f"carry_document_starts must be increasing positions in the carry [0, {size})")
+    return starts
 
 
 def _check_lengths(lengths: npt.ArrayLike) -> np.ndarray:

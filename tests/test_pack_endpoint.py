@@ -84,6 +84,22 @@ def test_carry_continues_a_document(client, server):
         assert second.position_ids[0, 0] == 0  # a row start begins a segment
 
 
+@pytest.mark.parametrize("format", ["binary", "json"])
+@pytest.mark.parametrize("add_eos", [True, False])
+def test_pack_stream_gives_the_rows_of_one_request(client, documents, format, add_eos):
+    """Threading leftover and its document starts, many requests give what one request over all gives:
+    segments, positions and masked labels included (without EOS nothing marks a start in the carry)."""
+    texts = documents[:120]
+    options = {"model": "uni", "add_bos": True, "add_eos": add_eos, "mask_document_start": True, "format": format}
+    whole = client.pack(texts, 64, **options)
+    batches = list(client.pack_stream(texts, 64, texts_per_request=7, **options))
+    for name in ("input_ids", "labels", "position_ids"):
+        np.testing.assert_array_equal(np.concatenate([getattr(b, name) for b in batches]), getattr(whole, name))
+    assert [row.tolist() for b in batches for row in b.cu_seqlens] == [row.tolist() for row in whole.cu_seqlens]
+    assert batches[-1].leftover.tolist() == whole.leftover.tolist()
+    assert batches[-1].leftover_document_starts.tolist() == whole.leftover_document_starts.tolist()
+
+
 ERRORS = [
     ({"texts": ["a"], "seq_len": 1}, "seq_len", None),
     ({"texts": ["a"], "seq_len": 10**9}, "seq_len", None),
@@ -92,6 +108,9 @@ ERRORS = [
     ({"texts": ["a"], "seq_len": 64, "carry": [1, 2, 10**7]}, "carry", 2),
     ({"texts": ["a"], "seq_len": 64, "carry": [-3]}, "carry", 0),
     ({"texts": ["a"], "seq_len": 64, "strategy": "best_fit", "carry": [5]}, "carry", None),
+    ({"texts": ["a"], "seq_len": 64, "carry_document_starts": [0]}, "carry_document_starts", None),
+    ({"texts": ["a"], "seq_len": 64, "carry": [5, 6], "carry_document_starts": [1, 1]}, "carry_document_starts", 1),
+    ({"texts": ["a"], "seq_len": 64, "carry": [5, 6], "carry_document_starts": [2]}, "carry_document_starts", 0),
     ({"texts": ["a", 5], "seq_len": 64}, "texts", 1),
 ]
 

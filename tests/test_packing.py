@@ -141,44 +141,34 @@ def requests(draw: st.DrawFn) -> list[list[list[int]]]:
 
 
 @PROPERTY
-@given(
-    calls=requests(),
-    seq_len=st.integers(1, 16),
-    use_eos=st.booleans(),
-    mask=st.booleans(),
-)
-def test_concat_threads_every_token_through_carry(
-    calls: list[list[list[int]]], seq_len: int, use_eos: bool, mask: bool
-) -> None:
+@given(calls=requests(), seq_len=st.integers(1, 16), mask=st.booleans())
+def test_concat_threads_every_token_through_carry(calls: list[list[list[int]]], seq_len: int, mask: bool) -> None:
+    """Calls threading leftover and its document starts give exactly the rows of one call over everything."""
     all_docs = [doc for call in calls for doc in call]
-    global_starts = set(doc_starts(all_docs))
-    emitted: list[int] = []
+    whole = pack_concat(*ragged(all_docs), seq_len, mask_document_start=mask)
+    starts = {s for s in doc_starts(all_docs) if s < whole.num_rows * seq_len}
+    for row in range(whole.num_rows):  # the one-call packing against document starts found here
+        expected = {0} | {s - row * seq_len for s in starts if s // seq_len == row}
+        assert {start for start, _ in segments(whole, row)} == expected
+    check_row_structure(whole, seq_len)
+    check_labels(whole, {(s // seq_len, s % seq_len) for s in starts}, mask)
+
+    done = 0
     carry = np.empty(0, dtype=np.int32)
+    carry_starts = np.empty(0, dtype=np.int32)
     for docs in calls:
         ids, offsets = ragged(docs)
-        base = len(emitted)
         stream_len = carry.size + ids.size
         packed = pack_concat(
-            ids,
-            offsets,
-            seq_len,
-            carry=carry,
-            eos_id=EOS if use_eos else None,
-            mask_document_start=mask,
+            ids, offsets, seq_len, carry=carry, carry_document_starts=carry_starts, mask_document_start=mask
         )
         rows = stream_len // seq_len
         assert packed.num_rows == rows
         check_row_structure(packed, seq_len)
-        assert all(packed.row_cu_seqlens(r)[-1] == seq_len for r in range(rows))
-
-        own_starts = {carry.size + s for s in doc_starts(docs)}
-        carry_starts = {s - base for s in global_starts if 0 < s - base < carry.size}
-        starts = own_starts | (carry_starts if use_eos else set())
-        in_rows = {s for s in starts if s < rows * seq_len}
         for row in range(rows):
-            expected = {0} | {s - row * seq_len for s in in_rows if s // seq_len == row}
-            assert {start for start, _ in segments(packed, row)} == expected
-        check_labels(packed, {(s // seq_len, s % seq_len) for s in in_rows}, mask)
+            for name in ("input_ids", "labels", "position_ids"):
+                np.testing.assert_array_equal(getattr(packed, name)[row], getattr(whole, name)[done + row], name)
+            np.testing.assert_array_equal(packed.row_cu_seqlens(row), whole.row_cu_seqlens(done + row))
 
         position = carry.size
         split = 0
@@ -189,11 +179,28 @@ def test_concat_threads_every_token_through_carry(
         assert packed.stats.documents == len(docs)
         assert packed.stats.documents_split == split
         assert packed.stats.padding_tokens == 0
-
         assert packed.leftover.size == stream_len - rows * seq_len
-        emitted.extend(packed.input_ids.reshape(-1).tolist())
-        carry = packed.leftover
-    assert emitted + carry.tolist() == [t for doc in all_docs for t in doc]
+        done += rows
+        carry, carry_starts = packed.leftover, packed.leftover_document_starts
+    assert done == whole.num_rows
+    assert carry.tolist() == whole.leftover.tolist()
+    assert carry_starts.tolist() == whole.leftover_document_starts.tolist()
+
+
+def test_concat_without_carry_starts_guesses_them_from_eos() -> None:
+    """The fallback for callers that keep only the leftover: a document starts after each EOS in the carry."""
+    carry = np.array([7, EOS, 8, 9, EOS, 5], dtype=np.int32)
+    ids, offsets = ragged([[6, EOS]])
+    guessed = pack_concat(ids, offsets, 4, carry=carry, eos_id=EOS)
+    assert guessed.row_cu_seqlens(0).tolist() == [0, 2, 4]
+    assert guessed.row_cu_seqlens(1).tolist() == [0, 1, 2, 4]
+    told = pack_concat(ids, offsets, 4, carry=carry, carry_document_starts=[0, 2, 5])
+    assert told.row_cu_seqlens(0).tolist() == [0, 2, 4]
+    assert told.row_cu_seqlens(1).tolist() == [0, 1, 2, 4]
+    with pytest.raises(ValueError, match="carry_document_starts"):
+        pack_concat(ids, offsets, 4, carry=carry, carry_document_starts=[2, 2])
+    with pytest.raises(ValueError, match="carry_document_starts"):
+        pack_concat(ids, offsets, 4, carry=carry, carry_document_starts=[6])
 
 
 def distinct_docs(lengths: list[int]) -> list[list[int]]:

@@ -34,6 +34,7 @@ def padding_id(info: ModelInfo) -> int:
 def check_pack_request(body: PackRequest, info: ModelInfo, max_seq_len: int) -> np.ndarray | None:
     if not 2 <= body.seq_len <= max_seq_len:
         raise InvalidField(f"seq_len must be between 2 and {max_seq_len}, got {body.seq_len}", field="seq_len")
+    check_carry_starts(body)
     if body.carry is None:
         return None
     if body.strategy != "concat":
@@ -48,6 +49,24 @@ def check_pack_request(body: PackRequest, info: ModelInfo, max_seq_len: int) -> 
     return np.asarray(body.carry, dtype=np.int32)
 
 
+def check_carry_starts(body: PackRequest) -> None:
+    starts = body.carry_document_starts
+    if starts is None:
+        return
+    if body.carry is None:
+        raise InvalidField("carry_document_starts needs the carry it describes", field="carry_document_starts")
+    previous = -1
+    for position, start in enumerate(starts):
+        if not previous < start < len(body.carry):
+            raise InvalidField(
+                f"carry_document_starts[{position}] is {start}: starts must increase and lie in the carry "
+                f"[0, {len(body.carry)})",
+                field="carry_document_starts",
+                index=position,
+            )
+        previous = start
+
+
 def packed_content(info: ModelInfo, body: PackRequest, packed: PackedRows) -> dict[str, Any]:
     return {
         "model": info.name,
@@ -58,6 +77,7 @@ def packed_content(info: ModelInfo, body: PackRequest, packed: PackedRows) -> di
         "position_ids": packed.position_ids,
         "cu_seqlens": split_ragged(packed.cu_seqlens, packed.cu_seqlens_offsets),
         "leftover": packed.leftover,
+        "leftover_document_starts": packed.leftover_document_starts,
         "stats": packed.stats.as_dict(),
     }
 
@@ -82,6 +102,7 @@ async def pack(request: Request, service: ServiceDep) -> Response:
             batch.offsets,
             body.seq_len,
             carry=carry,
+            carry_document_starts=body.carry_document_starts,
             eos_id=eos_id,
             mask_document_start=body.mask_document_start,
         )
@@ -107,6 +128,7 @@ async def pack(request: Request, service: ServiceDep) -> Response:
             "cu_seqlens": packed.cu_seqlens,
             "cu_seqlens_offsets": packed.cu_seqlens_offsets,
             "leftover": packed.leftover,
+            "leftover_document_starts": packed.leftover_document_starts,
         }
         meta = {"model": info.name, "seq_len": body.seq_len, "strategy": body.strategy, "stats": packed.stats.as_dict()}
         return binary_response(arrays, meta, headers)
