@@ -21,6 +21,7 @@ from client._protocol import (
     TokenizedBatch,
     accept_header,
     batch_from_response,
+    check_replica_models,
     chunked,
     default_headers,
     detokenize_payload,
@@ -264,6 +265,14 @@ class AsyncTokenizerClient:
         answer = await self._request("GET", "/v1/models")
         document: dict[str, Any] = loads(answer.response.content)
         return document
+
+    async def check_replicas(self) -> dict[str, Any]:
+        """Ask every replica for /v1/models and raise ModelMismatchError unless they all serve the same files."""
+        self._ensure_open()
+        asked = [self._send(replica, "GET", "/v1/models") for replica in range(len(self.urls))]
+        responses = await asyncio.gather(*asked)
+        answers = [(url, loads(response.content)) for url, response in zip(self.urls, responses, strict=True)]
+        return check_replica_models(self._fingerprints, answers)
 
     async def ready(self) -> bool:
         """Whether any replica says it is ready; one probe each, no retry."""

@@ -21,6 +21,7 @@ from client._protocol import (
     TokenizedBatch,
     accept_header,
     batch_from_response,
+    check_replica_models,
     chunked,
     default_headers,
     detokenize_payload,
@@ -230,17 +231,10 @@ class TokenizerClient:
         Returns the first replica's /v1/models answer.
         """
         self._ensure_open()
-        answers: list[tuple[str, dict[str, Any]]] = []
-        for replica, url in enumerate(self.urls):
-            answers.append((url, loads(self._send(replica, "GET", "/v1/models").content)))
-        for url, document in answers:
-            default = document.get("default")
-            for info in document.get("models", []):
-                requested = info["name"]
-                self._fingerprints.check(info["name"], info.get("sha256"), url, requested=requested)
-            if default is not None:
-                self._fingerprints.check(default, None, url, requested=None)
-        return answers[0][1]
+        answers = [
+            (url, loads(self._send(replica, "GET", "/v1/models").content)) for replica, url in enumerate(self.urls)
+        ]
+        return check_replica_models(self._fingerprints, answers)
 
     def ready(self) -> bool:
         """Whether any replica says it is ready (models loaded, workers answering); one probe each, no retry."""

@@ -168,6 +168,19 @@ def tokenize_payload(
     return payload
 
 
+def check_replica_models(fingerprints: ModelFingerprints, answers: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Raise ModelMismatchError unless every replica's /v1/models names the same files and default.
+
+    `answers` are (url, /v1/models document) for every replica; returns the first document.
+    """
+    for url, document in answers:
+        for info in document.get("models", []):
+            fingerprints.check(info["name"], info.get("sha256"), url, requested=info["name"])
+        if (default := document.get("default")) is not None:
+            fingerprints.check(default, None, url, requested=None)
+    return answers[0][1]
+
+
 def chunked(items: Iterable[str], size: int) -> Iterator[list[str]]:
     """Consecutive lists of `size` items (the last may be shorter), read lazily."""
     chunk: list[str] = []

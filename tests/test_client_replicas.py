@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from client import (
+    AsyncTokenizerClient,
     ModelMismatchError,
     PrefetchError,
     RetryPolicy,
@@ -95,6 +97,13 @@ def test_replicas_serving_different_files_under_one_name_raise(server: Server, i
                 client.tokenize(["a text"], model="uni")
         with pytest.raises(ModelMismatchError, match="sha256"):
             client.check_replicas()
+
+    async def check_asynchronously() -> None:
+        async with AsyncTokenizerClient([server.url, impostor.url]) as client:
+            await client.check_replicas()
+
+    with pytest.raises(ModelMismatchError, match="sha256"):
+        asyncio.run(check_asynchronously())
     with TokenizerClient([server.url, impostor.url]) as client:
         with pytest.raises(PrefetchError) as caught:
             list(client.prefetch(documents[:200], batch_size=20, model="uni"))
