@@ -25,6 +25,14 @@ class ModelInfo:
     unk_id: int
     sha256: str
 
+    @property
+    def padding_id(self) -> int:
+        """The pad id, else EOS, else 0: what best-fit packing pads with (padding is masked out of the labels)."""
+        for candidate in (self.pad_id, self.eos_id):
+            if candidate >= 0:
+                return candidate
+        return 0
+
     def as_dict(self) -> dict[str, str | int]:
         return {
             "name": self.name,

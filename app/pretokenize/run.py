@@ -168,9 +168,7 @@ def make_sink(out: OutputDir, metadata: dict[str, Any], sources: list[Source], m
     if metadata["strategy"] == "concat":
         position = resume_position(sources) if metadata["shards"] else None
         return ConcatShards(out, metadata, sources, position)
-    from app.routes.pack import padding_id  # the same padding as /v1/pack (imports the web app: only here)
-
-    return BestFitShards(out, metadata, sources, padding_id(model))
+    return BestFitShards(out, metadata, sources, model.padding_id)  # the same padding as /v1/pack
 
 
 def open_output(out: OutputDir, wanted: dict[str, Any]) -> tuple[dict[str, Any], bool]:

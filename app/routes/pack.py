@@ -23,14 +23,6 @@ from client.wire import split_ragged
 router = APIRouter(prefix="/v1", tags=["pack"])
 
 
-def padding_id(info: ModelInfo) -> int:
-    """The model's pad id, else its EOS, else 0 (padding is masked out of the labels anyway)."""
-    for candidate in (info.pad_id, info.eos_id):
-        if candidate >= 0:
-            return candidate
-    return 0
-
-
 def check_pack_request(body: PackRequest, info: ModelInfo, max_seq_len: int) -> np.ndarray | None:
     if not 2 <= body.seq_len <= max_seq_len:
         raise InvalidField(f"seq_len must be between 2 and {max_seq_len}, got {body.seq_len}", field="seq_len")
@@ -112,7 +104,7 @@ async def pack(request: Request, service: ServiceDep) -> Response:
             batch.ids,
             batch.offsets,
             body.seq_len,
-            pad_id=padding_id(info),
+            pad_id=info.padding_id,
             mask_document_start=body.mask_document_start,
         )
     service.metrics.texts.labels(info.name).inc(len(body.texts))
