@@ -219,7 +219,45 @@ class _LoopThread:
             raise RuntimeError(f"the prefetch thread did not stop within {STOP_TIMEOUT_S}s")
 
 
-class Prefetcher:
+class _Prefetching:
+    """What Prefetcher and AsyncPrefetcher share: where the stream stands, what is ready, what they report."""
+
+    _pipeline: _Pipeline
+
+    def __init__(self, options: PrefetchOptions, resume: Resume) -> None:
+        self.options = options
+        self._state = state_dict(options, resume.position, resume.batches, resume.model, resume.model_sha256)
+        self._next_index = resume.batches
+        self._ready: deque[Delivery] = deque()
+        self._source_error: BaseException | None = None
+        self._exhausted = False
+        self._closed = False
+
+    def _hand_out(self, delivery: Delivery, started: float) -> Batch:
+        self._state = delivery.state
+        self._next_index += 1
+        self._pipeline.recorder.delivered(delivery.texts, delivery.tokens, time.perf_counter() - started)
+        return delivery.batch
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def stats(self) -> PrefetchStats:
+        return self._pipeline.recorder.snapshot()
+
+    @property
+    def leftover(self) -> np.ndarray:
+        """Concat packing: the stream's last tokens that fill no row, once the stream has ended (else empty)."""
+        return self._pipeline.assembler.leftover
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able position after the last batch handed out; pass as ``state=`` to continue from there."""
+        return dict(self._state)
+
+
+class Prefetcher(_Prefetching):
     """Iterator over batches tokenized in the background, in stream order; a context manager.
 
     Made by ``TokenizerClient.prefetch``: see the module docstring. ``TokenizedBatch`` (ragged) or
@@ -236,15 +274,9 @@ class Prefetcher:
         state: dict[str, Any] | None = None,
     ) -> None:
         resume = Resume.from_state(state, options)
-        self.options = options
+        super().__init__(options, resume)
         self._reader = TextReader(texts, options.batch_size, resume.position.text)
-        self._state = state_dict(options, resume.position, resume.batches, resume.model, resume.model_sha256)
-        self._next_index = resume.batches
         self._pending: deque[tuple[Window | None, concurrent.futures.Future[list[Delivery]]]] = deque()
-        self._ready: deque[Delivery] = deque()
-        self._source_error: BaseException | None = None
-        self._exhausted = False
-        self._closed = False
         self._engine = _LoopThread(make_client, options, resume)
         self._pipeline = self._engine.pipeline
         self._finalizer = weakref.finalize(self, self._engine.close)
@@ -303,10 +335,7 @@ class Prefetcher:
         except BaseException:
             self.close()
             raise
-        self._state = delivery.state
-        self._next_index += 1
-        self._pipeline.recorder.delivered(delivery.texts, delivery.tokens, time.perf_counter() - started)
-        return delivery.batch
+        return self._hand_out(delivery, started)
 
     def close(self) -> None:
         """Stop the background work now: cancel requests in flight, close connections, join the thread."""
@@ -320,25 +349,8 @@ class Prefetcher:
         self._pipeline.recorder.ended()
         self._finalizer()
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
-    @property
-    def stats(self) -> PrefetchStats:
-        return self._pipeline.recorder.snapshot()
-
-    @property
-    def leftover(self) -> np.ndarray:
-        """Concat packing: the stream's last tokens that fill no row, once the stream has ended (else empty)."""
-        return self._pipeline.assembler.leftover
-
-    def state_dict(self) -> dict[str, Any]:
-        """JSON-able position after the last batch handed out; pass as ``state=`` to continue from there."""
-        return dict(self._state)
-
-
-class AsyncPrefetcher:
+class AsyncPrefetcher(_Prefetching):
     """``async for`` over batches tokenized ahead on the running event loop; ``async with`` closes it.
 
     Made by ``AsyncTokenizerClient.prefetch``; same behaviour, batches, stats and state as Prefetcher.
@@ -353,17 +365,11 @@ class AsyncPrefetcher:
         state: dict[str, Any] | None = None,
     ) -> None:
         resume = Resume.from_state(state, options)
-        self.options = options
+        super().__init__(options, resume)
         self._reader = AsyncTextReader(texts, options.batch_size, resume.position.text)
-        self._state = state_dict(options, resume.position, resume.batches, resume.model, resume.model_sha256)
-        self._next_index = resume.batches
         self._pipeline = _Pipeline(client, options, resume)
         self._pending: deque[tuple[Window | None, asyncio.Task[list[Delivery]]]] = deque()
-        self._ready: deque[Delivery] = deque()
-        self._source_error: BaseException | None = None
-        self._exhausted = False
         self._started = False
-        self._closed = False
 
     def __aiter__(self) -> AsyncPrefetcher:
         return self
@@ -418,10 +424,7 @@ class AsyncPrefetcher:
         except BaseException:
             await self.aclose()
             raise
-        self._state = delivery.state
-        self._next_index += 1
-        self._pipeline.recorder.delivered(delivery.texts, delivery.tokens, time.perf_counter() - started)
-        return delivery.batch
+        return self._hand_out(delivery, started)
 
     async def aclose(self) -> None:
         """Cancel the requests in flight and wait until they are gone."""
@@ -436,21 +439,6 @@ class AsyncPrefetcher:
         self._pipeline.recorder.ended()
         await self._pipeline.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
-    def stats(self) -> PrefetchStats:
-        return self._pipeline.recorder.snapshot()
-
-    @property
-    def leftover(self) -> np.ndarray:
-        return self._pipeline.assembler.leftover
-
-    def state_dict(self) -> dict[str, Any]:
-        return dict(self._state)
 
 
 def _cancel_pending(
