@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import numpy as np
 import pytest
 
-from client import TokenizerClient, TokenizerServiceError
+from client import AsyncTokenizerClient, TokenizerClient, TokenizerServiceError
 from client.packing import IGNORE_INDEX, pack_best_fit, pack_concat
 from client.wire import ragged_offsets
 from tests.conftest import Server
@@ -100,6 +102,59 @@ def test_pack_stream_gives_the_rows_of_one_request(client, documents, format, ad
     assert batches[-1].leftover_document_starts.tolist() == whole.leftover_document_starts.tolist()
 
 
+def boundary_texts(server: Server, documents: list[str], add_eos: bool) -> tuple[list[str], int]:
+    """Texts [a, b, a] and L = len(a): the first request's only row ends exactly where b begins, so its
+    leftover is b whole, a document starting at the carry's first token (the case the review found)."""
+    sp = server.processor("uni")
+    lengths = [len(ids) + add_eos for ids in sp.encode(documents[:40])]
+    a = max(range(40), key=lambda i: lengths[i])
+    b = min((i for i in range(40) if lengths[i] > 1), key=lambda i: lengths[i])
+    assert 1 < lengths[b] < lengths[a]
+    return [documents[a], documents[b], documents[a]], lengths[a]
+
+
+@pytest.mark.parametrize("format", ["binary", "json"])
+@pytest.mark.parametrize("add_eos", [True, False])
+def test_a_leftover_that_begins_a_document_keeps_its_start(client, server, documents, format, add_eos):
+    texts, seq_len = boundary_texts(server, documents, add_eos)
+    options = {"model": "uni", "add_eos": add_eos, "mask_document_start": True, "format": format}
+    whole = client.pack(texts, seq_len, **options)
+    first = client.pack(texts[:2], seq_len, **options)
+    assert len(first) == 1 and first.leftover_document_starts.tolist() == [0]
+    assert first.leftover_document_starts.dtype == np.int32
+    second = client.pack(
+        texts[2:], seq_len, carry=first.leftover, carry_document_starts=first.leftover_document_starts, **options
+    )
+    assert second.labels[0, 0] == IGNORE_INDEX and second.position_ids[0, 0] == 0
+    for name in ("input_ids", "labels", "position_ids"):
+        np.testing.assert_array_equal(getattr(second, name)[0], getattr(whole, name)[1], name)
+    assert second.cu_seqlens[0].tolist() == whole.cu_seqlens[1].tolist()
+    np.testing.assert_array_equal(second.leftover, whole.leftover)
+    np.testing.assert_array_equal(second.leftover_document_starts, whole.leftover_document_starts)
+    guessed = client.pack(texts[2:], seq_len, carry=first.leftover, **options)  # the fallback: a continuation
+    assert guessed.labels[0, 0] == first.leftover[0]
+
+
+def test_async_pack_stream_gives_the_rows_of_one_request(server, documents):
+    texts, seq_len = boundary_texts(server, documents, True)
+    texts = texts + documents[40:80]
+    options = {"model": "uni", "mask_document_start": True}
+    with TokenizerClient(server.url) as sync:
+        whole = sync.pack(texts, seq_len, **options)
+
+    async def main() -> list:
+        async with AsyncTokenizerClient(server.url) as client:
+            return [batch async for batch in client.pack_stream(iter(texts), seq_len, texts_per_request=2, **options)]
+
+    batches = asyncio.run(main())
+    assert len(batches) == len(range(0, len(texts), 2))
+    for name in ("input_ids", "labels", "position_ids"):
+        np.testing.assert_array_equal(np.concatenate([getattr(b, name) for b in batches]), getattr(whole, name))
+    assert [row.tolist() for b in batches for row in b.cu_seqlens] == [row.tolist() for row in whole.cu_seqlens]
+    np.testing.assert_array_equal(batches[-1].leftover, whole.leftover)
+    np.testing.assert_array_equal(batches[-1].leftover_document_starts, whole.leftover_document_starts)
+
+
 ERRORS = [
     ({"texts": ["a"], "seq_len": 1}, "seq_len", None),
     ({"texts": ["a"], "seq_len": 10**9}, "seq_len", None),
@@ -111,6 +166,19 @@ ERRORS = [
     ({"texts": ["a"], "seq_len": 64, "carry_document_starts": [0]}, "carry_document_starts", None),
     ({"texts": ["a"], "seq_len": 64, "carry": [5, 6], "carry_document_starts": [1, 1]}, "carry_document_starts", 1),
     ({"texts": ["a"], "seq_len": 64, "carry": [5, 6], "carry_document_starts": [2]}, "carry_document_starts", 0),
+    ({"texts": ["a"], "seq_len": 64, "carry": [5, 6], "carry_document_starts": [-1]}, "carry_document_starts", 0),
+    ({"texts": ["a"], "seq_len": 64, "carry": [5, 6], "carry_document_starts": [1, 0]}, "carry_document_starts", 1),
+    ({"texts": ["a"], "seq_len": 64, "carry": [5], "carry_document_starts": ["0"]}, "carry_document_starts", 0),
+    (
+        {"texts": ["a"], "seq_len": 64, "strategy": "best_fit", "carry": [5], "carry_document_starts": [0]},
+        "carry_document_starts",
+        None,
+    ),
+    (
+        {"texts": ["a"], "seq_len": 64, "strategy": "best_fit", "carry_document_starts": []},
+        "carry_document_starts",
+        None,
+    ),
     ({"texts": ["a", 5], "seq_len": 64}, "texts", 1),
 ]
 

@@ -140,12 +140,25 @@ def requests(draw: st.DrawFn) -> list[list[list[int]]]:
     return [docs[a:b] for a, b in pairwise(bounds)]
 
 
+# The review's case: the first call's row ends exactly where a document begins, so the leftover
+# starts with that document, whose first label must still be masked in the second call.
+BOUNDARY_CALLS = [[[5, 6, 7, EOS], [8, 9, EOS]], [[10, 11, 12, 13, 14, EOS]]]
+
+
 @PROPERTY
-@given(calls=requests(), seq_len=st.integers(1, 16), mask=st.booleans())
-def test_concat_threads_every_token_through_carry(calls: list[list[list[int]]], seq_len: int, mask: bool) -> None:
-    """Calls threading leftover and its document starts give exactly the rows of one call over everything."""
+@given(calls=requests(), seq_len=st.integers(1, 16), mask=st.booleans(), use_eos=st.booleans())
+@example(calls=BOUNDARY_CALLS, seq_len=4, mask=True, use_eos=True)
+@example(calls=BOUNDARY_CALLS, seq_len=4, mask=True, use_eos=False)
+def test_concat_threads_every_token_through_carry(
+    calls: list[list[list[int]]], seq_len: int, mask: bool, use_eos: bool
+) -> None:
+    """Calls threading leftover and its document starts give exactly the rows of one call over everything,
+    whether documents end in EOS or not. eos_id is passed as /v1/pack passes it: told starts win over it."""
+    if not use_eos:  # documents with no EOS: nothing in a carry marks where one begins
+        calls = [[[t for t in doc if t != EOS] for doc in docs] for docs in calls]
+    eos_id = EOS if use_eos else None
     all_docs = [doc for call in calls for doc in call]
-    whole = pack_concat(*ragged(all_docs), seq_len, mask_document_start=mask)
+    whole = pack_concat(*ragged(all_docs), seq_len, eos_id=eos_id, mask_document_start=mask)
     starts = {s for s in doc_starts(all_docs) if s < whole.num_rows * seq_len}
     for row in range(whole.num_rows):  # the one-call packing against document starts found here
         expected = {0} | {s - row * seq_len for s in starts if s // seq_len == row}
@@ -160,7 +173,13 @@ def test_concat_threads_every_token_through_carry(calls: list[list[list[int]]], 
         ids, offsets = ragged(docs)
         stream_len = carry.size + ids.size
         packed = pack_concat(
-            ids, offsets, seq_len, carry=carry, carry_document_starts=carry_starts, mask_document_start=mask
+            ids,
+            offsets,
+            seq_len,
+            carry=carry,
+            carry_document_starts=carry_starts,
+            eos_id=eos_id,
+            mask_document_start=mask,
         )
         rows = stream_len // seq_len
         assert packed.num_rows == rows
@@ -187,20 +206,47 @@ def test_concat_threads_every_token_through_carry(calls: list[list[list[int]]], 
     assert carry_starts.tolist() == whole.leftover_document_starts.tolist()
 
 
+def test_a_carry_that_begins_a_document_keeps_its_start() -> None:
+    """The review's example: [8, 9, EOS] left over begins a document; told so, its first label is masked."""
+    first = pack_concat(*ragged(BOUNDARY_CALLS[0]), 4, eos_id=EOS, mask_document_start=True)
+    assert first.leftover.tolist() == [8, 9, EOS]
+    assert first.leftover_document_starts.tolist() == [0]
+    ids, offsets = ragged(BOUNDARY_CALLS[1])
+    told = pack_concat(
+        ids,
+        offsets,
+        4,
+        carry=first.leftover,
+        carry_document_starts=first.leftover_document_starts,
+        eos_id=EOS,
+        mask_document_start=True,
+    )
+    assert told.labels[0].tolist() == [IGNORE_INDEX, 9, EOS, IGNORE_INDEX]
+    assert told.row_cu_seqlens(0).tolist() == [0, 3, 4]
+    assert told.leftover_document_starts.tolist() == []
+    guessed = pack_concat(ids, offsets, 4, carry=first.leftover, eos_id=EOS, mask_document_start=True)
+    assert guessed.labels[0].tolist() == [8, 9, EOS, IGNORE_INDEX]  # the fallback's blind spot
+
+
 def test_concat_without_carry_starts_guesses_them_from_eos() -> None:
-    """The fallback for callers that keep only the leftover: a document starts after each EOS in the carry."""
+    """The fallback for callers that keep only the leftover: a document starts after each EOS in the carry,
+    never at its first token; without an EOS id the carry is one segment."""
     carry = np.array([7, EOS, 8, 9, EOS, 5], dtype=np.int32)
     ids, offsets = ragged([[6, EOS]])
-    guessed = pack_concat(ids, offsets, 4, carry=carry, eos_id=EOS)
+    guessed = pack_concat(ids, offsets, 4, carry=carry, eos_id=EOS, mask_document_start=True)
     assert guessed.row_cu_seqlens(0).tolist() == [0, 2, 4]
     assert guessed.row_cu_seqlens(1).tolist() == [0, 1, 2, 4]
-    told = pack_concat(ids, offsets, 4, carry=carry, carry_document_starts=[0, 2, 5])
+    assert guessed.labels[0].tolist() == [7, EOS, IGNORE_INDEX, 9]
+    told = pack_concat(ids, offsets, 4, carry=carry, carry_document_starts=[0, 2, 5], mask_document_start=True)
     assert told.row_cu_seqlens(0).tolist() == [0, 2, 4]
     assert told.row_cu_seqlens(1).tolist() == [0, 1, 2, 4]
-    with pytest.raises(ValueError, match="carry_document_starts"):
-        pack_concat(ids, offsets, 4, carry=carry, carry_document_starts=[2, 2])
-    with pytest.raises(ValueError, match="carry_document_starts"):
-        pack_concat(ids, offsets, 4, carry=carry, carry_document_starts=[6])
+    assert told.labels[0].tolist() == [IGNORE_INDEX, EOS, IGNORE_INDEX, 9]
+    blind = pack_concat(ids, offsets, 4, carry=carry)
+    assert blind.row_cu_seqlens(0).tolist() == [0, 4]
+    assert blind.row_cu_seqlens(1).tolist() == [0, 2, 4]
+    for bad in ([2, 2], [3, 1], [6], [-1]):
+        with pytest.raises(ValueError, match="carry_document_starts"):
+            pack_concat(ids, offsets, 4, carry=carry, carry_document_starts=bad)
 
 
 def distinct_docs(lengths: list[int]) -> list[list[int]]:

@@ -42,9 +42,14 @@ def check_pack_request(body: PackRequest, info: ModelInfo, max_seq_len: int) -> 
 
 
 def check_carry_starts(body: PackRequest) -> None:
+    """Positions in the carry where documents begin: what makes many requests pack like one."""
     starts = body.carry_document_starts
     if starts is None:
         return
+    if body.strategy != "concat":
+        raise InvalidField(
+            "carry_document_starts is only meaningful with strategy 'concat'", field="carry_document_starts"
+        )
     if body.carry is None:
         raise InvalidField("carry_document_starts needs the carry it describes", field="carry_document_starts")
     previous = -1
