@@ -1,24 +1,22 @@
-"""What the pool lets in: a bound on the texts waiting for a worker, and texts known to be poison."""
+"""What the server lets in: a bound on the bytes requests hold, and texts known to be poison."""
 
 from __future__ import annotations
 
 import hashlib
 from collections import Counter, OrderedDict
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from app.errors import Overloaded
 from app.metrics import Metrics
 
-RETRY_AFTER_SECONDS = "1"
 POISON_MEMORY = 256
 
 
 class Admission:
-    """Counts texts admitted to the worker pool until their chunk is done; refuses work beyond `limit`.
+    """Counts the body bytes of requests admitted and not yet answered; refuses work beyond `limit`.
 
-    A request is refused whole and at once (503), so memory and waiting stay bounded; an idle pool
-    takes any request, so a limit below --max-texts cannot lock a large request out for good.
+    A request is refused whole and at once (503), before its body is read when it declares its
+    length, so memory and waiting stay bounded; an idle server takes any request the body limit
+    allows, so a budget below --max-request-bytes cannot lock a large request out for good.
     """
 
     def __init__(self, limit: int | None, metrics: Metrics) -> None:
@@ -26,47 +24,19 @@ class Admission:
         self.queued = 0
         self._metrics = metrics
 
-    def admit(self, count: int) -> None:
-        if self.limit is not None and self.queued and self.queued + count > self.limit:
+    def admit(self, size: int) -> None:
+        if self.limit is not None and self.queued and self.queued + size > self.limit:
             self._metrics.rejected_requests.labels("queue").inc()
             raise Overloaded(
-                f"{self.queued} texts are waiting for a tokenizer worker; {count} more would exceed the limit "
-                f"of {self.limit}; retry later",
-                headers={"Retry-After": RETRY_AFTER_SECONDS},
+                f"{self.queued} bytes of requests are waiting for a tokenizer worker; {size} more would exceed "
+                f"the limit of {self.limit}; retry later"
             )
-        self.queued += count
-        self._metrics.queued_texts.set(self.queued)
+        self.queued += size
+        self._metrics.queued_bytes.set(self.queued)
 
-    def release(self, count: int) -> None:
-        self.queued -= count
-        self._metrics.queued_texts.set(self.queued)
-
-    @contextmanager
-    def holding(self, count: int) -> Iterator[Held]:
-        """Admit `count` texts for a block that releases them chunk by chunk as they finish.
-
-        What the block has not released when it ends is released then: a request cancelled before
-        some of its chunks ever ran (a timeout, a hang-up) must not leave them counted for good.
-        """
-        self.admit(count)
-        held = Held(self, count)
-        try:
-            yield held
-        finally:
-            held.release(held.remaining)
-
-
-class Held:
-    """Texts admitted for one request and not yet released."""
-
-    def __init__(self, admission: Admission, count: int) -> None:
-        self._admission = admission
-        self.remaining = count
-
-    def release(self, count: int) -> None:
-        count = min(count, self.remaining)
-        self.remaining -= count
-        self._admission.release(count)
+    def release(self, size: int) -> None:
+        self.queued -= size
+        self._metrics.queued_bytes.set(self.queued)
 
 
 def _digest(text: str) -> bytes:
@@ -87,11 +57,14 @@ class PoisonMemory:
         self._lengths: Counter[int] = Counter()
 
     def add(self, model: str, text: str) -> None:
-        key = (model, _digest(text))
+        self.add_digest(model, _digest(text), len(text))
+
+    def add_digest(self, model: str, digest: bytes, length: int) -> None:
+        key = (model, digest)
         if key in self._known:
             return
-        self._known[key] = len(text)
-        self._lengths[len(text)] += 1
+        self._known[key] = length
+        self._lengths[length] += 1
         if len(self._known) > self.capacity:
             _, length = self._known.popitem(last=False)
             self._lengths[length] -= 1

@@ -9,10 +9,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Receive, Scope, Send
-
-from app.errors import Unauthorized, send_error
+from starlette.types import Scope
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 
@@ -53,29 +50,3 @@ def bearer_token(authorization: str | None) -> str | None:
     if scheme.lower() != "bearer" or not token.strip():
         return None
     return token.strip()
-
-
-class ApiKeyMiddleware:
-    """Plain ASGI: refuses a request without a configured key (401) before its body is read."""
-
-    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
-        self.app = app
-        self.keys = keys
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or route_path(scope) in OPEN_PATHS:
-            await self.app(scope, receive, send)
-            return
-        token = bearer_token(Headers(scope=scope).get("authorization"))
-        if token is not None and self.keys.accepts(token):
-            await self.app(scope, receive, send)
-            return
-        if token is None:
-            error = Unauthorized(
-                "this endpoint needs an API key: send `Authorization: Bearer <key>`",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        else:
-            invalid = {"WWW-Authenticate": 'Bearer error="invalid_token"'}
-            error = Unauthorized("the API key is not valid", headers=invalid)
-        await send_error(error, scope, receive, send)

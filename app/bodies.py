@@ -1,4 +1,4 @@
-"""Reading request bodies: size limit before parsing, orjson on the fast path, errors that say where."""
+"""Parsing request bodies (in the workers): orjson on the fast path, errors that say where."""
 
 from __future__ import annotations
 
@@ -7,20 +7,20 @@ from typing import Any, TypeVar
 
 import orjson
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
 
 from app.errors import InvalidField, InvalidJSON, PayloadTooLarge
 
 Body = TypeVar("Body", bound=BaseModel)
 
 
-async def read_request(request: Request, model: type[Body], items: str, max_bytes: int, max_items: int) -> Body:
-    """Read, parse and validate a body whose list field `items` (texts, id rows) is capped at `max_items`.
+def parse_request(raw: bytes | bytearray | memoryview, model: type[Body], items: str, max_items: int) -> Body:
+    """Parse and validate a body whose list field `items` (texts, id rows) is capped at `max_items`.
 
-    Every refusal says where: 413 over either limit, 400 for bad JSON, 422 with the field and index
-    (a lone surrogate in a text included, which SentencePiece cannot take).
+    Runs in a worker process; the server checked the byte limit. Every refusal says where: 413 over
+    the item limit, 400 for bad JSON, 422 with the field and index (a lone surrogate in a text
+    included, which SentencePiece cannot take).
     """
-    document, lenient = parse_json(await read_body(request, max_bytes))
+    document, lenient = parse_json(raw)
     check_item_count(document, items, max_items)
     body = validate(model, document)
     texts = getattr(body, "texts", None)
@@ -42,22 +42,7 @@ def check_item_count(document: object, field: str, limit: int) -> None:
             raise PayloadTooLarge(f"{len(items)} {field} in one request exceed the limit of {limit}", field=field)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body, refusing (413) as soon as it is known to exceed `limit` bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def parse_json(raw: bytes) -> tuple[Any, bool]:
+def parse_json(raw: bytes | bytearray | memoryview) -> tuple[Any, bool]:
     """Parse with orjson; fall back to the stdlib only to explain what orjson refused.
 
     Returns the document and whether it came from the fallback (which, unlike orjson, lets lone
@@ -67,7 +52,7 @@ def parse_json(raw: bytes) -> tuple[Any, bool]:
         return orjson.loads(raw), False
     except orjson.JSONDecodeError as fast_error:
         try:
-            return json.loads(raw), True
+            return json.loads(bytes(raw)), True
         except UnicodeDecodeError as exc:
             raise InvalidJSON(f"request body is not valid UTF-8 (byte {exc.start})") from exc
         except ValueError:

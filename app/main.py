@@ -1,4 +1,4 @@
-"""Assemble the app: the lifespan builds registry, metrics and pool; routers do the rest."""
+"""Assemble the app: the edge serves the hot routes, FastAPI the rest; the lifespan starts the pool."""
 
 from __future__ import annotations
 
@@ -6,94 +6,53 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from starlette.middleware.cors import CORSMiddleware
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app import __version__
-from app.auth import ApiKeyMiddleware, ApiKeys
-from app.errors import install_error_handlers
-from app.guard import RequestGuard
+from app import __version__, memory
+from app.auth import ApiKeys
+from app.edge import Edge
+from app.http import install_error_handlers
+from app.jobs import Limits
 from app.metrics import Metrics
 from app.openapi import publish
 from app.pool import WorkerPool
 from app.registry import ModelRegistry
 from app.responses import MODEL_SHA256_HEADER
-from app.routes import health, models, pack, tokenize
+from app.routes import health, models, tokenize
 from app.settings import Settings
 from app.state import Service
 
 logger = logging.getLogger("tokenizer")
 
-CLIENT_CLOSED_REQUEST = 499
 
-
-class RequestMetricsMiddleware:
-    """Counts and times every HTTP request by route template (bounded labels), plain ASGI."""
-
-    def __init__(self, app: ASGIApp, metrics: Metrics, paths: frozenset[str]) -> None:
-        self.app = app
-        self.metrics = metrics
-        self.paths = paths  # every route's path: none has parameters, so the path is the template
-
-    def endpoint(self, scope: Scope) -> str:
-        """The route template; also for a request refused (401, 503) before routing ran."""
-        route = scope.get("route")
-        if route is not None:
-            return str(route.path)
-        return scope["path"] if scope["path"] in self.paths else "unmatched"
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        # A request that ends without an answer had its client hang up: nginx's 499. One that
-        # raises is answered 500 further out.
-        status = CLIENT_CLOSED_REQUEST
-        started = time.perf_counter()
-
-        async def send_with_status(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        self.metrics.inflight.inc()
-        try:
-            await self.app(scope, receive, send_with_status)
-        except Exception:
-            status = 500
-            raise
-        finally:
-            self.metrics.inflight.dec()
-            endpoint = self.endpoint(scope)
-            self.metrics.requests.labels(endpoint, str(status)).inc()
-            self.metrics.request_duration.labels(endpoint).observe(time.perf_counter() - started)
-
-
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None) -> Any:
+    """The ASGI app uvicorn runs: Edge(FastAPI), in CORS when origins are configured."""
     settings = settings or Settings()
     metrics = Metrics()
+    if settings.max_queued_texts is not None:
+        logger.warning("--max-queued-texts is deprecated and ignored: the server bounds bytes (--max-queued-bytes)")
+    memory.keep_freed_memory()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Service]]:
         registry = ModelRegistry.from_paths(settings.model_paths(), settings.default_model)
         for info in registry.models.values():
             metrics.model_info.labels(info.name, info.sha256, str(info.vocab_size)).set(1)
+        limits = Limits(
+            max_texts=settings.max_texts, max_seq_len=settings.max_seq_len, min_chunk_chars=settings.min_chunk_chars
+        )
+        served = list(registry.models.values())
         pool = WorkerPool(
-            registry.paths(),
-            settings.workers,
-            metrics,
-            settings.min_chunk_chars,
-            max_queued_texts=settings.queued_texts_limit,
-            stall_timeout=settings.stall_timeout,
-            model_sha256={name: info.sha256 for name, info in registry.models.items()},
+            served, registry.default, settings.workers, metrics, limits, stall_timeout=settings.stall_timeout
         )
         service = Service(settings=settings, registry=registry, metrics=metrics, pool=pool)
         started = time.perf_counter()
         await pool.start()
+        edge.open(pool, served)
         service.ready = True
         metrics.ready.set(1)
         logger.info(
@@ -108,6 +67,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             service.ready = False
             metrics.ready.set(0)
+            edge.accepting = False
             pool.close()
 
     app = FastAPI(
@@ -117,29 +77,29 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     install_error_handlers(app)
-    routers = (tokenize.router, pack.router, models.router, health.router)
+    routers = (tokenize.router, models.router, health.router)
     for router in routers:
         app.include_router(router)
     paths = frozenset(route.path for router in routers for route in router.routes if isinstance(route, APIRoute))
-    # Innermost first: the last middleware added sees a request first.
-    app.add_middleware(
-        RequestGuard,
+    publish(app, bearer_auth=bool(settings.api_keys))
+    keys = ApiKeys([key.get_secret_value() for key in settings.api_keys]) if settings.api_keys else None
+    edge = Edge(
+        app,
+        metrics=metrics,
+        keys=keys,
+        max_request_bytes=settings.max_request_bytes,
+        max_queued_bytes=settings.queued_bytes_limit,
         max_concurrent=settings.max_concurrent_requests,
         timeout=settings.request_timeout,
-        metrics=metrics,
+        paths=paths,
     )
-    if settings.api_keys:
-        keys = ApiKeys([key.get_secret_value() for key in settings.api_keys])
-        app.add_middleware(ApiKeyMiddleware, keys=keys)
-    app.add_middleware(RequestMetricsMiddleware, metrics=metrics, paths=paths)
-    if settings.cors_origins:
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=settings.cors_origins,
-            allow_methods=["GET", "POST"],
-            allow_headers=["Authorization", "Content-Type", "Accept"],
-            expose_headers=[MODEL_SHA256_HEADER, "Retry-After"],
-            max_age=600,
-        )
-    publish(app, bearer_auth=bool(settings.api_keys))
-    return app
+    if not settings.cors_origins:
+        return edge
+    return CORSMiddleware(
+        edge,
+        allow_origins=settings.cors_origins,
+        allow_methods=["GET", "POST"],
+        allow_headers=["Authorization", "Content-Type", "Accept"],
+        expose_headers=[MODEL_SHA256_HEADER, "Retry-After"],
+        max_age=600,
+    )

@@ -1,6 +1,6 @@
 """Every Prometheus metric the server exports, defined once, in a registry of the app's own.
 
-Workers never touch these: they send timings back with their results and the server process
+Workers never touch these: they send timings back with their answers and the server process
 records them, so /metrics is complete whatever the number of worker processes.
 """
 
@@ -35,7 +35,7 @@ class Metrics:
         )
         self.queue_wait = Histogram(
             "tokenizer_queue_wait_seconds",
-            "Time a chunk of work waited for a worker process.",
+            "Time a job waited for a worker process to start it.",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -50,7 +50,7 @@ class Metrics:
         self.inflight = Gauge("tokenizer_inflight_requests", "Requests being handled right now.", registry=r)
         self.workers = Gauge("tokenizer_workers", "Worker processes in the pool.", registry=r)
         self.worker_restarts = Counter(
-            "tokenizer_worker_restarts", "Times the worker pool was rebuilt after a worker died.", registry=r
+            "tokenizer_worker_restarts", "Worker processes restarted after one died.", registry=r
         )
         self.pack_padding_ratio = Histogram(
             "tokenizer_pack_padding_ratio",
@@ -63,9 +63,9 @@ class Metrics:
         )
         self.ready = Gauge("tokenizer_ready", "1 when models are loaded and the pool answers.", registry=r)
         # Reliability: backpressure, cancellation, worker crashes and poison input.
-        self.queued_texts = Gauge(
-            "tokenizer_queued_texts",
-            "Texts admitted to the worker pool and not yet tokenized (bounded by --max-queued-texts).",
+        self.queued_bytes = Gauge(
+            "tokenizer_queued_bytes",
+            "Body bytes of /v1 requests admitted and not yet answered (bounded by --max-queued-bytes).",
             registry=r,
         )
         self.rejected_requests = Counter(
@@ -82,14 +82,14 @@ class Metrics:
         )
         self.cancelled_chunks = Counter(
             "tokenizer_cancelled_chunks",
-            "Chunks of work withdrawn before a worker ran them, because their request was abandoned.",
+            "Jobs withdrawn before a worker ran them, because their request was abandoned.",
             registry=r,
         )
         self.chunk_retries = Counter(
-            "tokenizer_chunk_retries", "Chunks run again because a worker died while they were in flight.", registry=r
+            "tokenizer_chunk_retries", "Jobs run again because their worker died while running them.", registry=r
         )
         self.worker_stalls = Counter(
-            "tokenizer_worker_stalls", "Chunks that ran past their deadline; their workers were killed.", registry=r
+            "tokenizer_worker_stalls", "Jobs that ran past their deadline; their workers were killed.", registry=r
         )
         self.poison_inputs = Counter(
             "tokenizer_poison_inputs", "Requests refused (422) because a text killed or stalled a worker.", registry=r
@@ -100,11 +100,7 @@ class Metrics:
             self.cancelled_requests.labels(reason)
         self.rebuild_seconds = Histogram(
             "tokenizer_worker_rebuild_seconds",
-            "Time to replace a broken worker pool until its new workers answer.",
+            "Time from a worker's death until its replacement answers.",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-
-    def record_work(self, model: str, queue_wait: float, seconds: float) -> None:
-        self.queue_wait.observe(max(queue_wait, 0.0))
-        self.worker_seconds.labels(model).inc(seconds)

@@ -1,273 +1,231 @@
-"""The pool of SentencePiece worker processes: split a request over workers, reassemble in order.
+"""The worker pool: a request's body in, its answer's bytes out, with crashes and stalls survived.
 
-Reliability lives here too, as policy over app.lanes: a chunk whose worker died is run once more on
-the rebuilt pool; a chunk that fails again, or stalls, goes to quarantine, a process of its own
-that runs it text by text and so names the poison text (422) if there is one. Everyone else's
-chunks are retried, not failed.
+Two lanes of worker processes (app.workers): `workers` tokenizers, and one seeded sampler
+(sentencepiece 0.2.3 mixes per-process random state into its sampler, so a seed reproduces ids
+only within one process). A request goes to a tokenizer as raw bytes; a large one comes back
+split into chunks that run in parallel on the least busy workers (app.jobs, app.answers).
+
+Supervision, per job: a job whose worker died runs once more; one that dies again, or stalls,
+runs *carefully* (one text at a time, its position in shared memory), and if that worker dies
+too, the text it was on is poison: refused with its index (PoisonInput), remembered by every
+worker, and refused at once when sent again. Everyone else's jobs are retried, not failed.
+Only domain errors leave this module (app.errors); app.edge maps them to HTTP.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import hashlib
 import logging
-import multiprocessing
-import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from functools import partial
+import pickle
+import struct
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import numpy as np
+import orjson
 
-from app import quarantine, worker, worker_start
-from app.admission import Admission, PoisonMemory
-from app.errors import PoisonInput, Unavailable
-from app.lanes import Lane, WorkerCrashed, WorkerStalled
+from app import channel
+from app.answers import Answer, Part, join_detokenize, join_tokenize, read_done, read_part
+from app.errors import PoisonInput, ServiceError, Unavailable
+from app.jobs import CHUNK_HEAD, DETOKENIZE, PACK, REQUEST_HEAD, SPLIT_HEAD, Chunk, Limits
 from app.metrics import Metrics
-from client.wire import split_ragged
+from app.registry import ModelInfo
+from app.workers import Lane, Startup, WorkerCrashed
 
 logger = logging.getLogger("tokenizer.pool")
 
-Result = TypeVar("Result")
+T = TypeVar("T")
+Buffer = bytes | bytearray | memoryview
+Culprit = tuple[str, int | None, str | None]  # field, model index, text
 
-# A chunk may run this long per character (or id) on top of --stall-timeout before it counts as
+# A job may run this long per character (or id) on top of --stall-timeout before it counts as
 # stalled: 50 times what BPE needs on a busy core, so only a real hang ever reaches it.
 STALL_SECONDS_PER_UNIT = 10e-6
 DEFAULT_STALL_TIMEOUT = 15.0
-WATCHDOG_SECONDS = 0.5
-
-
-@dataclass(frozen=True)
-class Batch:
-    """Ragged ids of a whole request, in request order."""
-
-    ids: np.ndarray  # int32
-    offsets: np.ndarray  # int64, len(texts) + 1
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
-
-    def rows(self) -> list[np.ndarray]:
-        return split_ragged(self.ids, self.offsets)
-
-
-def chunk_bounds(sizes: np.ndarray, max_chunks: int, min_chunk_size: int) -> list[tuple[int, int]]:
-    """Split items with these sizes into at most `max_chunks` contiguous runs of similar total size.
-
-    A run is never smaller than `min_chunk_size` (unless it is the only one), so small requests stay
-    on one worker and pay one process round trip.
-    """
-    count = len(sizes)
-    if count == 0:
-        return []
-    total = int(sizes.sum())
-    chunks = max(1, min(max_chunks, count, total // max(min_chunk_size, 1)))
-    if chunks == 1:
-        return [(0, count)]
-    cumulative = np.cumsum(sizes)
-    targets = total * np.arange(1, chunks) / chunks
-    cuts = np.searchsorted(cumulative, targets, side="left") + 1
-    edges = sorted({0, count, *(int(c) for c in cuts if 0 < c < count)})
-    return list(itertools.pairwise(edges))
-
-
-def concat_batches(parts: list[worker.Encoded]) -> Batch:
-    if len(parts) == 1:
-        return Batch(parts[0].ids, parts[0].offsets)
-    ids = np.concatenate([part.ids for part in parts])
-    offsets = np.empty(sum(len(part.offsets) - 1 for part in parts) + 1, dtype=np.int64)
-    offsets[0] = 0
-    row, base = 1, 0
-    for part in parts:
-        rows = len(part.offsets) - 1
-        offsets[row : row + rows] = part.offsets[1:] + base
-        row += rows
-        base += int(part.offsets[-1])
-    return Batch(ids, offsets)
 
 
 class WorkerPool:
-    """Worker processes that each hold every model; the event loop only schedules and supervises.
-
-    Three lanes: `workers` processes for ordinary work; one for seeded sampling (sentencepiece
-    0.2.3 mixes per-process random state into its sampler, so a seed reproduces ids only within one
-    process); and quarantine, started on first need, which runs suspect chunks one at a time.
-    """
-
     def __init__(
         self,
-        model_paths: dict[str, str],
+        models: Sequence[ModelInfo],
+        default: str,
         workers: int,
         metrics: Metrics,
-        min_chunk_chars: int,
+        limits: Limits,
         *,
-        max_queued_texts: int | None = None,
         stall_timeout: float = DEFAULT_STALL_TIMEOUT,
-        model_sha256: dict[str, str] | None = None,
     ) -> None:
-        """`model_sha256`: what each model file must still hold whenever a worker (re)starts."""
-        self.model_paths = model_paths
+        self.models = list(models)
+        self.default = default
         self.size = workers
         self.metrics = metrics
-        self.min_chunk_chars = min_chunk_chars
-        self.stall_timeout = stall_timeout
-        self.admission = Admission(max_queued_texts, metrics)
-        self.poison = PoisonMemory()
-        startup = (model_paths, model_sha256)
-        self._main = Lane("tokenizer", workers, worker_start.start, startup, metrics, on_change=self._changed)
-        self._seeded_sampler = Lane("seeded-sampler", 1, worker_start.start, startup, metrics, on_change=self._changed)
-        # Which text the quarantine process is on: shared memory it writes and the server reads.
-        self._progress = multiprocessing.get_context("spawn").RawValue("q", -1)
-        self._watchdog: asyncio.Future[None] | None = None
-        self._quarantine = Lane("quarantine", 1, quarantine.start, (*startup, self._progress), metrics, depth=1)
+        startup = Startup(tuple(models), default, limits)
+        common = {"stall_timeout": stall_timeout, "stall_seconds_per_unit": STALL_SECONDS_PER_UNIT}
+        self.tokenizers = Lane("tokenizer", workers, startup, metrics, on_change=self._changed, **common)
+        self.sampler = Lane("seeded-sampler", 1, startup, metrics, on_change=self._changed, **common)
 
     async def start(self) -> None:
-        """Start every worker and wait until each has loaded the models."""
         try:
-            await asyncio.gather(self._main.start(), self._seeded_sampler.start())
+            await asyncio.gather(self.tokenizers.start(), self.sampler.start())
         except BaseException:
-            self.close()
+            self.close(grace=0.0)
             raise
         self.metrics.workers.set(self.size)
-        self._watchdog = asyncio.ensure_future(self._watch())
-
-    async def _watch(self) -> None:
-        """Notice a worker that died while its pool was idle, and rebuild before anyone needs it."""
-        while True:
-            await asyncio.sleep(WATCHDOG_SECONDS)
-            try:
-                self.check()
-            except Exception:  # keep watching; a failure here is a bug worth a log line, not a dead watchdog
-                logger.exception("worker pool watchdog")
 
     def close(self, grace: float = 2.0) -> None:
-        """Stop every worker process: `grace` seconds to finish running chunks, then SIGKILL."""
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-        for lane in (self._main, self._seeded_sampler, self._quarantine):
+        for lane in (self.tokenizers, self.sampler):
             lane.close(grace)
         self.metrics.workers.set(0)
 
-    def check(self) -> bool:
-        """Both lanes serve (none is rebuilding); a lane whose worker died while idle starts its rebuild."""
-        return all([self._main.check(), self._seeded_sampler.check()])
-
     @property
     def ready(self) -> bool:
-        return self.check()
+        """Tokenizers serve, and the seeded sampler serves or is restarting (not failing)."""
+        tokenizers, sampler = self.tokenizers, self.sampler
+        return bool(tokenizers.serving) and not tokenizers.closed and not (sampler.failing and not sampler.serving)
 
     def _changed(self) -> None:
-        self.metrics.ready.set(1 if self.check() else 0)
+        self.metrics.ready.set(1 if self.ready else 0)
 
-    def _deadline(self, units: int) -> float:
-        return self.stall_timeout + units * STALL_SECONDS_PER_UNIT
+    def pids(self) -> list[int]:
+        return sorted([*self.tokenizers.pids(), *self.sampler.pids()])
+
+    # -- requests --------------------------------------------------------------------------------
+
+    async def request(self, route: int, body: bytes, binary: bool) -> Answer:
+        """The answer to one /v1 request body; raises ServiceError (bad input, poison, unavailable)."""
+        max_parts = self.size
+
+        def head(careful: bool) -> bytes:
+            return REQUEST_HEAD.pack(route, binary, max_parts, careful)
+
+        kind, payload = await self._supervised(
+            self.tokenizers, channel.REQUEST, head, body, len(body), lambda index: self._text_at(body, route, index)
+        )
+        if kind == channel.DONE:
+            return read_done(payload)
+        if kind == channel.SPLIT:
+            return await self._split(payload, binary)
+        raise _failure(kind, payload)
+
+    async def _split(self, payload: Buffer, binary: bool) -> Answer:
+        model, route, _texts, seeded = SPLIT_HEAD.unpack_from(payload)
+        blobs = channel.split_blobs(payload, SPLIT_HEAD.size)
+        units = np.frombuffer(blobs[0], dtype=np.int64).tolist()
+        context, chunks = blobs[1], blobs[2:]
+        lane = self.sampler if seeded else self.tokenizers
+
+        def run(chunk: memoryview, size: int) -> Awaitable[tuple[int, Buffer]]:
+            return self._supervised(lane, channel.CHUNK, _chunk_head, chunk, size, lambda index: _chunk_text(chunk, index))
+
+        replies = await _all_or_none([run(chunk, size) for chunk, size in zip(chunks, units)])
+        for kind, reply in replies:
+            if kind != channel.PART:
+                raise _failure(kind, reply)
+        name = self.models[model].name
+        if route == DETOKENIZE:
+            return join_detokenize(model, name, [read_part(reply, blobs=False) for _, reply in replies])
+        parts = [read_part(reply) for _, reply in replies]
+        if route == PACK:
+            return await self._finish(context, parts)
+        return join_tokenize(model, name, parts, binary)
+
+    async def _finish(self, context: Buffer, parts: list[Part]) -> Answer:
+        """Pack a split /v1/pack request's parts on one worker."""
+        payload = channel.join_blobs([context, *(part.payload for part in parts)])
+        units = sum(part.tokens for part in parts)
+        kind, reply = await self._supervised(
+            self.tokenizers, channel.FINISH, lambda careful: b"", payload, units, lambda index: ("texts", None, None)
+        )
+        if kind != channel.DONE:
+            raise _failure(kind, reply)
+        answer = read_done(reply)
+        answer.work = [part.work for part in parts]  # the packing job's own seconds are counted in its parts
+        return answer
+
+    # -- supervision -------------------------------------------------------------------------------
 
     async def _supervised(
-        self, lane: Lane, ordinary: Callable[[], Result], isolated: Callable[[], Result], units: int
-    ) -> tuple[Result | None, int]:
-        """Run a chunk: on `lane`, once more there if a worker died, else in quarantine.
+        self,
+        lane: Lane,
+        kind: int,
+        head: Callable[[bool], bytes],
+        body: Buffer | Sequence[Buffer],
+        units: int,
+        culprit: Callable[[int], Culprit],
+    ) -> tuple[int, Buffer]:
+        """Run a job: once more if its worker died, then carefully; a text that kills that is poison.
 
-        Returns (result, -1), or (None, position) for the item in the chunk that killed or stalled
-        the quarantine process.
+        `culprit(index)` names the field, model and text at `index`; it runs (in a thread) only
+        when a careful run died, so the hot path never looks at texts.
         """
-        deadline = self._deadline(units)
+        parts = list(body) if isinstance(body, (list, tuple)) else [body]
         for attempt in (1, 2):
             try:
-                return await lane.call(ordinary, deadline), -1
-            except WorkerStalled:
-                logger.warning("a chunk stalled its worker; running it in quarantine")
-                break
-            except WorkerCrashed:
+                return await lane.submit(kind, [head(False), *parts], units)
+            except WorkerCrashed as crash:
+                if crash.stalled:
+                    logger.warning("a job stalled its worker; running it carefully")
+                    break
                 if attempt == 2:
-                    logger.warning("a chunk was in flight in two pool crashes; running it in quarantine")
+                    logger.warning("a job was running in two worker crashes; running it carefully")
                     break
                 self.metrics.chunk_retries.inc()
         try:
-            return await self._quarantine.call(isolated, deadline, progress=self._progress), -1
-        except WorkerCrashed as failure:
-            if failure.progress < 0:  # the process died between texts: nothing to blame
-                raise Unavailable("a tokenizer worker died; retry", headers={"Retry-After": "1"}) from None
-            self.metrics.poison_inputs.inc()
-            return None, failure.progress
+            return await lane.submit(kind, [head(True), *parts], units)
+        except WorkerCrashed as crash:
+            if crash.progress < 0:  # the worker died between texts: nothing to blame
+                raise Unavailable("a tokenizer worker died; retry") from None
+            index = crash.progress
+        self.metrics.poison_inputs.inc()
+        field, model, text = await asyncio.to_thread(culprit, index)
+        if model is not None and text is not None:
+            self._remember(model, text)
+        raise PoisonInput(
+            f"{field}[{index}] crashed or hung a tokenizer worker twice; it is refused", field=field, index=index
+        )
 
-    async def encode(self, model: str, texts: list[str], options: worker.EncodeOptions) -> Batch:
-        """Tokenize texts over all workers, in chunks of similar size, and reassemble them in order."""
-        if (known := self.poison.find(model, texts)) is not None:
-            self.metrics.poison_inputs.inc()
-            raise _poison("texts", known, "was found earlier to crash or hang a tokenizer worker")
-        sizes = np.fromiter((len(text) for text in texts), dtype=np.int64, count=len(texts))
-        seeded = options.sample_seed is not None
-        bounds = chunk_bounds(sizes, 1 if seeded else self.size, self.min_chunk_chars)
-        if not bounds:
-            return Batch(np.zeros(0, dtype=np.int32), np.zeros(1, dtype=np.int64))
-        lane = self._seeded_sampler if seeded else self._main
-        with self.admission.holding(len(texts)) as held:
-            submitted = time.monotonic()
+    def _remember(self, model: int, text: str) -> None:
+        digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+        payload = struct.pack("<HQ", model, len(text)) + digest
+        for lane in (self.tokenizers, self.sampler):
+            lane.broadcast_poison(payload)
 
-            async def chunk(start: int, end: int) -> worker.Encoded:
-                part = texts[start:end]
-                try:
-                    result, position = await self._supervised(
-                        lane,
-                        partial(worker.encode_chunk, model, part, options, start),
-                        partial(quarantine.encode_each, model, part, options, start),
-                        int(sizes[start:end].sum()),
-                    )
-                finally:
-                    held.release(end - start)
-                if result is None:
-                    self.poison.add(model, texts[start + position])
-                    raise _poison("texts", start + position, "crashed or hung a tokenizer worker twice")
-                return result
-
-            parts = await _all_or_none([chunk(start, end) for start, end in bounds])
-        for part in parts:
-            self.metrics.record_work(model, part.started - submitted, part.seconds)
-        return concat_batches(parts)
-
-    async def decode(self, model: str, ids: np.ndarray, offsets: np.ndarray) -> list[str]:
-        lengths = np.diff(offsets)
-        bounds = chunk_bounds(lengths, self.size, self.min_chunk_chars // 4)
-        if not bounds:
-            return []
-        with self.admission.holding(len(lengths)) as held:
-            submitted = time.monotonic()
-
-            async def chunk(start: int, end: int) -> worker.Decoded:
-                part_ids = ids[offsets[start] : offsets[end]]
-                part_offsets = offsets[start : end + 1] - offsets[start]
-                try:
-                    result, position = await self._supervised(
-                        self._main,
-                        partial(worker.decode_chunk, model, part_ids, part_offsets),
-                        partial(quarantine.decode_each, model, part_ids, part_offsets),
-                        len(part_ids),
-                    )
-                finally:
-                    held.release(end - start)
-                if result is None:
-                    raise _poison("ids", start + position, "crashed or hung a tokenizer worker twice")
-                return result
-
-            parts = await _all_or_none([chunk(start, end) for start, end in bounds])
-        texts: list[str] = []
-        for part in parts:
-            self.metrics.record_work(model, part.started - submitted, part.seconds)
-            texts.extend(part.texts)
-        return texts
+    def _text_at(self, body: bytes, route: int, index: int) -> Culprit:
+        """Slow path, only after a careful run died: the request's text at `index`, parsed here."""
+        if route == DETOKENIZE:
+            return "ids", None, None
+        try:
+            document = orjson.loads(body)
+            name = document.get("model") or self.default
+            model = next(position for position, info in enumerate(self.models) if info.name == name)
+            return "texts", model, document["texts"][index]
+        except Exception:  # noqa: BLE001 - naming the text is a courtesy; the 422 stands without it
+            return "texts", None, None
 
 
-def _poison(field: str, index: int, what: str) -> PoisonInput:
-    return PoisonInput(f"{field}[{index}] {what}; it is refused", field=field, index=index)
+def _chunk_head(careful: bool) -> bytes:
+    return CHUNK_HEAD.pack(careful)
 
 
-async def _all_or_none(chunks: list[Awaitable[Result]]) -> list[Result]:
-    """Await every chunk; on the first failure (or cancellation) withdraw the others."""
-    if len(chunks) == 1:
-        return [await chunks[0]]
-    tasks = [asyncio.ensure_future(chunk) for chunk in chunks]
+def _failure(kind: int, payload: Buffer) -> ServiceError:
+    if kind == channel.FAILED:
+        return ServiceError.from_dict(orjson.loads(payload))
+    return ServiceError(f"a worker answered with message kind {kind}")
+
+
+def _chunk_text(chunk: memoryview, index: int) -> Culprit:
+    item: Chunk = pickle.loads(chunk)
+    if item.texts is None:
+        return "ids", None, None
+    return "texts", item.model, item.texts[index - item.first_index]
+
+
+async def _all_or_none(jobs: list[Awaitable[T]]) -> list[T]:
+    """Await every job; on the first failure (or cancellation) withdraw the others."""
+    if len(jobs) == 1:
+        return [await jobs[0]]
+    tasks = [asyncio.ensure_future(job) for job in jobs]
     try:
         return await asyncio.gather(*tasks)
     except BaseException:

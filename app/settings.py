@@ -11,7 +11,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 BUNDLED_MODELS_DIR = Path(__file__).parent / "models"
 BUNDLED_MODEL_NAME = "default"
-# --max-queued-texts defaults to this many full-size requests.
+# --max-queued-bytes defaults to this many full-size request bodies.
 QUEUED_REQUESTS_DEFAULT = 4
 
 
@@ -51,11 +51,14 @@ class Settings(BaseSettings):
     min_chunk_chars: int = Field(
         16384, ge=1, description="a request is split over workers only in chunks at least this many characters long"
     )
-    max_queued_texts: int | None = Field(
+    max_queued_bytes: int | None = Field(
         None,
         ge=1,
-        description="texts admitted to the worker pool and not yet tokenized, at most; a request beyond it is "
-        f"answered 503 at once (default: {QUEUED_REQUESTS_DEFAULT} x --max-texts)",
+        description="body bytes of /v1 requests admitted and not yet answered, at most; a request beyond it is "
+        f"answered 503 at once (default: {QUEUED_REQUESTS_DEFAULT} x --max-request-bytes)",
+    )
+    max_queued_texts: int | None = Field(
+        None, ge=1, description="deprecated and ignored: the server now bounds bytes (--max-queued-bytes)"
     )
     max_concurrent_requests: int = Field(
         128, ge=1, description="/v1 requests handled at once, at most (503 above); bounds what request bodies hold"
@@ -66,7 +69,7 @@ class Settings(BaseSettings):
     stall_timeout: float = Field(
         15.0,
         gt=0,
-        description="seconds a chunk may run in a worker, plus 10 microseconds a character, before the worker "
+        description="seconds a job may run in a worker, plus 10 microseconds a character, before the worker "
         "counts as stalled and is killed",
     )
     drain_timeout: float = Field(
@@ -85,8 +88,8 @@ class Settings(BaseSettings):
     log_level: str = Field("info", description="uvicorn log level")
 
     @property
-    def queued_texts_limit(self) -> int:
-        return self.max_queued_texts or QUEUED_REQUESTS_DEFAULT * self.max_texts
+    def queued_bytes_limit(self) -> int:
+        return self.max_queued_bytes or QUEUED_REQUESTS_DEFAULT * self.max_request_bytes
 
     @field_validator("model", "api_keys", "cors_origins", mode="before")
     @classmethod

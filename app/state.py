@@ -1,4 +1,4 @@
-"""What the lifespan builds and every handler reads: models, pool, metrics, settings."""
+"""What the lifespan builds and the FastAPI routes read: models, pool, metrics, settings."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from app.errors import ModelNotFound
 from app.metrics import Metrics
 from app.pool import WorkerPool
-from app.registry import ModelInfo, ModelRegistry
+from app.registry import ModelRegistry
 from app.settings import Settings
 
 
@@ -22,16 +21,9 @@ class Service:
     pool: WorkerPool
     ready: bool = field(default=False)
 
-    def model(self, name: str | None) -> ModelInfo:
-        info = self.registry.get(name)
-        if info is None:
-            raise ModelNotFound(
-                f"model {name!r} is not served here; served models: {sorted(self.registry.models)}", field="model"
-            )
-        return info
 
-
-def get_service(request: Request) -> Service:
+async def get_service(request: Request) -> Service:
+    """Async, so FastAPI calls it on the event loop rather than on a thread-pool thread."""
     service: Service = request.state.service
     return service
 

@@ -89,20 +89,26 @@ def truncate(ids: np.ndarray, max_length: int, eos_id: int | None) -> np.ndarray
     return np.concatenate([ids[: max_length - 1], np.array([eos_id], dtype=ids.dtype)])
 
 
-def encode_chunk(model: str, texts: list[str], options: EncodeOptions, first_index: int = 0) -> Encoded:
-    """Tokenize texts[i] exactly as `sp.encode(texts[i], ...)` would in-process."""
-    started = time.monotonic()
-    processor = _processors[model]
-    common = {"add_bos": options.add_bos, "add_eos": options.add_eos, "out_type": "numpy", "num_threads": 1}
+def processor(name: str) -> spm.SentencePieceProcessor:
+    return _processors[name]
+
+
+def encode_texts(
+    processor: spm.SentencePieceProcessor,
+    texts: list[str],
+    options: EncodeOptions,
+    first_index: int = 0,
+    *,
+    one_by_one: bool = False,
+) -> list[np.ndarray]:
+    """Tokenize texts[i] exactly as `sp.encode(texts[i], ...)` would in-process, one array per text.
+
+    `one_by_one` encodes each text on its own: for a few texts that is cheaper than a list, for
+    which sentencepiece starts a native thread whatever `num_threads` says.
+    """
+    common = {"add_bos": options.add_bos, "add_eos": options.add_eos, "out_type": "numpy"}
     if options.sample_alpha is not None:
-        sampling = {
-            "add_bos": options.add_bos,
-            "add_eos": options.add_eos,
-            "out_type": "numpy",
-            "enable_sampling": True,
-            "alpha": options.sample_alpha,
-            "nbest_size": options.sample_nbest_size,
-        }
+        sampling = {**common, "enable_sampling": True, "alpha": options.sample_alpha, "nbest_size": options.sample_nbest_size}
         entropy = random.SystemRandom()
         pieces = [
             sample_in_fresh_thread(
@@ -115,11 +121,20 @@ def encode_chunk(model: str, texts: list[str], options: EncodeOptions, first_ind
             )
             for position, text in enumerate(texts)
         ]
+    elif one_by_one:
+        pieces = [processor.encode(text, **common) for text in texts]
     else:
-        pieces = processor.encode(texts, **common)
+        pieces = processor.encode(texts, num_threads=1, **common)
     if options.max_length is not None:
         eos_id = processor.eos_id() if options.add_eos else None
         pieces = [truncate(ids, options.max_length, eos_id) for ids in pieces]
+    return pieces
+
+
+def encode_chunk(model: str, texts: list[str], options: EncodeOptions, first_index: int = 0) -> Encoded:
+    """Tokenize texts[i] exactly as `sp.encode(texts[i], ...)` would in-process (the pre-tokenizer's pool)."""
+    started = time.monotonic()
+    pieces = encode_texts(_processors[model], texts, options, first_index)
     lengths = np.fromiter((len(ids) for ids in pieces), dtype=np.int64, count=len(pieces))
     ids = np.concatenate(pieces).astype(np.int32, copy=False) if pieces else np.zeros(0, dtype=np.int32)
     return Encoded(ids=ids, offsets=ragged_offsets(lengths), started=started, seconds=time.monotonic() - started)

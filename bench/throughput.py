@@ -65,17 +65,17 @@ def load_documents(corpus: Path, count: int) -> list[str]:
     return documents
 
 
-def bench_model(corpus: Path) -> Path:
+def bench_model(corpus: Path, vocab_size: int = 32000) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    prefix = RESULTS / f"bench-unigram-32k-{corpus.stem}"
+    prefix = RESULTS / f"bench-unigram-{vocab_size // 1000}k-{corpus.stem}"
     model = prefix.with_suffix(".model")
     if not model.exists():
-        print(f"training a 32k unigram model on {corpus.name} (once) ...", flush=True)
+        print(f"training a {vocab_size // 1000}k unigram model on {corpus.name} (once) ...", flush=True)
         spm.SentencePieceTrainer.train(
             input=str(corpus),
             model_prefix=str(prefix),
             model_type="unigram",
-            vocab_size=32000 if corpus.stat().st_size > 2_000_000 else 4000,
+            vocab_size=vocab_size if corpus.stat().st_size > 2_000_000 else 4000,
             input_sentence_size=2_000_000,
             shuffle_input_sentence=True,
             num_threads=os.cpu_count() or 1,

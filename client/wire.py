@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import json
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,24 +68,44 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGNMENT) * ALIGNMENT
 
 
-def encode_parts(arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any] | None = None) -> list[bytes | memoryview]:
-    """Encode to a list of buffers whose concatenation is the frame (lets the caller avoid a copy)."""
-    prepared = {name: _little_endian(np.asarray(array)) for name, array in arrays.items()}
+def encode_parts(
+    arrays: Mapping[str, np.ndarray | Sequence[np.ndarray]], meta: Mapping[str, Any] | None = None
+) -> list[bytes | memoryview]:
+    """Encode to a list of buffers whose concatenation is the frame (lets the caller avoid a copy).
+
+    An entry may also be a sequence of 1-D arrays of one dtype: they travel end to end as one
+    array, without being concatenated first.
+    """
+    prepared: dict[str, list[np.ndarray]] = {}
     descriptors: list[dict[str, Any]] = []
     offset = 0
-    for name, array in prepared.items():
-        descriptors.append(
-            {"name": name, "dtype": _dtype_code(array.dtype), "shape": list(array.shape), "offset": offset}
-        )
-        offset += _aligned(array.nbytes)
+    for name, value in arrays.items():
+        pieces = [_little_endian(np.asarray(value))] if isinstance(value, np.ndarray) else [
+            _little_endian(np.asarray(piece)) for piece in value
+        ]
+        if not pieces:
+            raise WireFormatError(f"array {name!r} has no pieces")
+        if len(pieces) == 1:
+            shape = list(pieces[0].shape)
+        else:
+            if any(piece.ndim != 1 or piece.dtype != pieces[0].dtype for piece in pieces):
+                raise WireFormatError(f"pieces of array {name!r} must be 1-D and of one dtype")
+            shape = [sum(len(piece) for piece in pieces)]
+        nbytes = sum(piece.nbytes for piece in pieces)
+        prepared[name] = pieces
+        descriptors.append({"name": name, "dtype": _dtype_code(pieces[0].dtype), "shape": shape, "offset": offset})
+        offset += _aligned(nbytes)
     header = json.dumps({"meta": dict(meta or {}), "arrays": descriptors}, separators=(",", ":")).encode()
     head = _PREFIX.pack(MAGIC, VERSION, 0, len(header)) + header
     parts: list[bytes | memoryview] = [head + b"\0" * (_aligned(len(head)) - len(head))]
-    for array in prepared.values():
-        if array.nbytes:
-            parts.append(memoryview(array).cast("B"))
-        if array.nbytes % ALIGNMENT:
-            parts.append(b"\0" * (ALIGNMENT - array.nbytes % ALIGNMENT))
+    for pieces in prepared.values():
+        nbytes = 0
+        for piece in pieces:
+            if piece.nbytes:
+                parts.append(memoryview(piece).cast("B"))
+                nbytes += piece.nbytes
+        if nbytes % ALIGNMENT:
+            parts.append(b"\0" * (ALIGNMENT - nbytes % ALIGNMENT))
     return parts
 
 

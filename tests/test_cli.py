@@ -51,7 +51,7 @@ def test_help_lists_every_option():
         "--default-model",
         "--max-request-bytes",
         "--max-texts",
-        "--max-queued-texts",
+        "--max-queued-bytes",
         "--max-concurrent-requests",
         "--request-timeout",
         "--stall-timeout",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app.pool import chunk_bounds
+from app.jobs import chunk_bounds
 from app.settings import BUNDLED_MODELS_DIR, Settings
 from app.worker import truncate
 from client import wire
@@ -115,33 +114,19 @@ def test_settings_reject_a_bad_model_spec():
         Settings(model=["no-equals-sign"])
 
 
-def test_admission_releases_what_a_request_never_got_to_release():
-    """A request cancelled before some of its chunks ran must not leave their texts counted."""
+def test_admission_counts_bytes_and_refuses_beyond_the_budget():
     from app.admission import Admission
+    from app.errors import Overloaded
     from app.metrics import Metrics
 
-    admission = Admission(limit=10, metrics=Metrics())
-
-    async def request() -> None:
-        with admission.holding(6) as held:
-
-            async def chunk(count: int) -> None:
-                try:
-                    await asyncio.sleep(60)
-                finally:
-                    held.release(count)
-
-            tasks = [asyncio.ensure_future(chunk(3)) for _ in range(2)]
-            for task in tasks:
-                task.cancel()  # before either chunk body ever ran: its finally never runs
-            await asyncio.gather(*tasks, return_exceptions=True)
-            assert admission.queued == 6
-
-    asyncio.run(request())
-    assert admission.queued == 0
-    with admission.holding(4) as held:
-        held.release(3)
-        assert admission.queued == 1
-        held.release(3)  # more than is left releases only what is left
-        assert admission.queued == 0
+    admission = Admission(limit=100, metrics=Metrics())
+    admission.admit(500)  # an idle server takes any request the body limit allows
+    with pytest.raises(Overloaded, match="500 bytes of requests are waiting"):
+        admission.admit(1)
+    admission.release(500)
+    admission.admit(60)
+    admission.admit(40)
+    with pytest.raises(Overloaded):
+        admission.admit(1)
+    admission.release(100)
     assert admission.queued == 0

@@ -7,6 +7,7 @@ encode then misbehaves on a text that starts with a marker:
     FAULT:kill       SIGKILL the worker, as a segfault or the OOM killer would
     FAULT:hang       sleep for an hour: a stall
     FAULT:sleep:S    sleep S seconds, then tokenize as usual: a slow worker
+    FAULT:spin:S     keep the CPU busy for S seconds, then tokenize as usual: a busy worker
     FAULT:raise      raise RuntimeError: an unexpected exception inside the worker
 
 The service itself has no such hook: nothing here is reachable unless a test puts this directory
@@ -33,6 +34,10 @@ def _misbehave(text: str) -> None:
         time.sleep(3600)
     elif command.startswith("sleep:"):
         time.sleep(float(command.split(":", 1)[1]))
+    elif command.startswith("spin:"):
+        until = time.monotonic() + float(command.split(":", 1)[1])
+        while time.monotonic() < until:
+            pass
     elif command == "raise":
         raise RuntimeError("injected fault: secret internal detail")
 

@@ -1,0 +1,116 @@
+"""Answers as the server process sees them: bytes from the workers, joined without reading ids.
+
+A small request's answer comes whole from one worker (`DONE`). A split request's answer is the
+chunks' results (`PART`s) in order, joined here: JSON fragments side by side, or the binary
+frame's ids laid end to end with offsets from the chunks' lengths (work per text, not per token).
+Pure logic: no I/O, testable without a server.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import orjson
+
+from app import channel
+from app.jobs import BINARY, RESULT_HEAD
+from client import wire
+from client.wire import ragged_offsets
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass
+class Work:
+    """What a job's worker reported, for the metrics: when it started and how long it worked."""
+
+    started: float
+    seconds: float
+
+
+@dataclass
+class Answer:
+    """A whole answer: its bytes and what the metrics record of it."""
+
+    binary: bool
+    body: list[Buffer]
+    model: int
+    texts: int
+    tokens: int
+    padding: float = math.nan
+    work: list[Work] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return sum(len(part) for part in self.body)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One chunk's result: the head fields and its blobs (views into the payload)."""
+
+    model: int
+    texts: int
+    tokens: int
+    work: Work
+    blobs: list[memoryview]
+    payload: Buffer
+
+
+def read_done(payload: Buffer) -> Answer:
+    model, content, texts, tokens, started, seconds, padding = RESULT_HEAD.unpack_from(payload)
+    body = memoryview(payload)[RESULT_HEAD.size :]
+    return Answer(content == BINARY, [body], model, texts, tokens, padding, [Work(started, seconds)])
+
+
+def read_part(payload: Buffer, *, blobs: bool = True) -> Part:
+    model, _content, texts, tokens, started, seconds, _padding = RESULT_HEAD.unpack_from(payload)
+    if blobs:
+        views = channel.split_blobs(payload, RESULT_HEAD.size)
+    else:  # a single fragment (detokenize)
+        views = [memoryview(payload)[RESULT_HEAD.size :]]
+    return Part(model, texts, tokens, Work(started, seconds), views, payload)
+
+
+def _joined(fragments: Sequence[Buffer]) -> list[Buffer]:
+    out: list[Buffer] = []
+    for position, fragment in enumerate(fragments):
+        if position:
+            out.append(b",")
+        out.append(fragment)
+    return out
+
+
+def join_tokenize(model: int, name: str, parts: Sequence[Part], binary: bool) -> Answer:
+    """The /v1/tokenize answer of a split request, from its parts in order."""
+    texts = sum(part.texts for part in parts)
+    tokens = sum(part.tokens for part in parts)
+    work = [part.work for part in parts]
+    if binary:
+        ids = [np.frombuffer(part.blobs[0], dtype=np.int32) for part in parts]
+        lengths = np.concatenate([np.frombuffer(part.blobs[1], dtype=np.int64) for part in parts])
+        body = wire.encode_parts({"ids": ids, "offsets": ragged_offsets(lengths)}, {"model": name, "num_tokens": tokens})
+        return Answer(True, list(body), model, texts, tokens, work=work)
+    body = [
+        b'{"model":',
+        orjson.dumps(name),
+        b',"ids":[',
+        *_joined([part.blobs[0] for part in parts]),
+        b'],"lengths":[',
+        *_joined([part.blobs[1] for part in parts]),
+        b'],"num_tokens":',
+        str(tokens).encode(),
+        b"}",
+    ]
+    return Answer(False, body, model, texts, tokens, work=work)
+
+
+def join_detokenize(model: int, name: str, parts: Sequence[Part]) -> Answer:
+    """The /v1/detokenize answer of a split request."""
+    body = [b'{"model":', orjson.dumps(name), b',"texts":[', *_joined([part.blobs[0] for part in parts]), b"]}"]
+    texts = sum(part.texts for part in parts)
+    tokens = sum(part.tokens for part in parts)
+    return Answer(False, body, model, texts, tokens, work=[part.work for part in parts])

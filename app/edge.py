@@ -1,0 +1,306 @@
+"""The HTTP edge: plain ASGI in front of FastAPI, serving the hot routes itself.
+
+`POST /v1/tokenize`, `/v1/detokenize` and `/v1/pack` never reach FastAPI's router, dependency
+injection or middleware stack: here a request costs the server process a constant amount of work,
+whatever its number of texts and tokens and the number of workers:
+
+    API key -> concurrency and byte budget (503) -> read the body (413) -> hand the bytes to the pool
+    -> wait, with a deadline (504) and an ear for a client that hangs up (499) -> write the answer's
+    bytes -> count it in the metrics.
+
+Every other route (models, probes, metrics, docs) goes to FastAPI, with the same API-key check
+and request metrics. Errors are the pool's domain errors, mapped to statuses by app.http.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import Counter
+
+from app.admission import Admission
+from app.answers import Answer
+from app.auth import OPEN_PATHS, ApiKeys, bearer_token, route_path
+from app.errors import Overloaded, PayloadTooLarge, RequestTimeout, ServiceError, Unauthorized, Unavailable
+from app.http import CLIENT_CLOSED_REQUEST, error_body, error_headers, error_status, send_error
+from app.jobs import ROUTES
+from app.metrics import Metrics
+from app.pool import WorkerPool
+from app.registry import ModelInfo
+from app.responses import MODEL_SHA256_HEADER, wants_binary
+from client import wire
+
+logger = logging.getLogger("tokenizer.edge")
+
+# Listen for a client hanging up only once a request has waited this long: most answer sooner,
+# and listening costs a task.
+LISTEN_AFTER_SECONDS = 0.02
+JSON_TYPE = b"application/json"
+BINARY_TYPE = wire.MEDIA_TYPE.encode()
+SHA256_HEADER = MODEL_SHA256_HEADER.lower().encode()
+
+Scope = dict[str, Any]
+Receive = Callable[[], Any]
+Send = Callable[[dict[str, Any]], Any]
+
+
+class _Abandoned:
+    """Why a request's wait was cut short: timeout or disconnect (None: the server cancelled it)."""
+
+    __slots__ = ("listener", "reason", "task")
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.task = task
+        self.reason: str | None = None
+        self.listener: asyncio.Task[None] | None = None
+
+    def expire(self) -> None:
+        if self.reason is None:
+            self.reason = "timeout"
+            self.task.cancel()
+
+    def listen(self, receive: Receive) -> None:
+        self.listener = asyncio.ensure_future(self._listen(receive))
+
+    async def _listen(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if self.reason is None:
+            self.reason = "disconnect"
+            self.task.cancel()
+
+
+class Edge:
+    """The ASGI app uvicorn runs: hot routes here, the rest to `app` (FastAPI)."""
+
+    def __init__(
+        self,
+        app: Any,
+        *,
+        metrics: Metrics,
+        keys: ApiKeys | None,
+        max_request_bytes: int,
+        max_queued_bytes: int,
+        max_concurrent: int,
+        timeout: float,
+        paths: frozenset[str],
+    ) -> None:
+        self.app = app
+        self.pool: WorkerPool | None = None  # until the lifespan has started it
+        self.models: list[ModelInfo] = []
+        self.metrics = metrics
+        self.keys = keys
+        self.max_request_bytes = max_request_bytes
+        self.admission = Admission(max_queued_bytes, metrics)
+        self.max_concurrent = max_concurrent
+        self.timeout = timeout
+        self.paths = paths
+        self.active = 0
+        self.accepting = False  # True while the pool serves: otherwise new /v1 work gets 503
+        self._counters: dict[tuple[str, int], Counter] = {}
+        self._durations = {path: metrics.request_duration.labels(path) for path in (*ROUTES, *paths)}
+        self._sha256: list[bytes] = []
+
+    def open(self, pool: WorkerPool, models: list[ModelInfo]) -> None:
+        """Start answering the hot routes with this (started) pool."""
+        self.pool = pool
+        self.models = models
+        self._sha256 = [info.sha256.encode() for info in models]
+        self.accepting = True
+
+    # -- every request ---------------------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = route_path(scope)
+        route = ROUTES.get(path)
+        hot = route is not None and scope["method"] == "POST"
+        endpoint = path if (route is not None or path in self.paths) else "unmatched"
+        started = time.perf_counter()
+        status = CLIENT_CLOSED_REQUEST  # a request that ends without an answer: its client hung up
+        metrics = self.metrics
+        metrics.inflight.inc()
+        try:
+            if self.keys is not None and path not in OPEN_PATHS and (refusal := self._refuse(scope)) is not None:
+                status = await send_error(send, refusal)
+            elif hot:
+                status = await self._serve(route, scope, receive, send)
+            else:
+                status = await self._delegate(scope, receive, send)
+        except Exception:
+            status = 500
+            raise
+        finally:
+            metrics.inflight.dec()
+            self._count(endpoint, status)
+            duration = self._durations.get(endpoint)
+            if duration is None:
+                duration = metrics.request_duration.labels(endpoint)
+            duration.observe(time.perf_counter() - started)
+
+    def _count(self, endpoint: str, status: int) -> None:
+        key = (endpoint, status)
+        counter = self._counters.get(key)
+        if counter is None:
+            counter = self._counters[key] = self.metrics.requests.labels(endpoint, str(status))
+        counter.inc()
+
+    def _refuse(self, scope: Scope) -> Unauthorized | None:
+        assert self.keys is not None
+        authorization = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                authorization = value.decode("latin-1")
+                break
+        token = bearer_token(authorization)
+        if token is None:
+            return Unauthorized("this endpoint needs an API key: send `Authorization: Bearer <key>`")
+        if not self.keys.accepts(token):
+            return Unauthorized("the API key is not valid", invalid_token=True)
+        return None
+
+    async def _delegate(self, scope: Scope, receive: Receive, send: Send) -> int:
+        status = CLIENT_CLOSED_REQUEST
+
+        async def send_with_status(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        await self.app(scope, receive, send_with_status)
+        return status
+
+    # -- the hot routes ------------------------------------------------------------------------------------
+
+    async def _serve(self, route: int, scope: Scope, receive: Receive, send: Send) -> int:
+        if not self.accepting or self.pool is None:
+            return await send_error(send, shutting_down() if self.pool is not None else starting())
+        if self.active >= self.max_concurrent:
+            self.metrics.rejected_requests.labels("concurrency").inc()
+            overloaded = Overloaded(
+                f"{self.active} requests are in progress, the most this server takes at once; retry later"
+            )
+            return await send_error(send, overloaded)
+        declared, accept = None, None
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                declared = value
+            elif name == b"accept":
+                accept = value
+        admitted = 0
+        self.active += 1
+        try:
+            if declared is not None and declared.isdigit():
+                if int(declared) > self.max_request_bytes:
+                    raise PayloadTooLarge(
+                        f"request body of {int(declared)} bytes exceeds the limit of {self.max_request_bytes} bytes"
+                    )
+                self.admission.admit(int(declared))
+                admitted = int(declared)
+            body = await self._read_body(receive)
+            if body is None:
+                return CLIENT_CLOSED_REQUEST
+            if len(body) != admitted:
+                self.admission.admit(len(body) - admitted)
+                admitted = len(body)
+            answer = await self._answer(route, body, wants_binary(accept), receive)
+            if answer is None:
+                return CLIENT_CLOSED_REQUEST
+        except ServiceError as error:
+            return await send_error(send, error)
+        finally:
+            self.active -= 1
+            if admitted:
+                self.admission.release(admitted)
+        if isinstance(answer, ServiceError):
+            return await send_error(send, answer)
+        self._record(answer)
+        await self._send_answer(send, answer)
+        return 200
+
+    async def _read_body(self, receive: Receive) -> bytes | None:
+        """The whole body, or None if the client hung up; 413 as soon as it is too long."""
+        chunks: list[bytes] = []
+        size = 0
+        limit = self.max_request_bytes
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            if chunk:
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def _answer(self, route: int, body: bytes, binary: bool, receive: Receive) -> Answer | ServiceError | None:
+        """The pool's answer; a RequestTimeout to send; None when the client hung up (nobody to answer)."""
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        abandoned = _Abandoned(task)
+        timer = loop.call_later(self.timeout, abandoned.expire)
+        ear = loop.call_later(LISTEN_AFTER_SECONDS, abandoned.listen, receive)
+        try:
+            assert self.pool is not None
+            return await self.pool.request(route, body, binary)
+        except asyncio.CancelledError:
+            if abandoned.reason is None:  # the server is stopping (drain timeout): say so, not a reset
+                logger.info("a /v1 request was cancelled: shutting down")
+                return shutting_down()
+            task.uncancel()
+            self.metrics.cancelled_requests.labels(abandoned.reason).inc()
+            if abandoned.reason == "timeout":
+                return RequestTimeout(f"the request took longer than the server's limit of {self.timeout:g}s")
+            return None
+        finally:
+            timer.cancel()
+            ear.cancel()
+            if abandoned.listener is not None:
+                abandoned.listener.cancel()
+
+    def _record(self, answer: Answer) -> None:
+        metrics = self.metrics
+        name = self.models[answer.model].name
+        metrics.batch_size.observe(answer.texts)
+        metrics.texts.labels(name).inc(answer.texts)
+        metrics.tokens.labels(name).inc(answer.tokens)
+        for work in answer.work:
+            metrics.worker_seconds.labels(name).inc(work.seconds)
+        if not math.isnan(answer.padding):
+            metrics.pack_padding_ratio.observe(answer.padding)
+
+    async def _send_answer(self, send: Send, answer: Answer) -> None:
+        headers = [
+            (b"content-type", BINARY_TYPE if answer.binary else JSON_TYPE),
+            (b"content-length", str(answer.size).encode()),
+            (SHA256_HEADER, self._sha256[answer.model]),
+        ]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        parts = answer.body
+        last = len(parts) - 1
+        for position, part in enumerate(parts):
+            await send({"type": "http.response.body", "body": part, "more_body": position < last})
+
+
+def starting() -> Unavailable:
+    return Unavailable("the server is starting; retry")
+
+
+def shutting_down() -> Unavailable:
+    return Unavailable("the server is shutting down; retry, another replica may answer")
+
+
+__all__ = ["Edge", "error_body", "error_headers", "error_status"]

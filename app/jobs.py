@@ -1,0 +1,511 @@
+"""What a worker process does with each job: all the per-text and per-token work of a request.
+
+The server process only moves bytes. A request body goes to one worker as it arrived; that worker
+parses and checks it, then either answers it whole (`DONE`: the answer's bytes, JSON or the
+binary frame) or, when it is large and other workers may help, cuts it into chunks (`SPLIT`). The
+server hands the chunks to workers (`CHUNK` -> `PART`) and joins the parts' bytes into the answer
+(app.answers); a split /v1/pack request is packed by one more job (`FINISH` -> `DONE`).
+
+Errors are replies too (`FAILED`, a ServiceError's dict): a worker never dies of bad input.
+A job marked *careful* (a retry after its worker died or stalled) runs one text at a time and
+writes the position of the text it is on into memory the server reads if this worker dies too:
+that names the poison text.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import pickle
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import orjson
+
+from app import channel, worker
+from app.admission import PoisonMemory
+from app.bodies import parse_request
+from app.errors import InvalidField, ModelNotFound, PoisonInput, ServiceError
+from app.registry import ModelInfo
+from app.schemas import DetokenizeRequest, PackRequest, TokenizeRequest
+from client import wire
+from client.packing import PackedRows, pack_best_fit, pack_concat
+from client.wire import ragged_offsets, split_ragged
+
+logger = logging.getLogger("tokenizer.worker")
+
+# Routes, as the server names them to a worker
+TOKENIZE, DETOKENIZE, PACK = 1, 2, 3
+ROUTES = {"/v1/tokenize": TOKENIZE, "/v1/detokenize": DETOKENIZE, "/v1/pack": PACK}
+
+# Content of an answer
+JSON, BINARY = 0, 1
+
+# REQUEST payload: route, answer in binary, most chunks to split into, careful; then the raw body.
+REQUEST_HEAD = struct.Struct("<BBHB")
+# CHUNK payload: careful; then the pickled chunk.
+CHUNK_HEAD = struct.Struct("<B")
+# DONE and PART payloads start with what the server records: model index, content, texts, tokens,
+# when the worker started, seconds it worked, padding fraction (NaN when not packing).
+RESULT_HEAD = struct.Struct("<HBIQddd")
+# SPLIT payload: model index, route, texts, seeded sampling; then blobs: chunk units (int64), the
+# context a FINISH job needs (may be empty), then each chunk.
+SPLIT_HEAD = struct.Struct("<HBIB")
+
+# Fewer texts than this are encoded one by one: sentencepiece starts a native thread for every
+# list it encodes, which costs more than a few texts take.
+LIST_ENCODE_MIN_TEXTS = 16
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the worker checks that the server was configured with."""
+
+    max_texts: int
+    max_seq_len: int
+    min_chunk_chars: int
+
+
+@dataclass(frozen=True)
+class Result:
+    """DONE or PART, as meta plus the answer's buffers."""
+
+    kind: int
+    model: int
+    content: int
+    texts: int
+    tokens: int
+    started: float
+    seconds: float
+    padding: float
+    parts: Sequence[bytes | bytearray | memoryview]
+
+    def payload(self) -> list[bytes | bytearray | memoryview]:
+        head = RESULT_HEAD.pack(
+            self.model, self.content, self.texts, self.tokens, self.started, self.seconds, self.padding
+        )
+        return [head, *self.parts]
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Part of a split request, as pickled into a CHUNK job."""
+
+    route: int
+    model: int
+    options: worker.EncodeOptions
+    first_index: int
+    binary: bool
+    texts: list[str] | None = None  # tokenize, pack
+    ids: np.ndarray | None = None  # detokenize: ragged ids and offsets
+    offsets: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class PackContext:
+    """What a FINISH job needs besides the parts: the request's packing fields."""
+
+    model: int
+    binary: bool
+    seq_len: int
+    strategy: str
+    add_eos: bool
+    carry: list[int] | None
+    carry_document_starts: list[int] | None
+    mask_document_start: bool
+
+
+class Progress:
+    """Where a careful job is: the text index in shared memory, -1 between texts."""
+
+    def __init__(self, value: Any | None) -> None:
+        self._value = value
+
+    def mark(self, index: int) -> None:
+        if self._value is not None:
+            self._value.value = index
+
+
+class Jobs:
+    """A worker's models and limits, and a handler for each kind of job."""
+
+    def __init__(self, models: Sequence[ModelInfo], default: str, limits: Limits, progress: Progress) -> None:
+        self.models = list(models)
+        self.index = {info.name: position for position, info in enumerate(self.models)}
+        self.default = default
+        self.limits = limits
+        self.progress = progress
+        self.poison = PoisonMemory()
+        self.processors = [worker.processor(info.name) for info in self.models]
+
+    # -- dispatch --------------------------------------------------------------------------------
+
+    def handle(self, kind: int, payload: bytes | bytearray) -> tuple[int, list[bytes | bytearray | memoryview]]:
+        """(reply kind, reply payload) for one job; bad input is a FAILED reply, never an exception."""
+        try:
+            if kind == channel.REQUEST:
+                return self.request(payload)
+            if kind == channel.CHUNK:
+                (careful,) = CHUNK_HEAD.unpack_from(payload)
+                chunk = pickle.loads(memoryview(payload)[CHUNK_HEAD.size :])
+                return channel.PART, self.chunk(chunk, bool(careful)).payload()
+            if kind == channel.FINISH:
+                return channel.DONE, self.finish(payload).payload()
+            if kind == channel.PING:
+                return channel.PONG, [struct.pack("<I", len(self.processors))]
+        except ServiceError as error:
+            return channel.FAILED, [orjson.dumps(error.as_dict())]
+        raise ValueError(f"unknown job kind {kind}")
+
+    def remember_poison(self, payload: bytes | bytearray) -> None:
+        model, length = struct.unpack_from("<HQ", payload)
+        self.poison.add_digest(self.models[model].name, bytes(payload[10:]), length)
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def model(self, name: str | None) -> tuple[int, ModelInfo]:
+        position = self.index.get(self.default if name is None else name)
+        if position is None:
+            raise ModelNotFound(
+                f"model {name!r} is not served here; served models: {sorted(self.index)}", field="model"
+            )
+        return position, self.models[position]
+
+    def request(self, payload: bytes | bytearray) -> tuple[int, list[bytes | bytearray | memoryview]]:
+        route, binary, max_parts, careful = REQUEST_HEAD.unpack_from(payload)
+        body = memoryview(payload)[REQUEST_HEAD.size :]
+        if route == DETOKENIZE:
+            return self.detokenize(body, max_parts, bool(careful))
+        schema = TokenizeRequest if route == TOKENIZE else PackRequest
+        request = parse_request(body, schema, "texts", self.limits.max_texts)
+        position, info = self.model(request.model)
+        if (known := self.poison.find(info.name, request.texts)) is not None:
+            raise PoisonInput(
+                f"texts[{known}] was found earlier to crash or hang a tokenizer worker; it is refused",
+                field="texts",
+                index=known,
+            )
+        binary = bool(binary)
+        if isinstance(request, PackRequest):
+            context = pack_context(request, info, position, binary, self.limits.max_seq_len)
+            options = worker.EncodeOptions(add_bos=request.add_bos, add_eos=request.add_eos)
+        else:
+            context = None
+            options = encode_options(request)
+            check_special_tokens(options.add_bos, options.add_eos, info)
+        seeded = options.sample_seed is not None
+        texts = request.texts
+        sizes = np.fromiter((len(text) for text in texts), dtype=np.int64, count=len(texts))
+        parts = 1 if careful or seeded else max_parts
+        bounds = chunk_bounds(sizes, parts, self.limits.min_chunk_chars)
+        if seeded or len(bounds) > 1:
+            # Seeded sampling reproduces ids only within one process: it runs on the seeded sampler.
+            chunks = [
+                Chunk(route, position, options, start, binary, texts=texts[start:end]) for start, end in bounds
+            ] or [Chunk(route, position, options, 0, binary, texts=[])]
+            units = np.array([int(sizes[start:end].sum()) for start, end in bounds] or [0], dtype=np.int64)
+            return channel.SPLIT, split_payload(position, route, len(texts), seeded, units, context, chunks)
+        started = time.monotonic()
+        ids, offsets, seconds = self.encode(position, texts, options, 0, bool(careful))
+        if context is not None:
+            return channel.DONE, self.packed(context, ids, offsets, len(texts), started, seconds).payload()
+        tokens = int(offsets[-1])
+        name = info.name
+        if binary:
+            parts_out = wire.encode_parts({"ids": ids, "offsets": offsets}, {"model": name, "num_tokens": tokens})
+        else:
+            content = {"model": name, "ids": split_ragged(ids, offsets), "lengths": np.diff(offsets), "num_tokens": tokens}
+            parts_out = [orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)]
+        result = Result(channel.DONE, position, binary, len(texts), tokens, started, seconds, math.nan, parts_out)
+        return channel.DONE, result.payload()
+
+    def detokenize(
+        self, body: memoryview, max_parts: int, careful: bool
+    ) -> tuple[int, list[bytes | bytearray | memoryview]]:
+        request = parse_request(body, DetokenizeRequest, "ids", self.limits.max_texts)
+        position, info = self.model(request.model)
+        ids, offsets = flatten_ids(request.ids, info.vocab_size)
+        lengths = np.diff(offsets)
+        bounds = chunk_bounds(lengths, 1 if careful else max_parts, self.limits.min_chunk_chars // 4)
+        if len(bounds) > 1:
+            chunks = [
+                Chunk(
+                    DETOKENIZE,
+                    position,
+                    worker.EncodeOptions(),
+                    start,
+                    False,
+                    ids=ids[offsets[start] : offsets[end]],
+                    offsets=offsets[start : end + 1] - offsets[start],
+                )
+                for start, end in bounds
+            ]
+            units = np.array([int(offsets[end] - offsets[start]) for start, end in bounds], dtype=np.int64)
+            return channel.SPLIT, split_payload(position, DETOKENIZE, len(lengths), False, units, None, chunks)
+        started = time.monotonic()
+        texts = self.decode(position, ids, offsets, careful)
+        content = orjson.dumps({"model": info.name, "texts": texts})
+        seconds = time.monotonic() - started
+        result = Result(channel.DONE, position, JSON, len(texts), len(ids), started, seconds, math.nan, [content])
+        return channel.DONE, result.payload()
+
+    # -- chunks of split requests ------------------------------------------------------------------
+
+    def chunk(self, chunk: Chunk, careful: bool) -> Result:
+        started = time.monotonic()
+        if chunk.route == DETOKENIZE:
+            assert chunk.ids is not None and chunk.offsets is not None
+            texts = self.decode(chunk.model, chunk.ids, chunk.offsets, careful, chunk.first_index)
+            fragment = orjson.dumps(texts)[1:-1]
+            seconds = time.monotonic() - started
+            return Result(channel.PART, chunk.model, JSON, len(texts), len(chunk.ids), started, seconds, math.nan, [fragment])
+        assert chunk.texts is not None
+        ids, offsets, seconds = self.encode(chunk.model, chunk.texts, chunk.options, chunk.first_index, careful)
+        lengths = np.diff(offsets)
+        if chunk.binary or chunk.route == PACK:
+            blobs = channel.join_blobs([memoryview(ids).cast("B"), memoryview(lengths).cast("B")])
+        else:
+            rows = orjson.dumps(split_ragged(ids, offsets), option=orjson.OPT_SERIALIZE_NUMPY)[1:-1]
+            blobs = channel.join_blobs([rows, orjson.dumps(lengths, option=orjson.OPT_SERIALIZE_NUMPY)[1:-1]])
+        content = BINARY if chunk.binary else JSON
+        return Result(
+            channel.PART, chunk.model, content, len(chunk.texts), int(offsets[-1]), started, seconds, math.nan, blobs
+        )
+
+    def finish(self, payload: bytes | bytearray) -> Result:
+        """Pack the parts of a split /v1/pack request: blobs = context, then each PART payload."""
+        blobs = channel.split_blobs(payload)
+        context: PackContext = pickle.loads(blobs[0])
+        started = time.monotonic()
+        id_parts, length_parts, worked = [], [], 0.0
+        for part in blobs[1:]:
+            head = RESULT_HEAD.unpack_from(part)
+            worked += head[5]
+            ids, lengths = channel.split_blobs(part, RESULT_HEAD.size)
+            id_parts.append(np.frombuffer(ids, dtype=np.int32))
+            length_parts.append(np.frombuffer(lengths, dtype=np.int64))
+        ids = np.concatenate(id_parts) if id_parts else np.zeros(0, dtype=np.int32)
+        offsets = ragged_offsets(np.concatenate(length_parts) if length_parts else np.zeros(0, dtype=np.int64))
+        result = self.packed(context, ids, offsets, len(offsets) - 1, started, worked)
+        return result
+
+    # -- tokenizing ----------------------------------------------------------------------------------
+
+    def encode(
+        self, model: int, texts: list[str], options: worker.EncodeOptions, first_index: int, careful: bool
+    ) -> tuple[np.ndarray, np.ndarray, float]:
+        """(ids, offsets, seconds): exactly what `sp.encode(text, ...)` gives for each text, in order."""
+        started = time.monotonic()
+        processor = self.processors[model]
+        if careful:
+            pieces: list[np.ndarray] = []
+            for position, text in enumerate(texts):
+                self.progress.mark(position + first_index)
+                encoded = worker.encode_texts(processor, [text], options, first_index + position, one_by_one=True)
+                pieces.extend(encoded)
+            self.progress.mark(-1)
+        else:
+            pieces = worker.encode_texts(
+                processor, texts, options, first_index, one_by_one=len(texts) < LIST_ENCODE_MIN_TEXTS
+            )
+        lengths = np.fromiter((len(ids) for ids in pieces), dtype=np.int64, count=len(pieces))
+        ids = np.concatenate(pieces).astype(np.int32, copy=False) if pieces else np.zeros(0, dtype=np.int32)
+        return ids, ragged_offsets(lengths), time.monotonic() - started
+
+    def decode(self, model: int, ids: np.ndarray, offsets: np.ndarray, careful: bool, first_index: int = 0) -> list[str]:
+        processor = self.processors[model]
+        bounds = offsets.tolist()
+        rows = [ids[start:end].tolist() for start, end in zip(bounds, bounds[1:])]
+        if not careful:
+            return processor.decode(rows) if rows else []
+        texts = []
+        for position, row in enumerate(rows):
+            self.progress.mark(first_index + position)
+            texts.append(processor.decode(row))
+        self.progress.mark(-1)
+        return texts
+
+    def packed(
+        self, context: PackContext, ids: np.ndarray, offsets: np.ndarray, texts: int, started: float, seconds: float
+    ) -> Result:
+        info = self.models[context.model]
+        carry = None if context.carry is None else np.asarray(context.carry, dtype=np.int32)
+        if context.strategy == "concat":
+            eos_id = info.eos_id if context.add_eos and info.eos_id >= 0 else None
+            packed = pack_concat(
+                ids,
+                offsets,
+                context.seq_len,
+                carry=carry,
+                carry_document_starts=context.carry_document_starts,
+                eos_id=eos_id,
+                mask_document_start=context.mask_document_start,
+            )
+        else:
+            packed = pack_best_fit(
+                ids, offsets, context.seq_len, pad_id=info.padding_id, mask_document_start=context.mask_document_start
+            )
+        padding = packed.stats.padding_fraction if packed.stats.rows else math.nan
+        parts = pack_answer(info.name, context, packed)
+        return Result(
+            channel.DONE, context.model, context.binary, texts, int(offsets[-1]), started, seconds, padding, parts
+        )
+
+
+def encode_options(request: TokenizeRequest) -> worker.EncodeOptions:
+    sample = request.sample
+    return worker.EncodeOptions(
+        add_bos=request.add_bos,
+        add_eos=request.add_eos,
+        max_length=request.max_length,
+        sample_alpha=None if sample is None else float(sample.alpha),
+        sample_nbest_size=-1 if sample is None else sample.nbest_size,
+        sample_seed=None if sample is None else sample.seed,
+    )
+
+
+def check_special_tokens(add_bos: bool, add_eos: bool, info: ModelInfo) -> None:
+    """A model without BOS (or EOS) cannot add one: say so, naming the field (sentencepiece would raise)."""
+    if add_bos and info.bos_id < 0:
+        raise InvalidField(f"model {info.name!r} has no BOS piece (bos_id -1): add_bos cannot be true", field="add_bos")
+    if add_eos and info.eos_id < 0:
+        raise InvalidField(f"model {info.name!r} has no EOS piece (eos_id -1): add_eos cannot be true", field="add_eos")
+
+
+def split_payload(
+    model: int,
+    route: int,
+    texts: int,
+    seeded: bool,
+    units: np.ndarray,
+    context: PackContext | None,
+    chunks: list[Chunk],
+) -> list[bytes | bytearray | memoryview]:
+    blobs: list[bytes | bytearray | memoryview] = [
+        units.tobytes(),
+        b"" if context is None else pickle.dumps(context, protocol=5),
+        *(pickle.dumps(chunk, protocol=5) for chunk in chunks),
+    ]
+    return [SPLIT_HEAD.pack(model, route, texts, seeded), *channel.join_blobs(blobs)]
+
+
+def chunk_bounds(sizes: np.ndarray, max_chunks: int, min_chunk_size: int) -> list[tuple[int, int]]:
+    """Split items with these sizes into at most `max_chunks` contiguous runs of similar total size.
+
+    A run is never smaller than `min_chunk_size` (unless it is the only one), so small requests stay
+    on one worker and pay one process round trip.
+    """
+    count = len(sizes)
+    if count == 0:
+        return []
+    total = int(sizes.sum())
+    chunks = max(1, min(max_chunks, count, total // max(min_chunk_size, 1)))
+    if chunks == 1:
+        return [(0, count)]
+    cumulative = np.cumsum(sizes)
+    targets = total * np.arange(1, chunks) / chunks
+    cuts = np.searchsorted(cumulative, targets, side="left") + 1
+    edges = sorted({0, count, *(int(c) for c in cuts if 0 < c < count)})
+    return list(zip(edges, edges[1:]))
+
+
+def flatten_ids(rows: list[list[int]], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Ragged int32 ids from JSON rows, refusing (422, with the row) any id outside the vocabulary."""
+    arrays = []
+    for index, row in enumerate(rows):
+        try:
+            array = np.asarray(row, dtype=np.int64)
+        except OverflowError:
+            array = None
+        if array is None or (len(array) and (array.min() < 0 or array.max() >= vocab_size)):
+            bad = next(i for i in row if not 0 <= i < vocab_size)
+            raise InvalidField(
+                f"ids[{index}] holds {bad}, outside the vocabulary [0, {vocab_size})", field="ids", index=index
+            )
+        arrays.append(array)
+    lengths = np.fromiter((len(array) for array in arrays), dtype=np.int64, count=len(arrays))
+    flat = np.concatenate(arrays).astype(np.int32) if arrays else np.zeros(0, dtype=np.int32)
+    return flat, ragged_offsets(lengths)
+
+
+def pack_context(request: PackRequest, info: ModelInfo, model: int, binary: bool, max_seq_len: int) -> PackContext:
+    """Check a /v1/pack request's packing fields (422 naming the field) and keep what packing needs."""
+    if not 2 <= request.seq_len <= max_seq_len:
+        raise InvalidField(f"seq_len must be between 2 and {max_seq_len}, got {request.seq_len}", field="seq_len")
+    check_special_tokens(request.add_bos, request.add_eos, info)
+    check_carry_starts(request)
+    if request.carry is not None:
+        if request.strategy != "concat":
+            raise InvalidField("carry is only meaningful with strategy 'concat'", field="carry")
+        for position, token in enumerate(request.carry):
+            if not 0 <= token < info.vocab_size:
+                raise InvalidField(
+                    f"carry[{position}] is {token}, outside the vocabulary [0, {info.vocab_size})",
+                    field="carry",
+                    index=position,
+                )
+    return PackContext(
+        model=model,
+        binary=binary,
+        seq_len=request.seq_len,
+        strategy=request.strategy,
+        add_eos=request.add_eos,
+        carry=request.carry,
+        carry_document_starts=request.carry_document_starts,
+        mask_document_start=request.mask_document_start,
+    )
+
+
+def check_carry_starts(request: PackRequest) -> None:
+    """Positions in the carry where documents begin: what makes many requests pack like one."""
+    starts = request.carry_document_starts
+    if starts is None:
+        return
+    if request.strategy != "concat":
+        raise InvalidField(
+            "carry_document_starts is only meaningful with strategy 'concat'", field="carry_document_starts"
+        )
+    if request.carry is None:
+        raise InvalidField("carry_document_starts needs the carry it describes", field="carry_document_starts")
+    previous = -1
+    for position, start in enumerate(starts):
+        if not previous < start < len(request.carry):
+            raise InvalidField(
+                f"carry_document_starts[{position}] is {start}: starts must increase and lie in the carry "
+                f"[0, {len(request.carry)})",
+                field="carry_document_starts",
+                index=position,
+            )
+        previous = start
+
+
+def pack_answer(model: str, context: PackContext, packed: PackedRows) -> list[bytes | bytearray | memoryview]:
+    if context.binary:
+        arrays = {
+            "input_ids": packed.input_ids,
+            "labels": packed.labels,
+            "position_ids": packed.position_ids,
+            "cu_seqlens": packed.cu_seqlens,
+            "cu_seqlens_offsets": packed.cu_seqlens_offsets,
+            "leftover": packed.leftover,
+            "leftover_document_starts": packed.leftover_document_starts,
+        }
+        meta = {"model": model, "seq_len": context.seq_len, "strategy": context.strategy, "stats": packed.stats.as_dict()}
+        return wire.encode_parts(arrays, meta)
+    content = {
+        "model": model,
+        "seq_len": context.seq_len,
+        "strategy": context.strategy,
+        "input_ids": packed.input_ids,
+        "labels": packed.labels,
+        "position_ids": packed.position_ids,
+        "cu_seqlens": split_ragged(packed.cu_seqlens, packed.cu_seqlens_offsets),
+        "leftover": packed.leftover,
+        "leftover_document_starts": packed.leftover_document_starts,
+        "stats": packed.stats.as_dict(),
+    }
+    return [orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)]

@@ -1,0 +1,195 @@
+"""Where the server's CPU goes, per request, against in-process sentencepiece measured in the same run.
+
+    python bench/serving.py [--workers 2 8] [--docs 4096] [--rounds 3] [--singles 2000] [--model FILE]
+
+For each worker count it starts a server on a free loopback port and prints:
+  serial ceiling   worker CPU / main-process CPU per 256-document request: how many busy workers
+                   one server process can feed before its own core is the bottleneck
+  CPU efficiency   in-process sp.encode(chunk, num_threads=1, out_type="numpy") CPU for the same
+                   documents / (main + workers) CPU
+  single text      p50/p99 latency of one 1-2 KB text through TokenizerClient, and main-process CPU each
+  client CPU       this process's CPU per 256-document binary request (TokenizerClient)
+  throughput       binary and JSON, 2 requests in flight, against sp.encode(list, num_threads=cores)
+                   and the numpy floor sp.encode(list, num_threads=cores, out_type="numpy"), rounds
+                   alternating (the median of per-round ratios is reported)
+CPU times come from psutil (the server's main process; the sum over its worker processes), which
+holds up on a shared machine where wall time does not. Without --model it trains a 16k unigram
+model on the corpus (cached under bench/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import psutil
+import sentencepiece as spm
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from throughput import FALLBACK_CORPUS, SHARED_CORPUS, bench_model, load_documents, start_server  # noqa: E402
+
+from client import TokenizerClient  # noqa: E402
+
+BATCH = 256
+
+
+def cpu(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+def workers_of(server: psutil.Process) -> list[psutil.Process]:
+    return [child for child in server.children(recursive=True) if "spawn_main" in " ".join(child.cmdline())]
+
+
+class Meter:
+    """CPU seconds of the server's main process, of its workers, and of this process, over a block."""
+
+    def __init__(self, server: psutil.Process) -> None:
+        self.server = server
+        self.workers = workers_of(server)
+
+    def __enter__(self) -> Meter:
+        self._main = cpu(self.server)
+        self._workers = sum(cpu(worker) for worker in self.workers)
+        self._client = time.process_time()
+        self._wall = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.perf_counter() - self._wall
+        self.main = cpu(self.server) - self._main
+        self.worker = sum(cpu(worker) for worker in self.workers) - self._workers
+        self.client = time.process_time() - self._client
+
+
+def in_flight(client: TokenizerClient, batches: list[list[str]], depth: int, fmt: str) -> int:
+    def one(batch: list[str]) -> int:
+        return client.tokenize_batch(batch, model="bench", format=fmt).num_tokens
+
+    with ThreadPoolExecutor(depth) as pool:
+        return sum(pool.map(one, batches))
+
+
+def measure(model: Path, workers: int, docs: list[str], rounds: int, singles: int, sp: spm.SentencePieceProcessor) -> dict[str, float]:
+    cores = len(os.sched_getaffinity(0))
+    batches = [docs[i : i + BATCH] for i in range(0, len(docs), BATCH)]
+    # In-process single-thread numpy encode CPU of the same batches: the work itself.
+    started = time.process_time()
+    expected = sum(int(sum(len(ids) for ids in sp.encode(batch, num_threads=1, out_type="numpy"))) for batch in batches)
+    inproc_cpu = time.process_time() - started
+    url, process = start_server(model, workers)
+    server = psutil.Process(process.pid)
+    result: dict[str, float] = {}
+    try:
+        with TokenizerClient(url, timeout=120) as client:
+            in_flight(client, batches[:4], 2, "binary")  # warm connections, workers and heaps
+            for text in docs[:200]:
+                client.tokenize_batch([text], model="bench")
+            # CPU per 256-document binary request, 2 in flight.
+            with Meter(server) as meter:
+                tokens = in_flight(client, batches, 2, "binary")
+            assert tokens == expected, (tokens, expected)
+            requests = len(batches)
+            result["main_ms"] = meter.main / requests * 1e3
+            result["worker_ms"] = meter.worker / requests * 1e3
+            result["client_ms"] = meter.client / requests * 1e3
+            result["ceiling"] = meter.worker / meter.main
+            result["efficiency"] = inproc_cpu / (meter.main + meter.worker)
+            # Single texts, one at a time.
+            latencies = []
+            with Meter(server) as meter:
+                for text in docs[:singles]:
+                    begun = time.perf_counter()
+                    client.tokenize_batch([text], model="bench")
+                    latencies.append(time.perf_counter() - begun)
+            result["single_p50_ms"] = float(np.percentile(latencies, 50) * 1e3)
+            result["single_p99_ms"] = float(np.percentile(latencies, 99) * 1e3)
+            result["single_main_ms"] = meter.main / singles * 1e3
+            result["single_worker_ms"] = meter.worker / singles * 1e3
+            # Throughput, alternating with in-process encodes in each round.
+            ratios: dict[str, list[float]] = {"binary/list": [], "binary/floor": [], "json/list": [], "json/floor": []}
+            for _ in range(rounds):
+                began = time.perf_counter()
+                sp.encode(docs, num_threads=cores)
+                listed = time.perf_counter() - began
+                began = time.perf_counter()
+                sp.encode(docs, num_threads=cores, out_type="numpy")
+                floor = time.perf_counter() - began
+                began = time.perf_counter()
+                in_flight(client, batches, 2, "binary")
+                binary = time.perf_counter() - began
+                began = time.perf_counter()
+                in_flight(client, batches, 2, "json")
+                json = time.perf_counter() - began
+                ratios["binary/list"].append(listed / binary)
+                ratios["binary/floor"].append(floor / binary)
+                ratios["json/list"].append(listed / json)
+                ratios["json/floor"].append(floor / json)
+                result["binary_docs_s"] = max(result.get("binary_docs_s", 0.0), len(docs) / binary)
+                result["list_docs_s"] = max(result.get("list_docs_s", 0.0), len(docs) / listed)
+            for name, values in ratios.items():
+                result[name] = statistics.median(values)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    return result
+
+
+ROWS = [
+    ("serial ceiling (worker CPU / main CPU, 256-doc request)", "ceiling", "{:.1f}"),
+    ("main-process CPU per 256-doc request (ms)", "main_ms", "{:.2f}"),
+    ("worker CPU per 256-doc request (ms)", "worker_ms", "{:.2f}"),
+    ("CPU efficiency (in-process numpy CPU / server CPU)", "efficiency", "{:.2f}"),
+    ("single text p50 (ms)", "single_p50_ms", "{:.2f}"),
+    ("single text p99 (ms)", "single_p99_ms", "{:.2f}"),
+    ("main-process CPU per single text (ms)", "single_main_ms", "{:.3f}"),
+    ("worker CPU per single text (ms)", "single_worker_ms", "{:.3f}"),
+    ("client CPU per 256-doc binary request (ms)", "client_ms", "{:.2f}"),
+    ("binary, 2 in flight / sp.encode(list)", "binary/list", "{:.2f}"),
+    ("binary, 2 in flight / numpy floor", "binary/floor", "{:.2f}"),
+    ("JSON, 2 in flight / sp.encode(list)", "json/list", "{:.2f}"),
+    ("JSON, 2 in flight / numpy floor", "json/floor", "{:.2f}"),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--corpus", type=Path, default=SHARED_CORPUS if SHARED_CORPUS.exists() else FALLBACK_CORPUS)
+    parser.add_argument("--workers", type=int, nargs="+", default=[2, 8])
+    parser.add_argument("--docs", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--singles", type=int, default=2000)
+    parser.add_argument("--model", type=Path, help="a SentencePiece model (default: a 16k unigram trained on the corpus)")
+    args = parser.parse_args()
+
+    docs = load_documents(args.corpus, args.docs)
+    model = args.model or bench_model(args.corpus, vocab_size=16000)
+    sp = spm.SentencePieceProcessor(model_file=str(model))
+    print(
+        f"corpus {args.corpus.name}: {len(docs)} documents, mean {sum(map(len, docs)) / len(docs):.0f} chars; "
+        f"model {model.name} (vocab {sp.vocab_size()}); {len(os.sched_getaffinity(0))} cores",
+        flush=True,
+    )
+    results = {}
+    for workers in args.workers:
+        print(f"measuring --workers {workers} ...", flush=True)
+        results[workers] = measure(model, workers, docs, args.rounds, args.singles, sp)
+    print()
+    print("| measure | " + " | ".join(f"--workers {w}" for w in results) + " |")
+    print("|---|" + "---:|" * len(results))
+    for label, key, form in ROWS:
+        print(f"| {label} | " + " | ".join(form.format(result[key]) for result in results.values()) + " |")
+
+
+if __name__ == "__main__":
+    main()
