@@ -93,11 +93,15 @@ class WorkerPool:
     # -- requests --------------------------------------------------------------------------------
 
     async def request(self, route: int, body: bytes, binary: bool) -> Answer:
-        """The answer to one /v1 request body; raises ServiceError (bad input, poison, unavailable)."""
-        max_parts = self.size
+        """The answer to one /v1 request body; raises ServiceError (bad input, poison, unavailable).
 
-        def head(careful: bool) -> bytes:
-            return REQUEST_HEAD.pack(route, binary, max_parts, careful)
+        A large request is split over the workers idle when it is handed over (the one taking it
+        and every idle other): under load nothing is split and nothing travels twice, while a lone
+        large request still runs on every core.
+        """
+
+        def head(careful: bool) -> Callable[[int], bytes]:
+            return lambda idle: REQUEST_HEAD.pack(route, binary, max(idle, 1), careful)
 
         kind, payload = await self._supervised(
             self.tokenizers, channel.REQUEST, head, body, len(body), lambda index: self._text_at(body, route, index)
@@ -135,7 +139,7 @@ class WorkerPool:
         payload = channel.join_blobs([context, *(part.payload for part in parts)])
         units = sum(part.tokens for part in parts)
         kind, reply = await self._supervised(
-            self.tokenizers, channel.FINISH, lambda careful: b"", payload, units, lambda index: ("texts", None, None)
+            self.tokenizers, channel.FINISH, _no_head, payload, units, lambda index: ("texts", None, None)
         )
         if kind != channel.DONE:
             raise _failure(kind, reply)
@@ -149,7 +153,7 @@ class WorkerPool:
         self,
         lane: Lane,
         kind: int,
-        head: Callable[[bool], bytes],
+        head: Callable[[bool], Callable[[int], bytes]],
         body: Buffer | Sequence[Buffer],
         units: int,
         culprit: Callable[[int], Culprit],
@@ -162,7 +166,7 @@ class WorkerPool:
         parts = list(body) if isinstance(body, (list, tuple)) else [body]
         for attempt in (1, 2):
             try:
-                return await lane.submit(kind, [head(False), *parts], units)
+                return await lane.submit(kind, [b"", *parts], units, head(False))
             except WorkerCrashed as crash:
                 if crash.stalled:
                     logger.warning("a job stalled its worker; running it carefully")
@@ -172,7 +176,7 @@ class WorkerPool:
                     break
                 self.metrics.chunk_retries.inc()
         try:
-            return await lane.submit(kind, [head(True), *parts], units)
+            return await lane.submit(kind, [b"", *parts], units, head(True))
         except WorkerCrashed as crash:
             if crash.progress < 0:  # the worker died between texts: nothing to blame
                 raise Unavailable("a tokenizer worker died; retry") from None
@@ -204,8 +208,13 @@ class WorkerPool:
             return "texts", None, None
 
 
-def _chunk_head(careful: bool) -> bytes:
-    return CHUNK_HEAD.pack(careful)
+def _chunk_head(careful: bool) -> Callable[[int], bytes]:
+    head = CHUNK_HEAD.pack(careful)
+    return lambda idle: head
+
+
+def _no_head(careful: bool) -> Callable[[int], bytes]:
+    return lambda idle: b""
 
 
 def _failure(kind: int, payload: Buffer) -> ServiceError:

@@ -125,11 +125,19 @@ def _send_all(connection: socket.socket, buffers: Sequence[Buffer]) -> None:
 class Job:
     """One message for a worker, and the future its reply settles."""
 
-    __slots__ = ("future", "kind", "number", "parts", "queued_at", "sent", "units")
+    __slots__ = ("future", "kind", "number", "parts", "queued_at", "sent", "stamp", "units")
 
-    def __init__(self, kind: int, parts: Sequence[Buffer], units: int, future: asyncio.Future[tuple[int, Buffer]]) -> None:
+    def __init__(
+        self,
+        kind: int,
+        parts: Sequence[Buffer],
+        units: int,
+        future: asyncio.Future[tuple[int, Buffer]],
+        stamp: Callable[[int], Buffer] | None = None,
+    ) -> None:
         self.kind = kind
         self.parts = parts
+        self.stamp = stamp  # builds parts[0] at hand-off from the number of idle workers then
         self.units = units
         self.future = future
         self.number = 0
@@ -209,7 +217,7 @@ class Worker:
     def _start_clock(self, job: Job) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._timer = asyncio.get_running_loop().call_later(self.lane.deadline(job.units), self._stall, job)
+        self._timer = self.lane.loop.call_later(self.lane.deadline(job.units), self._stall, job)
 
     def _stall(self, job: Job) -> None:
         if self.gone or not self.inflight or self.inflight[0] is not job:
@@ -292,6 +300,15 @@ class Lane:
         self._on_change = on_change
         self._restarts: dict[int, asyncio.Task[None]] = {}
         self._poison: list[bytes] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop, looked up once: asyncio.get_running_loop() costs a getpid() per call on 3.11."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop
 
     def deadline(self, units: int) -> float:
         return self.stall_timeout + units * self.stall_seconds_per_unit
@@ -311,7 +328,7 @@ class Lane:
     async def _ready(self, worker: Worker) -> None:
         """Connect, ping, and put the worker to work once it answers."""
         await worker.connect()
-        future: asyncio.Future[tuple[int, Buffer]] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[tuple[int, Buffer]] = self.loop.create_future()
         worker.send(Job(channel.PING, [b""], 0, future))
         kind, _ = await future
         if kind != channel.PONG:
@@ -355,19 +372,36 @@ class Lane:
 
     # -- dispatch --------------------------------------------------------------------------------
 
-    def submit(self, kind: int, parts: Sequence[Buffer], units: int) -> asyncio.Future[tuple[int, Buffer]]:
-        """Queue a job; the future settles with (reply kind, payload) or a WorkerCrashed/Unavailable."""
+    def submit(
+        self, kind: int, parts: Sequence[Buffer], units: int, stamp: Callable[[int], Buffer] | None = None
+    ) -> asyncio.Future[tuple[int, Buffer]]:
+        """Queue a job; the future settles with (reply kind, payload) or a WorkerCrashed/Unavailable.
+
+        `stamp(idle)`, if given, builds the job's first buffer when a worker takes it, knowing how
+        many workers are idle then (it is how a large request decides how far to split).
+        """
         if self.closed:
             raise Unavailable("the server is shutting down")
         if self.failing and not self.serving:
             raise Unavailable("the tokenizer workers are restarting; retry")
-        future: asyncio.Future[tuple[int, Buffer]] = asyncio.get_running_loop().create_future()
-        job = Job(kind, parts, units, future)
+        future: asyncio.Future[tuple[int, Buffer]] = self.loop.create_future()
+        job = Job(kind, parts, units, future, stamp)
         self.waiting.append(job)
         self.pump()
         if not job.sent:
             future.add_done_callback(lambda _: self._withdraw(job))
         return future
+
+    def _spare(self) -> int:
+        """Idle workers with a free core each: splitting a request wider only adds overhead."""
+        idle = busy = 0
+        for worker in self.workers:
+            if worker is not None and worker.serving:
+                if worker.inflight:
+                    busy += 1
+                else:
+                    idle += 1
+        return max(1, min(idle, self.cores - busy))
 
     def _withdraw(self, job: Job) -> None:
         """A waiting job whose request gave up (timeout, hang-up) leaves the queue at once."""
@@ -395,6 +429,8 @@ class Lane:
             job = waiting.popleft()
             if job.future.done():  # settled while it waited (the lane failed it)
                 continue
+            if job.stamp is not None:
+                job.parts = [job.stamp(self._spare()), *job.parts[1:]]
             best.send(job)
 
     def worker_lost(self, worker: Worker, jobs: list[Job], was_serving: bool) -> None:
@@ -422,7 +458,7 @@ class Lane:
         self._restart(worker.slot)
 
     def _restart(self, slot: int) -> None:
-        task = asyncio.ensure_future(self._restart_loop(slot))
+        task = self.loop.create_task(self._restart_loop(slot))
         self._restarts[slot] = task
         task.add_done_callback(lambda _: self._restarts.pop(slot, None))
 
