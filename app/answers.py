@@ -36,7 +36,7 @@ class Answer:
     """A whole answer: its bytes and what the metrics record of it."""
 
     binary: bool
-    body: list[Buffer]
+    body: Sequence[Buffer]
     model: int
     texts: int
     tokens: int
@@ -68,10 +68,8 @@ def read_done(payload: Buffer) -> Answer:
 
 def read_part(payload: Buffer, *, blobs: bool = True) -> Part:
     model, _content, texts, tokens, started, seconds, _padding = RESULT_HEAD.unpack_from(payload)
-    if blobs:
-        views = channel.split_blobs(payload, RESULT_HEAD.size)
-    else:  # a single fragment (detokenize)
-        views = [memoryview(payload)[RESULT_HEAD.size :]]
+    # Several blobs, or a single fragment (detokenize).
+    views = channel.split_blobs(payload, RESULT_HEAD.size) if blobs else [memoryview(payload)[RESULT_HEAD.size :]]
     return Part(model, texts, tokens, Work(started, seconds), views, payload)
 
 
@@ -92,9 +90,11 @@ def join_tokenize(model: int, name: str, parts: Sequence[Part], binary: bool) ->
     if binary:
         ids = [np.frombuffer(part.blobs[0], dtype=np.int32) for part in parts]
         lengths = np.concatenate([np.frombuffer(part.blobs[1], dtype=np.int64) for part in parts])
-        body = wire.encode_parts({"ids": ids, "offsets": ragged_offsets(lengths)}, {"model": name, "num_tokens": tokens})
-        return Answer(True, list(body), model, texts, tokens, work=work)
-    body = [
+        frame = wire.encode_parts(
+            {"ids": ids, "offsets": ragged_offsets(lengths)}, {"model": name, "num_tokens": tokens}
+        )
+        return Answer(True, frame, model, texts, tokens, work=work)
+    body: list[Buffer] = [
         b'{"model":',
         orjson.dumps(name),
         b',"ids":[',
@@ -110,7 +110,13 @@ def join_tokenize(model: int, name: str, parts: Sequence[Part], binary: bool) ->
 
 def join_detokenize(model: int, name: str, parts: Sequence[Part]) -> Answer:
     """The /v1/detokenize answer of a split request."""
-    body = [b'{"model":', orjson.dumps(name), b',"texts":[', *_joined([part.blobs[0] for part in parts]), b"]}"]
+    body: list[Buffer] = [
+        b'{"model":',
+        orjson.dumps(name),
+        b',"texts":[',
+        *_joined([part.blobs[0] for part in parts]),
+        b"]}",
+    ]
     texts = sum(part.texts for part in parts)
     tokens = sum(part.tokens for part in parts)
     return Answer(False, body, model, texts, tokens, work=[part.work for part in parts])

@@ -44,7 +44,9 @@ def frame(job: int, kind: int, payload: bytes | bytearray | memoryview = b"") ->
     return [HEADER.pack(len(payload), job, kind), payload]
 
 
-def frame_parts(job: int, kind: int, parts: Sequence[bytes | bytearray | memoryview]) -> list[bytes | bytearray | memoryview]:
+def frame_parts(
+    job: int, kind: int, parts: Sequence[bytes | bytearray | memoryview]
+) -> list[bytes | bytearray | memoryview]:
     """A frame whose payload is the concatenation of `parts`."""
     size = sum(len(part) for part in parts)
     return [HEADER.pack(size, job, kind), *parts]

@@ -18,10 +18,10 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import Counter
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.admission import Admission
 from app.answers import Answer
@@ -44,9 +44,6 @@ JSON_TYPE = b"application/json"
 BINARY_TYPE = wire.MEDIA_TYPE.encode()
 SHA256_HEADER = MODEL_SHA256_HEADER.lower().encode()
 
-Scope = dict[str, Any]
-Receive = Callable[[], Any]
-Send = Callable[[dict[str, Any]], Any]
 
 
 class _Abandoned:
@@ -80,7 +77,7 @@ class Edge:
 
     def __init__(
         self,
-        app: Any,
+        app: ASGIApp,
         *,
         metrics: Metrics,
         keys: ApiKeys | None,
@@ -115,7 +112,11 @@ class Edge:
         self._sha256 = [info.sha256.encode() for info in models]
         metrics = self.metrics
         self._per_model = [
-            (metrics.texts.labels(info.name), metrics.tokens.labels(info.name), metrics.worker_seconds.labels(info.name))
+            (
+                metrics.texts.labels(info.name),
+                metrics.tokens.labels(info.name),
+                metrics.worker_seconds.labels(info.name),
+            )
             for info in models
         ]
         self._loop = asyncio.get_running_loop()  # once: get_running_loop() costs a getpid() per call on 3.11
@@ -138,7 +139,7 @@ class Edge:
         try:
             if self.keys is not None and path not in OPEN_PATHS and (refusal := self._refuse(scope)) is not None:
                 status = await send_error(send, refusal)
-            elif hot:
+            elif hot and route is not None:
                 status = await self._serve(route, scope, receive, send)
             else:
                 status = await self._delegate(scope, receive, send)
@@ -177,7 +178,7 @@ class Edge:
     async def _delegate(self, scope: Scope, receive: Receive, send: Send) -> int:
         status = CLIENT_CLOSED_REQUEST
 
-        async def send_with_status(message: dict[str, Any]) -> None:
+        async def send_with_status(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
@@ -269,7 +270,8 @@ class Edge:
             if abandoned.reason is None:  # the server is stopping (drain timeout): say so, not a reset
                 logger.info("a /v1 request was cancelled: shutting down")
                 return shutting_down()
-            task.uncancel()
+            if (uncancel := getattr(task, "uncancel", None)) is not None:  # Python 3.11+
+                uncancel()
             self.metrics.cancelled_requests.labels(abandoned.reason).inc()
             if abandoned.reason == "timeout":
                 return RequestTimeout(f"the request took longer than the server's limit of {self.timeout:g}s")

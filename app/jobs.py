@@ -14,7 +14,7 @@ that names the poison text.
 
 from __future__ import annotations
 
-import logging
+import itertools
 import math
 import pickle
 import struct
@@ -35,8 +35,6 @@ from app.schemas import DetokenizeRequest, PackRequest, TokenizeRequest
 from client import wire
 from client.packing import PackedRows, pack_best_fit, pack_concat
 from client.wire import ragged_offsets, split_ragged
-
-logger = logging.getLogger("tokenizer.worker")
 
 # Routes, as the server names them to a worker
 TOKENIZE, DETOKENIZE, PACK = 1, 2, 3
@@ -180,8 +178,11 @@ class Jobs:
         body = memoryview(payload)[REQUEST_HEAD.size :]
         if route == DETOKENIZE:
             return self.detokenize(body, max_parts, bool(careful))
-        schema = TokenizeRequest if route == TOKENIZE else PackRequest
-        request = parse_request(body, schema, "texts", self.limits.max_texts)
+        request: TokenizeRequest | PackRequest
+        if route == TOKENIZE:
+            request = parse_request(body, TokenizeRequest, "texts", self.limits.max_texts)
+        else:
+            request = parse_request(body, PackRequest, "texts", self.limits.max_texts)
         position, info = self.model(request.model)
         if (known := self.poison.find(info.name, request.texts)) is not None:
             raise PoisonInput(
@@ -218,7 +219,12 @@ class Jobs:
         if binary:
             parts_out = wire.encode_parts({"ids": ids, "offsets": offsets}, {"model": name, "num_tokens": tokens})
         else:
-            content = {"model": name, "ids": split_ragged(ids, offsets), "lengths": np.diff(offsets), "num_tokens": tokens}
+            content = {
+                "model": name,
+                "ids": split_ragged(ids, offsets),
+                "lengths": np.diff(offsets),
+                "num_tokens": tokens,
+            }
             parts_out = [orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)]
         result = Result(channel.DONE, position, binary, len(texts), tokens, started, seconds, math.nan, parts_out)
         return channel.DONE, result.payload()
@@ -262,7 +268,9 @@ class Jobs:
             texts = self.decode(chunk.model, chunk.ids, chunk.offsets, careful, chunk.first_index)
             fragment = orjson.dumps(texts)[1:-1]
             seconds = time.monotonic() - started
-            return Result(channel.PART, chunk.model, JSON, len(texts), len(chunk.ids), started, seconds, math.nan, [fragment])
+            return Result(
+                channel.PART, chunk.model, JSON, len(texts), len(chunk.ids), started, seconds, math.nan, [fragment]
+            )
         assert chunk.texts is not None
         ids, offsets, seconds = self.encode(chunk.model, chunk.texts, chunk.options, chunk.first_index, careful)
         lengths = np.diff(offsets)
@@ -288,10 +296,9 @@ class Jobs:
             ids, lengths = channel.split_blobs(part, RESULT_HEAD.size)
             id_parts.append(np.frombuffer(ids, dtype=np.int32))
             length_parts.append(np.frombuffer(lengths, dtype=np.int64))
-        ids = np.concatenate(id_parts) if id_parts else np.zeros(0, dtype=np.int32)
+        all_ids = np.concatenate(id_parts) if id_parts else np.zeros(0, dtype=np.int32)
         offsets = ragged_offsets(np.concatenate(length_parts) if length_parts else np.zeros(0, dtype=np.int64))
-        result = self.packed(context, ids, offsets, len(offsets) - 1, started, worked)
-        return result
+        return self.packed(context, all_ids, offsets, len(offsets) - 1, started, worked)
 
     # -- tokenizing ----------------------------------------------------------------------------------
 
@@ -316,10 +323,12 @@ class Jobs:
         ids = np.concatenate(pieces).astype(np.int32, copy=False) if pieces else np.zeros(0, dtype=np.int32)
         return ids, ragged_offsets(lengths), time.monotonic() - started
 
-    def decode(self, model: int, ids: np.ndarray, offsets: np.ndarray, careful: bool, first_index: int = 0) -> list[str]:
+    def decode(
+        self, model: int, ids: np.ndarray, offsets: np.ndarray, careful: bool, first_index: int = 0
+    ) -> list[str]:
         processor = self.processors[model]
         bounds = offsets.tolist()
-        rows = [ids[start:end].tolist() for start, end in zip(bounds, bounds[1:])]
+        rows = [ids[start:end].tolist() for start, end in itertools.pairwise(bounds)]
         if not careful:
             return processor.decode(rows) if rows else []
         texts = []
@@ -410,7 +419,7 @@ def chunk_bounds(sizes: np.ndarray, max_chunks: int, min_chunk_size: int) -> lis
     targets = total * np.arange(1, chunks) / chunks
     cuts = np.searchsorted(cumulative, targets, side="left") + 1
     edges = sorted({0, count, *(int(c) for c in cuts if 0 < c < count)})
-    return list(zip(edges, edges[1:]))
+    return list(itertools.pairwise(edges))
 
 
 def flatten_ids(rows: list[list[int]], vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -483,7 +492,7 @@ def check_carry_starts(request: PackRequest) -> None:
         previous = start
 
 
-def pack_answer(model: str, context: PackContext, packed: PackedRows) -> list[bytes | bytearray | memoryview]:
+def pack_answer(model: str, context: PackContext, packed: PackedRows) -> Sequence[bytes | bytearray | memoryview]:
     if context.binary:
         arrays = {
             "input_ids": packed.input_ids,
@@ -494,7 +503,12 @@ def pack_answer(model: str, context: PackContext, packed: PackedRows) -> list[by
             "leftover": packed.leftover,
             "leftover_document_starts": packed.leftover_document_starts,
         }
-        meta = {"model": model, "seq_len": context.seq_len, "strategy": context.strategy, "stats": packed.stats.as_dict()}
+        meta = {
+            "model": model,
+            "seq_len": context.seq_len,
+            "strategy": context.strategy,
+            "stats": packed.stats.as_dict(),
+        }
         return wire.encode_parts(arrays, meta)
     content = {
         "model": model,

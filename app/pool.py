@@ -120,9 +120,11 @@ class WorkerPool:
         lane = self.sampler if seeded else self.tokenizers
 
         def run(chunk: memoryview, size: int) -> Awaitable[tuple[int, Buffer]]:
-            return self._supervised(lane, channel.CHUNK, _chunk_head, chunk, size, lambda index: _chunk_text(chunk, index))
+            return self._supervised(
+                lane, channel.CHUNK, _chunk_head, chunk, size, lambda index: _chunk_text(chunk, index)
+            )
 
-        replies = await _all_or_none([run(chunk, size) for chunk, size in zip(chunks, units)])
+        replies = await _all_or_none([run(chunk, size) for chunk, size in zip(chunks, units, strict=True)])
         for kind, reply in replies:
             if kind != channel.PART:
                 raise _failure(kind, reply)
@@ -163,7 +165,7 @@ class WorkerPool:
         `culprit(index)` names the field, model and text at `index`; it runs (in a thread) only
         when a careful run died, so the hot path never looks at texts.
         """
-        parts = list(body) if isinstance(body, (list, tuple)) else [body]
+        parts: list[Buffer] = list(body) if isinstance(body, (list, tuple)) else [body]  # type: ignore[list-item]
         for attempt in (1, 2):
             try:
                 return await lane.submit(kind, [b"", *parts], units, head(False))
@@ -204,7 +206,7 @@ class WorkerPool:
             name = document.get("model") or self.default
             model = next(position for position, info in enumerate(self.models) if info.name == name)
             return "texts", model, document["texts"][index]
-        except Exception:  # noqa: BLE001 - naming the text is a courtesy; the 422 stands without it
+        except Exception:
             return "texts", None, None
 
 

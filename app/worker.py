@@ -108,7 +108,12 @@ def encode_texts(
     """
     common = {"add_bos": options.add_bos, "add_eos": options.add_eos, "out_type": "numpy"}
     if options.sample_alpha is not None:
-        sampling = {**common, "enable_sampling": True, "alpha": options.sample_alpha, "nbest_size": options.sample_nbest_size}
+        sampling = {
+            **common,
+            "enable_sampling": True,
+            "alpha": options.sample_alpha,
+            "nbest_size": options.sample_nbest_size,
+        }
         entropy = random.SystemRandom()
         pieces = [
             sample_in_fresh_thread(

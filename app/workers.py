@@ -22,8 +22,8 @@ import logging
 import multiprocessing
 import os
 import socket
-import sys
 import struct
+import sys
 import time
 import traceback
 from collections import deque
@@ -194,7 +194,7 @@ class Worker:
         loop = asyncio.get_running_loop()
         self._socket.setblocking(False)
         transport, _ = await loop.connect_accepted_socket(lambda: _Protocol(self), self._socket)
-        self._transport = transport  # type: ignore[assignment]
+        self._transport = transport
 
     @property
     def pid(self) -> int | None:
@@ -419,11 +419,15 @@ class Lane:
         while waiting:
             best: Worker | None = None
             for worker in self.workers:
-                if worker is not None and worker.serving and len(worker.inflight) < DEPTH:
-                    if best is None or len(worker.inflight) < len(best.inflight):
-                        best = worker
-                        if not worker.inflight:
-                            break
+                if (
+                    worker is not None
+                    and worker.serving
+                    and len(worker.inflight) < DEPTH
+                    and (best is None or len(worker.inflight) < len(best.inflight))
+                ):
+                    best = worker
+                    if not worker.inflight:
+                        break
             if best is None:
                 return
             job = waiting.popleft()
@@ -453,7 +457,9 @@ class Lane:
         if self.closed or not was_serving:
             return
         self.metrics.worker_restarts.inc()
-        logger.warning("%s worker %s died (exit code %s); restarting it", self.name, worker.pid, worker.process.exitcode)
+        logger.warning(
+            "%s worker %s died (exit code %s); restarting it", self.name, worker.pid, worker.process.exitcode
+        )
         self._changed()
         self._restart(worker.slot)
 
@@ -505,5 +511,3 @@ class Lane:
         for worker in self.workers:
             if worker is not None and worker.serving:
                 worker.poison(payload)
-
-

@@ -175,7 +175,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--singles", type=int, default=3000)
     parser.add_argument("--passes", type=int, default=12, help="times the documents are sent for the CPU figures")
-    parser.add_argument("--model", type=Path, help="a SentencePiece model (default: a 16k unigram trained on the corpus)")
+    parser.add_argument(
+        "--model", type=Path, help="a SentencePiece model (default: a 16k unigram trained on the corpus)"
+    )
     args = parser.parse_args()
 
     docs = load_documents(args.corpus, args.docs)

@@ -17,13 +17,13 @@ from client._protocol import (
     Format,
     ModelFingerprints,
     PackedBatch,
+    Requests,
     Strategy,
     TokenizedBatch,
     accept_header,
     batch_from_response,
     check_replica_models,
     chunked,
-    default_headers,
     detokenize_payload,
     dumps,
     loads,
@@ -76,7 +76,8 @@ class AsyncTokenizerClient:
         self.retry = retry
         self._api_key = resolve_api_key(api_key)
         self._replicas = Replicas(self.urls, replica_cooldown_s)
-        self._http = httpx.AsyncClient(timeout=timeout, transport=transport, headers=default_headers(self._api_key))
+        self._requests = Requests(self._api_key, timeout)
+        self._transport = transport or httpx.AsyncHTTPTransport()
         self._fingerprints = ModelFingerprints()
         self._closed = False
 
@@ -92,7 +93,7 @@ class AsyncTokenizerClient:
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
-            await self._http.aclose()
+            await self._transport.aclose()
 
     @property
     def closed(self) -> bool:
@@ -105,7 +106,11 @@ class AsyncTokenizerClient:
     async def _send(self, replica: int, method: str, path: str, **kwargs: Any) -> httpx.Response:
         url = f"{self.urls[replica]}{path}"
         try:
-            response = await self._http.request(method, url, **kwargs)
+            response = await self._transport.handle_async_request(self._requests.build(method, url, **kwargs))
+            try:
+                await response.aread()
+            finally:
+                await response.aclose()
         except httpx.TransportError as exc:
             raise TokenizerConnectionError(f"{method} {url} failed: {exc!r}") from exc
         raise_for_error(response)

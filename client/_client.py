@@ -17,13 +17,13 @@ from client._protocol import (
     Format,
     ModelFingerprints,
     PackedBatch,
+    Requests,
     Strategy,
     TokenizedBatch,
     accept_header,
     batch_from_response,
     check_replica_models,
     chunked,
-    default_headers,
     detokenize_payload,
     dumps,
     loads,
@@ -82,7 +82,8 @@ class TokenizerClient:
         self.replica_cooldown_s = replica_cooldown_s
         self._api_key = resolve_api_key(api_key)
         self._replicas = Replicas(self.urls, replica_cooldown_s)
-        self._http = httpx.Client(timeout=timeout, transport=transport, headers=default_headers(self._api_key))
+        self._requests = Requests(self._api_key, timeout)
+        self._transport = transport or httpx.HTTPTransport()
         self._fingerprints = ModelFingerprints()
         self._prefetchers: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
         self._closed = False
@@ -102,7 +103,7 @@ class TokenizerClient:
             self._closed = True
             for prefetcher in list(self._prefetchers):
                 prefetcher.close()
-            self._http.close()
+            self._transport.close()
 
     def _ensure_open(self) -> None:
         if self._closed:
@@ -111,7 +112,11 @@ class TokenizerClient:
     def _send(self, replica: int, method: str, path: str, **kwargs: Any) -> httpx.Response:
         url = f"{self.urls[replica]}{path}"
         try:
-            response = self._http.request(method, url, **kwargs)
+            response = self._transport.handle_request(self._requests.build(method, url, **kwargs))
+            try:
+                response.read()
+            finally:
+                response.close()
         except httpx.TransportError as exc:
             raise TokenizerConnectionError(f"{method} {url} failed: {exc!r}") from exc
         raise_for_error(response)

@@ -133,6 +133,26 @@ def default_headers(api_key: str | None) -> dict[str, str]:
     return {"authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+class Requests:
+    """Builds the requests both clients hand straight to their httpx transport.
+
+    Going to the transport (httpx's public `handle_request`) rather than through `httpx.Client`
+    skips what a data path needs none of (cookie jar, redirects, auth flows, event hooks, URL
+    merging): about a third of the client's CPU per request. Consequently the client connects to the
+    service directly and ignores HTTP(S)_PROXY.
+    """
+
+    def __init__(self, api_key: str | None, timeout: float) -> None:
+        self.headers = default_headers(api_key)
+        self.extensions = {"timeout": httpx.Timeout(timeout).as_dict()}
+
+    def build(
+        self, method: str, url: str, content: bytes | None = None, headers: dict[str, str] | None = None
+    ) -> httpx.Request:
+        merged = {**self.headers, **headers} if headers else self.headers
+        return httpx.Request(method, url, content=content, headers=merged, extensions=self.extensions)
+
+
 def parse_urls(url: str | Sequence[str]) -> tuple[str, ...]:
     """One base URL, a comma-separated list of them, or a sequence of them; trailing slashes dropped."""
     items = url.split(",") if isinstance(url, str) else list(url)

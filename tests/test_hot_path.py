@@ -191,11 +191,11 @@ def test_a_remembered_poison_text_is_refused_before_tokenizing(jobs):
 
 
 def test_done_carries_what_the_metrics_need(jobs, documents):
-    kind, payload = request(jobs, PACK, {"texts": documents[:3], "seq_len": 64})
+    _, payload = request(jobs, PACK, {"texts": documents[:3], "seq_len": 64})
     answer = read_done(payload)
     assert (answer.model, answer.texts, answer.binary) == (0, 3, False)
     assert answer.tokens > 0 and 0 <= answer.padding <= 1
-    kind, payload = request(jobs, TOKENIZE, {"texts": documents[:3]})
+    _, payload = request(jobs, TOKENIZE, {"texts": documents[:3]})
     assert math.isnan(read_done(payload).padding)
 
 
