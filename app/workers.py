@@ -43,6 +43,7 @@ from app.registry import ModelInfo
 logger = logging.getLogger("tokenizer.pool")
 
 DEPTH = 2
+SOCKET_BUFFER_BYTES = 4 * 1024 * 1024  # capped by net.core.wmem_max / rmem_max
 START_TIMEOUT_SECONDS = 120.0
 RESTART_BACKOFF_SECONDS = (0.25, 5.0)
 INTERNAL_ERROR = orjson.dumps({"type": "internal_error", "message": "internal server error"})
@@ -181,6 +182,9 @@ class Worker:
         context = multiprocessing.get_context("spawn")
         self.progress = context.RawValue("q", -1)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        for end in (ours, theirs):  # a whole answer in one write and one read where the system allows
+            for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                end.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
         self.process = context.Process(
             target=serve, args=(theirs, lane.startup, self.progress), name=f"tokenizer-{lane.name}-{slot}", daemon=True
         )
