@@ -7,6 +7,7 @@ import sys
 
 import uvicorn
 
+from app.frontends import supervise
 from app.main import create_app
 from app.settings import Settings
 
@@ -14,6 +15,8 @@ from app.settings import Settings
 def main(argv: list[str] | None = None) -> None:
     settings = Settings(_cli_parse_args=sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.frontends > 1:
+        sys.exit(supervise(settings))
     uvicorn.run(
         create_app(settings),
         host=settings.host,

@@ -1,12 +1,21 @@
 """Every Prometheus metric the server exports, defined once, in a registry of the app's own.
 
+With several front-end processes (`--frontends`), prometheus_client's multiprocess mode adds their
+values up (`PROMETHEUS_MULTIPROC_DIR`, set by app.frontends): `exposition()` then reads every
+front-end's values, so /metrics is complete whichever front-end answers the scrape.
+
 Workers never touch these: they send timings back with their answers and the server process
 records them, so /metrics is complete whatever the number of worker processes.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 TEXT_COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -15,6 +24,7 @@ RATIO_BUCKETS = (0.0, 0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 
 
 REJECT_REASONS = ("queue", "concurrency")
 CANCEL_REASONS = ("timeout", "disconnect")
+
 
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -47,8 +57,12 @@ class Metrics:
         )
         self.texts = Counter("tokenizer_texts", "Texts tokenized or detokenized, by model.", ["model"], registry=r)
         self.tokens = Counter("tokenizer_tokens", "Tokens produced or consumed, by model.", ["model"], registry=r)
-        self.inflight = Gauge("tokenizer_inflight_requests", "Requests being handled right now.", registry=r)
-        self.workers = Gauge("tokenizer_workers", "Worker processes in the pool.", registry=r)
+        self.inflight = Gauge(
+            "tokenizer_inflight_requests", "Requests being handled right now.", registry=r, multiprocess_mode="livesum"
+        )
+        self.workers = Gauge(
+            "tokenizer_workers", "Worker processes in the pool.", registry=r, multiprocess_mode="livesum"
+        )
         self.worker_restarts = Counter(
             "tokenizer_worker_restarts", "Worker processes restarted after one died.", registry=r
         )
@@ -59,14 +73,21 @@ class Metrics:
             registry=r,
         )
         self.model_info = Gauge(
-            "tokenizer_model_info", "Served models (value 1).", ["model", "sha256", "vocab_size"], registry=r
+            "tokenizer_model_info",
+            "Served models (value 1).",
+            ["model", "sha256", "vocab_size"],
+            registry=r,
+            multiprocess_mode="livemax",
         )
-        self.ready = Gauge("tokenizer_ready", "1 when models are loaded and the pool answers.", registry=r)
+        self.ready = Gauge(
+            "tokenizer_ready", "1 when models are loaded and the pool answers.", registry=r, multiprocess_mode="livemin"
+        )
         # Reliability: backpressure, cancellation, worker crashes and poison input.
         self.queued_bytes = Gauge(
             "tokenizer_queued_bytes",
             "Body bytes of /v1 requests admitted and not yet answered (bounded by --max-queued-bytes).",
             registry=r,
+            multiprocess_mode="livesum",
         )
         self.rejected_requests = Counter(
             "tokenizer_rejected_requests",
@@ -104,3 +125,11 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+
+    def exposition(self) -> bytes:
+        """The Prometheus text of every metric: this process's, or every front-end's in multiprocess mode."""
+        if os.environ.get(MULTIPROCESS_DIR_ENV):
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)
+            return generate_latest(registry)
+        return generate_latest(self.registry)

@@ -36,6 +36,12 @@ class Settings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="address to bind")
     port: int = Field(8000, ge=0, le=65535, description="port to bind (0 picks a free one)")
+    frontends: int = Field(
+        1,
+        ge=1,
+        description="server processes sharing the port (SO_REUSEPORT), each with its share of --workers; one "
+        "feeds about 20 busy workers",
+    )
     workers: int = Field(
         default_factory=usable_cpus, ge=1, description="tokenizer worker processes (default: usable CPU cores)"
     )

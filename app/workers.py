@@ -18,6 +18,7 @@ waiting is dropped for free. The lane raises domain errors only (app.errors).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -270,7 +271,13 @@ class Worker:
         self.lane.worker_lost(self, jobs, was_serving)
 
     def close(self) -> None:
-        """Stop: closing its socket tells the process to exit when it is between jobs."""
+        """Stop: end-of-file on its socket tells the process to exit when it is between jobs.
+
+        The shutdown is immediate; closing the transport alone would wait for the event loop, which
+        the caller may be blocking while it waits for the process to exit.
+        """
+        with contextlib.suppress(OSError):
+            self._socket.shutdown(socket.SHUT_RDWR)
         if self._transport is not None:
             self._transport.close()
         else:

@@ -4,7 +4,8 @@
 
 For each worker count it starts a server on a free loopback port and prints:
   serial ceiling   worker CPU / main-process CPU per 256-document request: how many busy workers
-                   one server process can feed before its own core is the bottleneck
+                   one server process can feed before its own core is the bottleneck (with
+                   --frontends N: per front-end, each of which feeds its own workers)
   CPU efficiency   in-process sp.encode(chunk, num_threads=1, out_type="numpy") CPU for the same
                    documents / (main + workers) CPU
   single text      p50/p99 latency of one 1-2 KB text through TokenizerClient, and main-process CPU each
@@ -47,19 +48,23 @@ def cpu(process: psutil.Process) -> float:
     return times.user + times.system
 
 
-def workers_of(server: psutil.Process) -> list[psutil.Process]:
-    return [child for child in server.children(recursive=True) if "spawn_main" in " ".join(child.cmdline())]
+def spawned(process: psutil.Process, recursive: bool) -> list[psutil.Process]:
+    children = process.children(recursive=recursive)
+    return [child for child in children if "spawn_main" in " ".join(child.cmdline())]
 
 
 class Meter:
-    """CPU seconds of the server's main process, of its workers, and of this process, over a block."""
+    """CPU seconds of the server process(es), of the workers, and of this process, over a block.
 
-    def __init__(self, server: psutil.Process) -> None:
-        self.server = server
-        self.workers = workers_of(server)
+    With --frontends N the server processes are the N front-ends (the supervisor only waits).
+    """
+
+    def __init__(self, server: psutil.Process, frontends: int) -> None:
+        self.servers = spawned(server, recursive=False) if frontends > 1 else [server]
+        self.workers = [worker for front in self.servers for worker in spawned(front, recursive=False)]
 
     def __enter__(self) -> Meter:
-        self._main = cpu(self.server)
+        self._main = sum(cpu(server) for server in self.servers)
         self._workers = sum(cpu(worker) for worker in self.workers)
         self._client = time.process_time()
         self._wall = time.perf_counter()
@@ -67,7 +72,7 @@ class Meter:
 
     def __exit__(self, *exc: object) -> None:
         self.wall = time.perf_counter() - self._wall
-        self.main = cpu(self.server) - self._main
+        self.main = sum(cpu(server) for server in self.servers) - self._main
         self.worker = sum(cpu(worker) for worker in self.workers) - self._workers
         self.client = time.process_time() - self._client
 
@@ -81,7 +86,14 @@ def in_flight(client: TokenizerClient, batches: list[list[str]], depth: int, fmt
 
 
 def measure(
-    model: Path, workers: int, docs: list[str], rounds: int, singles: int, passes: int, sp: spm.SentencePieceProcessor
+    model: Path,
+    workers: int,
+    frontends: int,
+    docs: list[str],
+    rounds: int,
+    singles: int,
+    passes: int,
+    sp: spm.SentencePieceProcessor,
 ) -> dict[str, float]:
     cores = len(os.sched_getaffinity(0))
     batches = [docs[i : i + BATCH] for i in range(0, len(docs), BATCH)]
@@ -89,7 +101,7 @@ def measure(
     started = time.process_time()
     expected = sum(int(sum(len(ids) for ids in sp.encode(batch, num_threads=1, out_type="numpy"))) for batch in batches)
     inproc_cpu = time.process_time() - started
-    url, process = start_server(model, workers)
+    url, process = start_server(model, workers, "--frontends", str(frontends))
     server = psutil.Process(process.pid)
     result: dict[str, float] = {}
     try:
@@ -99,7 +111,7 @@ def measure(
                 client.tokenize_batch([text], model="bench")
             # CPU per 256-document binary request, 2 in flight: enough requests that the 10 ms
             # granularity of process CPU times does not matter.
-            with Meter(server) as meter:
+            with Meter(server, frontends) as meter:
                 for _ in range(passes):
                     tokens = in_flight(client, batches, 2, "binary")
                     assert tokens == expected, (tokens, expected)
@@ -118,7 +130,7 @@ def measure(
             result["client_serial_ms"] = (time.process_time() - started) / requests * 1e3
             # Single texts, one at a time.
             latencies = []
-            with Meter(server) as meter:
+            with Meter(server, frontends) as meter:
                 for text in docs[:singles]:
                     begun = time.perf_counter()
                     client.tokenize_batch([text], model="bench")
@@ -180,6 +192,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 8])
     parser.add_argument("--docs", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--frontends", type=int, default=1, help="server processes sharing the port (SO_REUSEPORT)")
     parser.add_argument("--singles", type=int, default=3000)
     parser.add_argument("--passes", type=int, default=12, help="times the documents are sent for the CPU figures")
     parser.add_argument(
@@ -197,8 +210,8 @@ def main() -> None:
     )
     results = {}
     for workers in args.workers:
-        print(f"measuring --workers {workers} ...", flush=True)
-        results[workers] = measure(model, workers, docs, args.rounds, args.singles, args.passes, sp)
+        print(f"measuring --workers {workers} --frontends {args.frontends} ...", flush=True)
+        results[workers] = measure(model, workers, args.frontends, docs, args.rounds, args.singles, args.passes, sp)
     print()
     print("| measure | " + " | ".join(f"--workers {w}" for w in results) + " |")
     print("|---|" + "---:|" * len(results))

@@ -90,7 +90,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_server(model: Path, workers: int) -> tuple[str, subprocess.Popen[bytes]]:
+def start_server(model: Path, workers: int, *extra: str) -> tuple[str, subprocess.Popen[bytes]]:
     port = free_port()
     log = open(tempfile.mktemp(prefix="tokenizer-bench-", suffix=".log"), "wb")  # noqa: SIM115
     process = subprocess.Popen(
@@ -106,6 +106,7 @@ def start_server(model: Path, workers: int) -> tuple[str, subprocess.Popen[bytes
             f"bench={model}",
             "--log-level",
             "warning",
+            *extra,
         ],
         cwd=ROOT,
         stdout=log,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
 from app.openapi import HealthAnswer, ReadinessAnswer, error_responses
@@ -44,4 +44,4 @@ PROMETHEUS_TEXT = {"description": "Prometheus text format", "content": {"text/pl
 
 @router.get("/metrics", responses={200: PROMETHEUS_TEXT})
 async def metrics(service: ServiceDep) -> Response:
-    return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(service.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

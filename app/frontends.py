@@ -1,0 +1,137 @@
+"""Several front-end processes on one port (`--frontends N`), for machines with more cores than one feeds.
+
+One server process keeps about 20 busy workers fed (README, "How it serves"). Beyond that, N
+front-ends each bind the same address with SO_REUSEPORT, so the kernel spreads new connections
+over them, and each runs its share of the workers: the server's whole design, N times, with
+nothing shared between front-ends but the port and the metrics (prometheus_client's multiprocess
+mode, in a directory of this supervisor's, so /metrics adds every front-end up).
+
+This process supervises: SIGTERM or SIGINT (Ctrl-C) is passed on to every front-end as SIGTERM, so
+each drains as a single server does; a front-end that dies takes the others down and this process
+exits non-zero, for the orchestrator to restart the whole (a half-size server would be a silent
+loss of capacity). Front-ends run in a process group of their own, so a terminal's Ctrl-C reaches
+them once, through here, and they exit when this process is killed outright.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+from typing import Any
+
+import uvicorn
+from prometheus_client import multiprocess
+
+from app.metrics import MULTIPROCESS_DIR_ENV
+from app.settings import Settings
+
+logger = logging.getLogger("tokenizer")
+
+
+def shares(workers: int, frontends: int) -> list[int]:
+    """Workers per front-end: as even as possible, at least one each."""
+    return [max(1, workers // frontends + (1 if index < workers % frontends else 0)) for index in range(frontends)]
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound with SO_REUSEPORT, so that every front-end can bind the same address."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _exit_with_parent() -> None:
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        os.kill(os.getpid(), signal.SIGTERM)  # drain as usual: the workers stop with us
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def frontend(settings: dict[str, Any], index: int, workers: int) -> None:
+    """One front-end process: the whole server on its share of the workers."""
+    os.setpgrp()
+    _exit_with_parent()
+    from app.main import create_app
+
+    config = Settings.model_validate({**settings, "workers": workers, "frontends": 1})
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sock = listening_socket(config.host, config.port)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(config),
+            log_level=config.log_level,
+            access_log=False,
+            timeout_graceful_shutdown=config.drain_timeout,  # type: ignore[arg-type]
+        )
+    )
+    logger.info("front-end %d: %d workers on %s:%d (SO_REUSEPORT)", index, workers, config.host, config.port)
+    server.run(sockets=[sock])
+
+
+def supervise(settings: Settings) -> int:
+    """Run `settings.frontends` front-ends until they stop; the exit status for the command."""
+    if settings.port == 0:
+        print("tokenizer-server: --frontends above 1 needs a fixed --port (each front-end binds it)", file=sys.stderr)
+        return 2
+    own_dir = None
+    if not os.environ.get(MULTIPROCESS_DIR_ENV):
+        own_dir = tempfile.mkdtemp(prefix="tokenizer-metrics-")
+        os.environ[MULTIPROCESS_DIR_ENV] = own_dir
+    context = multiprocessing.get_context("spawn")
+    dump = settings.model_dump(mode="json")
+    dump["api_keys"] = [key.get_secret_value() for key in settings.api_keys]
+    processes = [
+        context.Process(target=frontend, args=(dump, index, share), name=f"tokenizer-frontend-{index}")
+        for index, share in enumerate(shares(settings.workers, settings.frontends))
+    ]
+    stopping = threading.Event()
+
+    def stop(signum: int, frame: object) -> None:
+        stopping.set()
+        for process in processes:
+            if process.pid is not None and process.exitcode is None:
+                os.kill(process.pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        for process in processes:
+            process.start()
+        status = 0
+        remaining = list(processes)
+        while remaining:
+            sentinels = {process.sentinel: process for process in remaining}
+            for ready in multiprocessing.connection.wait(list(sentinels)):
+                process = sentinels[ready]
+                process.join()
+                remaining.remove(process)
+                multiprocess.mark_process_dead(process.pid)
+                if not stopping.is_set():
+                    logger.error("front-end %s exited (code %s); stopping the others", process.name, process.exitcode)
+                    status = 1
+                    stop(signal.SIGTERM, None)
+        return status
+    finally:
+        for process in processes:
+            if process.exitcode is None and process.pid is not None:
+                process.kill()
+        if own_dir is not None:
+            shutil.rmtree(own_dir, ignore_errors=True)
