@@ -12,6 +12,8 @@ from app.errors import InvalidField, InvalidJSON, PayloadTooLarge
 
 Body = TypeVar("Body", bound=BaseModel)
 
+JSON_MAX_DEPTH = 1024  # orjson's limit; the stdlib fallback never sees a deeper body
+
 
 def parse_request(raw: bytes | bytearray | memoryview, model: type[Body], items: str, max_items: int) -> Body:
     """Parse and validate a body whose list field `items` (texts, id rows) is capped at `max_items`.
@@ -46,15 +48,23 @@ def parse_json(raw: bytes | bytearray | memoryview) -> tuple[Any, bool]:
     """Parse with orjson; fall back to the stdlib only to explain what orjson refused.
 
     Returns the document and whether it came from the fallback (which, unlike orjson, lets lone
-    surrogates through as str, so the caller must look for them).
+    surrogates through as str, so the caller must look for them). The body must be UTF-8: the
+    stdlib would also take UTF-16 and UTF-32, which the API does not. JSON nested deeper than
+    orjson's limit (1,024 levels) is refused as such, never parsed by a recursive fallback.
     """
     try:
         return orjson.loads(raw), False
     except orjson.JSONDecodeError as fast_error:
+        if "depth limit" in str(fast_error):
+            raise InvalidJSON(f"request body nests deeper than {JSON_MAX_DEPTH} levels") from None
         try:
-            return json.loads(bytes(raw)), True
+            text = bytes(raw).decode("utf-8")
         except UnicodeDecodeError as exc:
             raise InvalidJSON(f"request body is not valid UTF-8 (byte {exc.start})") from exc
+        try:
+            return json.loads(text), True
+        except RecursionError:
+            raise InvalidJSON(f"request body nests deeper than {JSON_MAX_DEPTH} levels") from None
         except ValueError:
             raise InvalidJSON(f"request body is not valid JSON: {fast_error}") from fast_error
 

@@ -45,7 +45,6 @@ BINARY_TYPE = wire.MEDIA_TYPE.encode()
 SHA256_HEADER = MODEL_SHA256_HEADER.lower().encode()
 
 
-
 class _Abandoned:
     """Why a request's wait was cut short: timeout or disconnect (None: the server cancelled it)."""
 
@@ -206,6 +205,15 @@ class Edge:
                 accept = value
         admitted = 0
         self.active += 1
+        loop = self._loop
+        assert loop is not None
+        task = asyncio.current_task(loop)
+        assert task is not None
+        # One deadline for the whole request, the body's arrival included (a body trickled in
+        # slowly is cut off like a slow answer).
+        abandoned = _Abandoned(task)
+        timer = loop.call_later(self.timeout, abandoned.expire)
+        ear: asyncio.TimerHandle | None = None
         try:
             if declared is not None and declared.isdigit():
                 if int(declared) > self.max_request_bytes:
@@ -220,17 +228,31 @@ class Edge:
             if len(body) != admitted:
                 self.admission.admit(len(body) - admitted)
                 admitted = len(body)
-            answer = await self._answer(route, body, wants_binary(accept), receive)
-            if answer is None:
-                return CLIENT_CLOSED_REQUEST
+            ear = loop.call_later(LISTEN_AFTER_SECONDS, abandoned.listen, loop, receive)
+            assert self.pool is not None
+            answer = await self.pool.request(route, body, wants_binary(accept))
         except ServiceError as error:
             return await send_error(send, error)
+        except asyncio.CancelledError:
+            if abandoned.reason is None:  # the server is stopping (drain timeout): say so, not a reset
+                logger.info("a /v1 request was cancelled: shutting down")
+                return await send_error(send, shutting_down())
+            if (uncancel := getattr(task, "uncancel", None)) is not None:  # Python 3.11+
+                uncancel()
+            self.metrics.cancelled_requests.labels(abandoned.reason).inc()
+            if abandoned.reason == "timeout":
+                timeout = RequestTimeout(f"the request took longer than the server's limit of {self.timeout:g}s")
+                return await send_error(send, timeout)
+            return CLIENT_CLOSED_REQUEST
         finally:
+            timer.cancel()
+            if ear is not None:
+                ear.cancel()
+            if abandoned.listener is not None:
+                abandoned.listener.cancel()
             self.active -= 1
             if admitted:
                 self.admission.release(admitted)
-        if isinstance(answer, ServiceError):
-            return await send_error(send, answer)
         self._record(answer)
         await self._send_answer(send, answer)
         return 200
@@ -253,34 +275,6 @@ class Edge:
             if not message.get("more_body", False):
                 break
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-    async def _answer(self, route: int, body: bytes, binary: bool, receive: Receive) -> Answer | ServiceError | None:
-        """The pool's answer; a RequestTimeout to send; None when the client hung up (nobody to answer)."""
-        loop = self._loop
-        assert loop is not None
-        task = asyncio.current_task(loop)
-        assert task is not None
-        abandoned = _Abandoned(task)
-        timer = loop.call_later(self.timeout, abandoned.expire)
-        ear = loop.call_later(LISTEN_AFTER_SECONDS, abandoned.listen, loop, receive)
-        try:
-            assert self.pool is not None
-            return await self.pool.request(route, body, binary)
-        except asyncio.CancelledError:
-            if abandoned.reason is None:  # the server is stopping (drain timeout): say so, not a reset
-                logger.info("a /v1 request was cancelled: shutting down")
-                return shutting_down()
-            if (uncancel := getattr(task, "uncancel", None)) is not None:  # Python 3.11+
-                uncancel()
-            self.metrics.cancelled_requests.labels(abandoned.reason).inc()
-            if abandoned.reason == "timeout":
-                return RequestTimeout(f"the request took longer than the server's limit of {self.timeout:g}s")
-            return None
-        finally:
-            timer.cancel()
-            ear.cancel()
-            if abandoned.listener is not None:
-                abandoned.listener.cancel()
 
     def _record(self, answer: Answer) -> None:
         metrics = self.metrics

@@ -69,19 +69,13 @@ def frontend(settings: dict[str, Any], index: int, workers: int) -> None:
     """One front-end process: the whole server on its share of the workers."""
     os.setpgrp()
     _exit_with_parent()
+    from app.cli import uvicorn_options
     from app.main import create_app
 
     config = Settings.model_validate({**settings, "workers": workers, "frontends": 1})
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sock = listening_socket(config.host, config.port)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(config),
-            log_level=config.log_level,
-            access_log=False,
-            timeout_graceful_shutdown=config.drain_timeout,  # type: ignore[arg-type]
-        )
-    )
+    server = uvicorn.Server(uvicorn.Config(create_app(config), **uvicorn_options(config)))
     logger.info("front-end %d: %d workers on %s:%d (SO_REUSEPORT)", index, workers, config.host, config.port)
     server.run(sockets=[sock])
 

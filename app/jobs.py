@@ -193,7 +193,7 @@ class Jobs:
         binary = bool(binary)
         if isinstance(request, PackRequest):
             context = pack_context(request, info, position, binary, self.limits.max_seq_len)
-            options = worker.EncodeOptions(add_bos=request.add_bos, add_eos=request.add_eos)
+            options = worker.EncodeOptions(add_bos=request.add_bos, add_eos=context.add_eos)
         else:
             context = None
             options = encode_options(request)
@@ -445,7 +445,8 @@ def pack_context(request: PackRequest, info: ModelInfo, model: int, binary: bool
     """Check a /v1/pack request's packing fields (422 naming the field) and keep what packing needs."""
     if not 2 <= request.seq_len <= max_seq_len:
         raise InvalidField(f"seq_len must be between 2 and {max_seq_len}, got {request.seq_len}", field="seq_len")
-    check_special_tokens(request.add_bos, request.add_eos, info)
+    add_eos = info.eos_id >= 0 if request.add_eos is None else request.add_eos
+    check_special_tokens(request.add_bos, add_eos, info)
     check_carry_starts(request)
     if request.carry is not None:
         if request.strategy != "concat":
@@ -462,7 +463,7 @@ def pack_context(request: PackRequest, info: ModelInfo, model: int, binary: bool
         binary=binary,
         seq_len=request.seq_len,
         strategy=request.strategy,
-        add_eos=request.add_eos,
+        add_eos=add_eos,
         carry=request.carry,
         carry_document_starts=request.carry_document_starts,
         mask_document_start=request.mask_document_start,

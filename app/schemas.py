@@ -67,7 +67,7 @@ class PackRequest(_Body):
     strategy: Literal["concat", "best_fit"] = "concat"
     model: StrictStr | None = None
     add_bos: StrictBool = False
-    add_eos: StrictBool = True
+    add_eos: StrictBool | None = None  # EOS after each document when the model has one
     carry: list[StrictInt] | None = None
     carry_document_starts: list[StrictInt] | None = None
     mask_document_start: StrictBool = False

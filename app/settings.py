@@ -91,6 +91,18 @@ class Settings(BaseSettings):
         description="origins browsers may call the API from (CORS), or *; repeat the flag, or comma-separate; "
         "none: CORS off",
     )
+    max_header_bytes: int = Field(
+        64 * 1024, ge=1024, description="largest request line plus headers accepted (431 and close above)"
+    )
+    header_timeout: float = Field(
+        10.0, gt=0, description="seconds a client may take to send a request's headers (408 and close after)"
+    )
+    max_connections: int | None = Field(
+        None,
+        ge=1,
+        description="open connections at most; the next gets 503 and is closed (default: 4096, or the open-file "
+        "limit less 256 when that is lower)",
+    )
     log_level: str = Field("info", description="uvicorn log level")
 
     @property

@@ -23,13 +23,15 @@ NOT_READY: dict[int | str, dict[str, Any]] = {
 }
 
 
-@router.get("/healthz", responses={200: {"model": HealthAnswer, "description": "OK"}})
+@router.api_route("/healthz", methods=["GET", "HEAD"], responses={200: {"model": HealthAnswer, "description": "OK"}})
 async def healthz() -> Response:
     """The process is alive and its event loop answers."""
     return json_response({"status": "ok"})
 
 
-@router.get("/readyz", responses={200: {"model": ReadinessAnswer, "description": "Ready"}, **NOT_READY})
+@router.api_route(
+    "/readyz", methods=["GET", "HEAD"], responses={200: {"model": ReadinessAnswer, "description": "Ready"}, **NOT_READY}
+)
 async def readyz(service: ServiceDep) -> Response:
     """Models are loaded and the worker pool serves: not-ready only while starting, rebuilding or stopping."""
     ready = service.ready and service.pool.ready

@@ -1,0 +1,97 @@
+"""How throughput scales with the number of workers, against in-process sentencepiece on as many threads.
+
+    python bench/scaling.py [--workers 1 2 4 8 15] [--docs 8192] [--in-flight 0] [--frontends 1] [--model FILE]
+
+For each worker count N it starts a server with N workers, then measures in alternating rounds
+  in-process   sp.encode(docs, num_threads=N, out_type="numpy")
+  service      binary /v1/tokenize, 256 documents a request, `--in-flight` requests at once
+               (default 2 N: enough to keep every worker busy)
+and reports docs/s of both, their ratio, and the serial ceiling (worker CPU / server-process CPU per
+request). Meant for a machine with more cores than workers (leave one for the client): the curve
+shows where one server process stops keeping its workers busy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import sentencepiece as spm
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from serving import BATCH, Meter, in_flight  # noqa: E402
+from throughput import FALLBACK_CORPUS, SHARED_CORPUS, bench_model, load_documents, start_server  # noqa: E402
+
+from client import TokenizerClient  # noqa: E402
+
+
+def measure(model: Path, workers: int, frontends: int, depth: int, docs: list[str], rounds: int) -> dict[str, float]:
+    sp = spm.SentencePieceProcessor(model_file=str(model))
+    batches = [docs[i : i + BATCH] for i in range(0, len(docs), BATCH)]
+    url, process = start_server(model, workers, "--frontends", str(frontends))
+    server = psutil.Process(process.pid)
+    inprocess, service, ceilings = [], [], []
+    try:
+        with TokenizerClient(url, timeout=300) as client:
+            in_flight(client, batches, depth, "binary")  # warm up
+            for _ in range(rounds):
+                began = time.perf_counter()
+                sp.encode(docs, num_threads=workers, out_type="numpy")
+                inprocess.append(len(docs) / (time.perf_counter() - began))
+                with Meter(server, frontends) as meter:
+                    in_flight(client, batches, depth, "binary")
+                service.append(len(docs) / meter.wall)
+                ceilings.append(meter.worker / meter.main)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    ratios = [s / i for s, i in zip(service, inprocess, strict=True)]
+    return {
+        "inprocess": max(inprocess),
+        "service": max(service),
+        "ratio": statistics.median(ratios),
+        "ceiling": statistics.median(ceilings),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--corpus", type=Path, default=SHARED_CORPUS if SHARED_CORPUS.exists() else FALLBACK_CORPUS)
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8, 15])
+    parser.add_argument("--docs", type=int, default=8192)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--in-flight", type=int, default=0, help="requests at once (default: 2 x workers)")
+    parser.add_argument("--frontends", type=int, default=1)
+    parser.add_argument("--model", type=Path, help="a SentencePiece model (default: 16k unigram on the corpus)")
+    args = parser.parse_args()
+
+    docs = load_documents(args.corpus, args.docs)
+    model = args.model or bench_model(args.corpus, vocab_size=16000)
+    print(
+        f"corpus {args.corpus.name}: {len(docs)} documents; model {model.name}; "
+        f"{len(os.sched_getaffinity(0))} cores; --frontends {args.frontends}",
+        flush=True,
+    )
+    print()
+    print("| workers | in-process docs/s (N threads) | service docs/s | service / in-process | serial ceiling |")
+    print("|---:|---:|---:|---:|---:|")
+    for workers in args.workers:
+        depth = args.in_flight or 2 * workers
+        result = measure(model, workers, args.frontends, depth, docs, args.rounds)
+        print(
+            f"| {workers} | {result['inprocess']:,.0f} | {result['service']:,.0f} | {result['ratio']:.2f} | "
+            f"{result['ceiling']:.1f} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
