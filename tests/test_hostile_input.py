@@ -1,0 +1,177 @@
+"""Every input is a 4xx, never a 5xx: deep JSON, other encodings, options a model cannot honour, fuzz."""
+
+from __future__ import annotations
+
+import codecs
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+import sentencepiece as spm
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import DATA, start_server, stop_server
+
+ROUTES = ["/v1/tokenize", "/v1/detokenize", "/v1/pack"]
+
+
+def post(url: str, path: str, body: bytes, **headers: str) -> httpx.Response:
+    return httpx.post(f"{url}{path}", content=body, headers={"content-type": "application/json", **headers}, timeout=30)
+
+
+@pytest.mark.parametrize("path", ROUTES)
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[" * 100_000,
+        b'{"texts": ' + b"[" * 2000 + b"]" * 2000 + b"}",
+        b'{"ids": ' + b"[" * 2000 + b"]" * 2000 + b"}",
+        b'{"texts": ["a"], "x": ' + b'{"a":' * 1100 + b"1" + b"}" * 1100 + b"}",
+    ],
+    ids=["100k-brackets", "2000-levels-in-texts", "2000-levels-in-ids", "1100-objects"],
+)
+def test_json_nested_too_deep_is_400(server, path, body):
+    answer = post(server.url, path, body)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["type"] == "invalid_json"
+    assert "nests deeper than 1024 levels" in answer.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le"])
+@pytest.mark.parametrize("bom", [True, False])
+def test_a_body_that_is_not_utf8_is_400(server, encoding, bom):
+    text = '{"texts": ["I am a cat."]}'
+    body = text.encode(encoding)
+    if bom and not encoding.endswith(("le", "be")):
+        pass  # "utf-16" and "utf-32" write a BOM themselves
+    elif bom:
+        body = (codecs.BOM_UTF16_LE if "16" in encoding else codecs.BOM_UTF32_LE) + body
+    answer = post(server.url, "/v1/tokenize", body)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["type"] == "invalid_json"
+
+
+def test_a_utf8_bom_is_400(server):
+    answer = post(server.url, "/v1/tokenize", codecs.BOM_UTF8 + b'{"texts": ["a"]}')
+    assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_json"
+
+
+@pytest.mark.parametrize(
+    ("accept", "binary"),
+    [
+        ("application/x-tokenizer-arrays;q=0", False),
+        ("application/json, application/x-tokenizer-arrays;q=0.5", False),
+        ("application/x-tokenizer-arrays-v2", False),
+        ("APPLICATION/X-TOKENIZER-ARRAYS", True),
+    ],
+)
+def test_accept_is_negotiated_not_matched_as_a_substring(server, accept, binary):
+    answer = post(server.url, "/v1/tokenize", b'{"texts": ["a cat"]}', accept=accept)
+    assert answer.status_code == 200
+    assert answer.headers["content-type"].startswith("application/x-tokenizer-arrays" if binary else "application/json")
+
+
+# -- a model without BOS and EOS --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bare_model(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("bare")
+    spm.SentencePieceTrainer.train(
+        input=str(DATA / "botchan.txt"),
+        model_prefix=str(directory / "bare"),
+        vocab_size=1000,
+        bos_id=-1,
+        eos_id=-1,
+        minloglevel=2,
+        num_threads=2,
+    )
+    return directory / "bare.model"
+
+
+@pytest.fixture(scope="module")
+def bare(tmp_path_factory, bare_model) -> Iterator[str]:
+    url, process = start_server(
+        ["--workers", "1", "--model", f"bare={bare_model}"], tmp_path_factory.mktemp("bare-server") / "log"
+    )
+    yield url
+    stop_server(process)
+
+
+@pytest.mark.parametrize(
+    ("path", "field", "document"),
+    [
+        ("/v1/tokenize", "add_eos", {"texts": ["a"], "add_eos": True}),
+        ("/v1/tokenize", "add_bos", {"texts": ["a"], "add_bos": True}),
+        ("/v1/pack", "add_eos", {"texts": ["a"], "seq_len": 8, "add_eos": True}),
+        ("/v1/pack", "add_bos", {"texts": ["a"], "seq_len": 8, "add_bos": True}),
+    ],
+)
+def test_special_tokens_the_model_lacks_are_422_naming_the_field(bare, path, field, document):
+    answer = post(bare, path, orjson.dumps(document))
+    assert answer.status_code == 422, answer.text
+    error = answer.json()["error"]
+    assert error["type"] == "invalid_field" and error["field"] == field
+    assert "has no" in error["message"]
+
+
+def packed_tokens(answer: httpx.Response) -> list[int]:
+    """Every token of a concat answer, rows then leftover (concat pads nothing)."""
+    document = answer.json()
+    return [token for row in document["input_ids"] for token in row] + document["leftover"]
+
+
+def test_pack_defaults_to_eos_only_when_the_model_has_one(bare, bare_model, server, documents):
+    texts = documents[:20]
+    answer = post(bare, "/v1/pack", orjson.dumps({"texts": texts, "seq_len": 64}))
+    assert answer.status_code == 200, answer.text
+    sp = spm.SentencePieceProcessor(model_file=str(bare_model))
+    assert packed_tokens(answer) == [token for ids in sp.encode(texts) for token in ids]  # no EOS added
+    with_eos = post(server.url, "/v1/pack", orjson.dumps({"texts": texts, "seq_len": 64, "model": "uni"}))
+    uni = server.processor("uni")
+    assert packed_tokens(with_eos) == [token for ids in uni.encode(texts, add_eos=True) for token in ids]
+
+
+# -- fuzz --------------------------------------------------------------------------------------------------
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=20,
+)
+bodies = st.one_of(
+    st.binary(max_size=200),
+    json_values.map(lambda value: json.dumps(value).encode()),  # big integers, NaN and all
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "texts": st.lists(st.text(max_size=30) | st.integers(-(2**63), 2**63) | st.none(), max_size=5),
+            "ids": st.lists(st.lists(st.integers(-5, 5000), max_size=5) | st.text(max_size=3), max_size=4),
+            "model": st.sampled_from([None, "uni", "nope", 3]),
+            "add_bos": st.booleans() | st.integers(-9, 9),
+            "add_eos": st.booleans() | st.none(),
+            "max_length": st.integers(-3, 5) | st.none(),
+            "seq_len": st.integers(-3, 300000) | st.text(max_size=2),
+            "strategy": st.sampled_from(["concat", "best_fit", "other"]),
+            "carry": st.lists(st.integers(-2, 4000), max_size=3) | st.none(),
+            "carry_document_starts": st.lists(st.integers(-2, 4), max_size=3) | st.none(),
+            "sample": st.none()
+            | st.fixed_dictionaries(
+                {}, optional={"alpha": st.floats(allow_nan=False), "seed": st.integers(-(2**63), 2**63)}
+            ),
+        },
+    ).map(lambda document: orjson.dumps(document)),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(path=st.sampled_from(ROUTES), body=bodies)
+def test_fuzzed_bodies_get_a_4xx_or_a_200_never_a_5xx(server, path, body):
+    answer = post(server.url, path, body)
+    assert answer.status_code < 500, (body[:300], answer.text[:300])
+    if answer.status_code >= 400:
+        assert set(answer.json()["error"]) >= {"type", "message"}
