@@ -19,6 +19,7 @@ import math
 import pickle
 import struct
 import time
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,7 @@ import orjson
 from app import channel, worker
 from app.admission import PoisonMemory
 from app.bodies import parse_request
-from app.errors import InvalidField, ModelNotFound, PoisonInput, ServiceError
+from app.errors import InvalidField, ModelNotFound, PayloadTooLarge, PoisonInput, ServiceError
 from app.registry import ModelInfo
 from app.schemas import DetokenizeRequest, PackRequest, TokenizeRequest
 from client import wire
@@ -66,6 +67,7 @@ class Limits:
     max_texts: int
     max_seq_len: int
     min_chunk_chars: int
+    max_request_bytes: int = 32 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -190,6 +192,7 @@ class Jobs:
                 field="texts",
                 index=known,
             )
+        check_expansion(request.texts, len(body), self.limits.max_request_bytes)
         binary = bool(binary)
         if isinstance(request, PackRequest):
             context = pack_context(request, info, position, binary, self.limits.max_seq_len)
@@ -383,6 +386,35 @@ def check_special_tokens(add_bos: bool, add_eos: bool, info: ModelInfo) -> None:
         raise InvalidField(f"model {info.name!r} has no BOS piece (bos_id -1): add_bos cannot be true", field="add_bos")
     if add_eos and info.eos_id < 0:
         raise InvalidField(f"model {info.name!r} has no EOS piece (eos_id -1): add_eos cannot be true", field="add_eos")
+
+
+EXPANSION_SLICE = 65536
+
+
+def check_expansion(texts: list[str], body_bytes: int, limit: int) -> None:
+    """Refuse (413, naming the text) a request whose texts normalize into more than `limit` bytes.
+
+    SentencePiece normalizes (NFKC) before it tokenizes, and some characters expand many times
+    (U+FDFA becomes 18 characters): 8 MiB of them took a worker to 2.7 GiB. A request may produce at
+    most as many normalized bytes as a body may have, which ordinary text (already NFKC, where the
+    check costs a fast scan) never comes near. An expanding text is measured in slices, so the check
+    stops as soon as the request is over the limit, without building the whole expansion.
+    """
+    total = body_bytes
+    for index, text in enumerate(texts):
+        if unicodedata.is_normalized("NFKC", text):
+            continue
+        for start in range(0, len(text), EXPANSION_SLICE):
+            piece = text[start : start + EXPANSION_SLICE]
+            grown = len(unicodedata.normalize("NFKC", piece).encode("utf-8", "surrogatepass"))
+            total += max(0, grown - len(piece.encode("utf-8", "surrogatepass")))
+            if total > limit:
+                raise PayloadTooLarge(
+                    f"texts[{index}] expands under Unicode normalization (NFKC) so that the request would "
+                    f"tokenize more than {limit} bytes of text, the request limit; send it in smaller requests",
+                    field="texts",
+                    index=index,
+                )
 
 
 def split_payload(

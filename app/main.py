@@ -43,7 +43,10 @@ def create_app(settings: Settings | None = None) -> Any:
         for info in registry.models.values():
             metrics.model_info.labels(info.name, info.sha256, str(info.vocab_size)).set(1)
         limits = Limits(
-            max_texts=settings.max_texts, max_seq_len=settings.max_seq_len, min_chunk_chars=settings.min_chunk_chars
+            max_texts=settings.max_texts,
+            max_seq_len=settings.max_seq_len,
+            min_chunk_chars=settings.min_chunk_chars,
+            max_request_bytes=settings.max_request_bytes,
         )
         served = list(registry.models.values())
         pool = WorkerPool(

@@ -175,3 +175,14 @@ def test_fuzzed_bodies_get_a_4xx_or_a_200_never_a_5xx(server, path, body):
     assert answer.status_code < 500, (body[:300], answer.text[:300])
     if answer.status_code >= 400:
         assert set(answer.json()["error"]) >= {"type", "message"}
+
+
+def test_a_text_that_expands_beyond_the_limit_under_normalization_is_413_naming_it(server):
+    texts = ["an ordinary text", "\ufdfa" * 200_000]  # 600 KB of body; 18 characters each once normalized
+    answer = post(server.url, "/v1/tokenize", orjson.dumps({"texts": texts, "model": "uni"}))
+    assert answer.status_code == 413, answer.text[:300]
+    error = answer.json()["error"]
+    assert (error["type"], error["field"], error["index"]) == ("payload_too_large", "texts", 1)
+    assert "normalization" in error["message"]
+    few = post(server.url, "/v1/tokenize", orjson.dumps({"texts": ["\ufdfa" * 100], "model": "uni"}))
+    assert few.status_code == 200 and few.json()["ids"] == server.processor("uni").encode(["\ufdfa" * 100])

@@ -22,7 +22,7 @@ from app.settings import BUNDLED_MODELS_DIR
 from client.dataset import TokenDataset
 from client.packing import pack_best_fit, pack_concat
 from client.wire import ragged_offsets
-from tests.conftest import ROOT, Server
+from tests.conftest import DATA, ROOT, Server
 
 SHARD_TOKENS = "4000"
 
@@ -370,3 +370,49 @@ def test_reader_resumes_mid_file_from_a_position(corpus: tuple[list[Path], list[
         resumed.documents, resumed.bad_records = position.documents, position.bad_records
         rest = list(DocumentReader(sources, "text", pytest.fail))
         assert rest == everything[stop + 1 :]
+
+
+def _limit_file_size() -> None:
+    """In the child: files may not grow past 256 KiB, and exceeding that is EFBIG, not a SIGXFSZ death."""
+    import resource
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
+
+
+def test_a_write_that_fails_is_one_line_and_the_rerun_resumes_byte_identical(big_input: Path, tmp_path: Path) -> None:
+    """EFBIG (a file-size limit) stands in for a full disk: both are an OSError on write."""
+    model = BUNDLED_MODELS_DIR / "default.model"
+    args = [str(big_input), "--local", "--model", str(model), "--shard-tokens", "200000", "--workers", "1", "-q"]
+    reference, limited = tmp_path / "reference", tmp_path / "limited"
+    assert pretokenize(*args, "--output", reference) == 0
+    command = [sys.executable, "-m", "app.pretokenize", *args, "--output", str(limited)]
+    failed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, preexec_fn=_limit_file_size)
+    assert failed.returncode == 1, failed.stderr
+    *bad_records, last = failed.stderr.strip().splitlines()
+    assert "Traceback" not in failed.stderr and all("big.jsonl:" in line for line in bad_records), failed.stderr
+    assert last.startswith("tokenizer-pretokenize: cannot write ") and "File too large" in last, last
+    assert "MiB free" in last and "run the same command again" in last
+    assert pretokenize(*args, "--output", limited) == 0
+    assert files_of(limited) == files_of(reference)
+
+
+def test_add_eos_follows_the_model_unless_told(
+    tmp_path: Path, documents: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    directory = tmp_path / "bare"
+    directory.mkdir()
+    spm.SentencePieceTrainer.train(
+        input=str(DATA / "botchan.txt"), model_prefix=str(directory / "bare"), vocab_size=1000,
+        bos_id=-1, eos_id=-1, minloglevel=2, num_threads=2,
+    )  # fmt: skip
+    source = write_jsonl(tmp_path / "in.jsonl", documents[:50])
+    model = directory / "bare.model"
+    assert pretokenize(source, "--local", "--model", model, "--output", tmp_path / "out", "-q") == 0
+    sp = spm.SentencePieceProcessor(model_file=str(model))
+    dataset = TokenDataset(tmp_path / "out")
+    assert [dataset[i].tolist() for i in range(len(dataset))] == sp.encode(documents[:50])  # no EOS
+    capsys.readouterr()
+    assert pretokenize(source, "--local", "--model", model, "--add-eos", "--output", tmp_path / "eos", "-q") == 1
+    error = capsys.readouterr().err
+    assert "has no EOS piece" in error and "Traceback" not in error

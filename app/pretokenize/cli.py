@@ -7,6 +7,8 @@ service), 2 refused (bad flags, or an output directory that holds another run), 
 from __future__ import annotations
 
 import argparse
+import errno
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -65,7 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--add-bos", action=argparse.BooleanOptionalAction, default=False, help="begin each document with BOS"
     )
     parser.add_argument(
-        "--add-eos", action=argparse.BooleanOptionalAction, default=True, help="end each document with EOS (default)"
+        "--add-eos",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="end each document with EOS (default: when the model has an EOS piece)",
     )
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary")
     return parser
@@ -108,6 +113,21 @@ class ProgressBar:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def describe_os_error(exc: OSError, output: Path) -> str:
+    """One line for a failed read or write: what, where, and the room left on the output's filesystem."""
+    where = exc.filename or output
+    what = exc.strerror or str(exc)
+    try:
+        free = shutil.disk_usage(output if output.exists() else output.parent).free
+        room = f"; {free / 2**20:,.1f} MiB free on the output's filesystem"
+    except OSError:
+        room = ""
+    hint = ""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        hint = "; the complete shards are kept: make room (or raise the limit) and run the same command again"
+    return f"cannot write {where}: {what}{room}{hint}"
 
 
 def describe(summary: Summary) -> str:
@@ -174,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     except (InputError, ModelLoadError, ServiceError, TokenizerError) as exc:
         bar.close()
         print(f"tokenizer-pretokenize: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # disk full, file too large, quota, read-only: say what, where, how much room
+        bar.close()
+        print(f"tokenizer-pretokenize: {describe_os_error(exc, args.output)}", file=sys.stderr)
         return 1
     bar.close()
     if not args.quiet:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -41,7 +42,7 @@ class Options:
     shard_tokens: int = DEFAULT_SHARD_TOKENS
     strict: bool = False
     add_bos: bool = False
-    add_eos: bool = True
+    add_eos: bool | None = None  # EOS after each document when the model has one
 
     def __post_init__(self) -> None:
         if not self.inputs:
@@ -190,6 +191,16 @@ def open_output(out: OutputDir, wanted: dict[str, Any]) -> tuple[dict[str, Any],
     return existing, bool(existing.get("complete"))
 
 
+def special_tokens(options: Options, model: ModelInfo) -> Options:
+    """Options with `add_eos` decided (EOS when the model has one), refusing what the model cannot do."""
+    add_eos = model.eos_id >= 0 if options.add_eos is None else options.add_eos
+    if add_eos and model.eos_id < 0:
+        raise ModelLoadError(f"model {model.name!r} has no EOS piece: leave out --add-eos (or pass --no-add-eos)")
+    if options.add_bos and model.bos_id < 0:
+        raise ModelLoadError(f"model {model.name!r} has no BOS piece: leave out --add-bos")
+    return dataclasses.replace(options, add_eos=add_eos)
+
+
 def run(
     options: Options,
     *,
@@ -202,6 +213,7 @@ def run(
     with ExitStack() as stack:
         urls = options.urls
         model = resolve_service_model(urls, options.model) if urls else resolve_local_model(options.model)
+        options = special_tokens(options, model)
         out = OutputDir(options.output)
         metadata, complete = open_output(out, new_metadata(model, sources, options))
         if complete:
