@@ -80,9 +80,11 @@ def encode_parts(
     descriptors: list[dict[str, Any]] = []
     offset = 0
     for name, value in arrays.items():
-        pieces = [_little_endian(np.asarray(value))] if isinstance(value, np.ndarray) else [
-            _little_endian(np.asarray(piece)) for piece in value
-        ]
+        pieces = (
+            [_little_endian(np.asarray(value))]
+            if isinstance(value, np.ndarray)
+            else [_little_endian(np.asarray(piece)) for piece in value]
+        )
         if not pieces:
             raise WireFormatError(f"array {name!r} has no pieces")
         if len(pieces) == 1:
