@@ -23,6 +23,7 @@ from typing import Any
 from prometheus_client import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app import memory
 from app.admission import Admission
 from app.answers import Answer
 from app.auth import OPEN_PATHS, ApiKeys, bearer_token, route_path
@@ -98,6 +99,7 @@ class Edge:
         self.paths = paths
         self.active = 0
         self.accepting = False  # True while the pool serves: otherwise new /v1 work gets 503
+        self._trim = False
         self._counters: dict[tuple[str, int], Counter] = {}
         self._durations = {path: metrics.request_duration.labels(path) for path in (*ROUTES, *paths)}
         self._sha256: list[bytes] = []
@@ -152,6 +154,9 @@ class Edge:
             if duration is None:
                 duration = metrics.request_duration.labels(endpoint)
             duration.observe(time.perf_counter() - started)
+            if self._trim and not self.active:  # after a large request, once idle (its buffers are freed)
+                self._trim = False
+                memory.trim()
 
     def _count(self, endpoint: str, status: int) -> None:
         key = (endpoint, status)
@@ -253,6 +258,8 @@ class Edge:
             self.active -= 1
             if admitted:
                 self.admission.release(admitted)
+                if admitted >= memory.TRIM_AFTER_BYTES:
+                    self._trim = True
         self._record(answer)
         await self._send_answer(send, answer)
         return 200

@@ -22,6 +22,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import select
 import socket
 import struct
 import sys
@@ -92,7 +93,10 @@ def serve(connection: socket.socket, startup: Startup, progress: Any) -> None:
         received = connection.recv_into(reader.buffer())
         if not received:
             return  # the server closed our socket: it is stopping
-        for number, kind, payload in reader.advance(received):
+        frames = reader.advance(received)
+        big = False
+        while frames:
+            number, kind, payload = frames.pop(0)
             if kind == channel.POISON:
                 jobs.remember_poison(payload)
                 continue
@@ -101,11 +105,21 @@ def serve(connection: socket.socket, startup: Startup, progress: Any) -> None:
             except Exception:
                 traceback.print_exc()
                 reply, parts = channel.FAILED, [INTERNAL_ERROR]
+            big = big or len(payload) >= memory.TRIM_AFTER_BYTES
             del payload
             try:
                 _send_all(connection, channel.frame_parts(number, reply, parts))
             except (BrokenPipeError, ConnectionResetError):
                 return  # the server stopped while this job ran
+            del parts
+        if big and not _waiting(connection):  # everything of the last jobs is freed by now
+            memory.trim()
+
+
+def _waiting(connection: socket.socket) -> bool:
+    """Is another job already on the socket?"""
+    ready, _, _ = select.select([connection], [], [], 0)
+    return bool(ready)
 
 
 def _send_all(connection: socket.socket, buffers: Sequence[Buffer]) -> None:

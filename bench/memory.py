@@ -1,0 +1,127 @@
+"""Peak memory of the server's process tree under maximum-size requests.
+
+    python bench/memory.py [--clients 8] [--body-mib 32] [--text-kib 8] [--emoji] [--seconds 15] [--workers 2]
+                           [server flags...]
+
+Starts a server (default flags unless given after the options) on a free loopback port, then keeps
+`--clients` clients each posting bodies of `--body-mib` MiB (1-2 KB documents; `--emoji` puts one
+astral character in each text, which makes Python hold the whole text at 4 bytes a character) for
+`--seconds`, sampling the resident memory of the server and all its workers every 20 ms. Prints the
+peak, the statuses, and the memory left once the load is gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from throughput import FALLBACK_CORPUS, SHARED_CORPUS, load_documents  # noqa: E402
+
+from tests.conftest import start_server, stop_server  # noqa: E402
+
+
+def body_of(documents: list[str], size: int, emoji: bool, text_bytes: int) -> bytes:
+    """A body of at most `size` bytes of texts of about `text_bytes` (documents joined)."""
+    joined, current = [], ""
+    for document in documents:
+        current = f"{current}\n\n{document}" if current else document
+        if len(current) >= text_bytes:
+            joined.append(current)
+            current = ""
+    texts: list[str] = []
+    total = len(b'{"texts":[]}')
+    while True:
+        text = joined[len(texts) % len(joined)]
+        if emoji:
+            text = "\U0001f600 " + text
+        grown = len(orjson.dumps(text)) + 1
+        if total + grown > size:
+            return orjson.dumps({"texts": texts})
+        texts.append(text)
+        total += grown
+
+
+def tree_rss(process: psutil.Process) -> int:
+    total = 0
+    for member in [process, *process.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += member.memory_info().rss
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--body-mib", type=float, default=32)
+    parser.add_argument("--emoji", action="store_true")
+    parser.add_argument("--text-kib", type=float, default=8, help="size of each text (default 8: 4,096 a 32 MiB body)")
+    parser.add_argument("--seconds", type=float, default=15)
+    parser.add_argument("--workers", type=int, default=2)
+    args, server_flags = parser.parse_known_args()
+
+    corpus = SHARED_CORPUS if SHARED_CORPUS.exists() else FALLBACK_CORPUS
+    body = body_of(load_documents(corpus, 4000), int(args.body_mib * 2**20), args.emoji, int(args.text_kib * 1024))
+    log = Path("/tmp") / "tokenizer-memory-bench.log"
+    url, process = start_server(["--workers", str(args.workers), "--log-level", "warning", *server_flags], log)
+    server = psutil.Process(process.pid)
+    idle = tree_rss(server)
+    statuses: collections.Counter[int] = collections.Counter()
+    stop = threading.Event()
+
+    def client() -> None:
+        with httpx.Client(timeout=300) as http:
+            while not stop.is_set():
+                try:
+                    answer = http.post(
+                        f"{url}/v1/tokenize",
+                        content=body,
+                        headers={"content-type": "application/json", "accept": "application/x-tokenizer-arrays"},
+                    )
+                    statuses[answer.status_code] += 1
+                    if answer.status_code == 503:
+                        time.sleep(float(answer.headers.get("retry-after", "1")) * 0.2)
+                except httpx.HTTPError as exc:
+                    statuses[type(exc).__name__] += 1  # type: ignore[index]
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(args.clients)]
+    peak = 0
+    try:
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + args.seconds
+        while time.monotonic() < deadline:
+            peak = max(peak, tree_rss(server))
+            if process.poll() is not None:
+                raise SystemExit(f"the server died (exit {process.returncode}); see {log}")
+            time.sleep(0.02)
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=300)
+        time.sleep(2)
+        after = tree_rss(server)
+        each = [f"{member.pid}:{member.memory_info().rss / 2**20:.0f}" for member in [server, *server.children()]]
+    finally:
+        stop_server(process)
+    print(
+        f"{args.clients} clients x {len(body) / 2**20:.1f} MiB bodies{' (emoji)' if args.emoji else ''}, "
+        f"{args.workers} workers, {args.seconds:.0f} s: peak RSS of the server tree {peak / 2**20:,.0f} MiB "
+        f"(idle before {idle / 2**20:,.0f} MiB, 2 s after {after / 2**20:,.0f} MiB: {' '.join(each)} MiB by process); "
+        f"statuses {dict(statuses)}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Memory is bounded by bytes: the server's process tree stays under the documented peak at maximum load.
+
+README ("Limits and defaults") states the worst case for the default flags with 2 workers as
+1.5 GiB; deploy/k8s/deployment.yaml and docker-compose.yml give the container 2 GiB. Clients here
+send maximum-size bodies as fast as they are answered; everything beyond the byte budget must be
+refused at once with 503 + Retry-After, never queued.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+import psutil
+import pytest
+
+from tests.conftest import start_server, stop_server
+
+pytestmark = pytest.mark.slow
+
+DOCUMENTED_PEAK_BYTES = 1536 * 2**20
+MAX_REQUEST_BYTES = 32 * 2**20  # the default
+
+
+def body_of(documents: list[str], size: int, emoji: bool) -> bytes:
+    """At most `size` bytes of 8 KB texts (4,096 of them in 32 MiB, within --max-texts)."""
+    texts: list[str] = []
+    current = ""
+    total = len(b'{"texts":[]}')
+    for position in range(10**9):
+        current = f"{current}\n{documents[position % len(documents)]}"
+        if len(current) < 8192:
+            continue
+        text = f"\U0001f600 {current}" if emoji else current
+        current = ""
+        grown = len(orjson.dumps(text)) + 1
+        if total + grown > size:
+            break
+        texts.append(text)
+        total += grown
+    return orjson.dumps({"texts": texts})
+
+
+def tree_rss(process: psutil.Process) -> int:
+    total = 0
+    for member in [process, *process.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            total += member.memory_info().rss
+    return total
+
+
+def peak_under_load(url: str, server: psutil.Process, body: bytes, clients: int, seconds: float):
+    statuses: collections.Counter[int] = collections.Counter()
+    retry_after: set[str | None] = set()
+    stop = threading.Event()
+
+    def client() -> None:
+        with httpx.Client(timeout=120) as http:
+            while not stop.is_set():
+                answer = http.post(
+                    f"{url}/v1/tokenize",
+                    content=body,
+                    headers={"content-type": "application/json", "accept": "application/x-tokenizer-arrays"},
+                )
+                statuses[answer.status_code] += 1
+                if answer.status_code == 503:
+                    retry_after.add(answer.headers.get("retry-after"))
+                    time.sleep(0.2)
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    peak = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        peak = max(peak, tree_rss(server))
+        time.sleep(0.02)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "a client hung"
+    return peak, statuses, retry_after
+
+
+@pytest.mark.parametrize(
+    ("clients", "size", "emoji"),
+    [(8, MAX_REQUEST_BYTES, False), (128, 4 * 2**20, False), (128, 4 * 2**20, True)],
+    ids=["8x32MiB", "128x4MiB", "128x4MiB-emoji"],
+)
+def test_peak_memory_stays_under_the_documented_bound(tmp_path: Path, documents, clients, size, emoji):
+    body = body_of(documents, size, emoji)
+    assert size - 64 * 1024 < len(body) <= size
+    url, process = start_server(["--workers", "2", "--log-level", "warning"], tmp_path / "server.log")
+    try:
+        server = psutil.Process(process.pid)
+        peak, statuses, retry_after = peak_under_load(url, server, body, clients, seconds=6.0)
+        kind = f"{clients} x {len(body) / 2**20:.1f} MiB{' emoji' if emoji else ''}"
+        print(f"\n{kind}: peak {peak / 2**20:,.0f} MiB, {dict(statuses)}")
+        assert process.poll() is None, "the server died"
+        assert set(statuses) <= {200, 503} and statuses[200] >= 1, statuses
+        assert retry_after <= {"1"}
+        assert peak <= DOCUMENTED_PEAK_BYTES, f"peak {peak / 2**20:.0f} MiB"
+        assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
+    finally:
+        stop_server(process)
