@@ -416,3 +416,24 @@ def test_add_eos_follows_the_model_unless_told(
     assert pretokenize(source, "--local", "--model", model, "--add-eos", "--output", tmp_path / "eos", "-q") == 1
     error = capsys.readouterr().err
     assert "has no EOS piece" in error and "Traceback" not in error
+
+
+def test_a_corrupt_gzip_input_reaches_no_shard(documents: list[str], tmp_path: Path) -> None:
+    """A flipped bit in a .gz: refused before any of its documents are tokenized, with one line."""
+    good = write_jsonl(tmp_path / "good.jsonl", documents[:200])
+    bad = write_jsonl(tmp_path / "bad.jsonl.gz", documents * 8, gzip.open)  # long: read over many shards
+    data = bytearray(bad.read_bytes())
+    data[len(data) * 3 // 4] ^= 0x10  # deep in the deflate stream: most of the file still decompresses
+    bad.write_bytes(bytes(data))
+    model = BUNDLED_MODELS_DIR / "default.model"
+    out = tmp_path / "out"
+    args = [good, bad, "--local", "--model", model, "--shard-tokens", "1000", "--workers", "1", "-q"]
+    assert pretokenize(*args, "--output", out) == 1
+    metadata = json.loads((out / "metadata.json").read_text())
+    assert not metadata["complete"]
+    assert metadata["documents"] <= 200  # only the good file's documents, never the bad one's
+    sp = spm.SentencePieceProcessor(model_file=str(model))
+    dataset = TokenDataset(out, allow_partial=True)
+    assert [dataset[i].tolist() for i in range(len(dataset))] == sp.encode(documents[:200], add_eos=True)[
+        : len(dataset)
+    ]
