@@ -32,6 +32,7 @@ from prometheus_client import multiprocess
 
 from app.metrics import MULTIPROCESS_DIR_ENV
 from app.settings import Settings
+from app.worker_start import exit_with_parent
 
 logger = logging.getLogger("tokenizer")
 
@@ -53,22 +54,14 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _exit_with_parent() -> None:
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        parent.join()
-        os.kill(os.getpid(), signal.SIGTERM)  # drain as usual: the workers stop with us
-
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+def _drain() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)  # drain as usual: the workers stop with us
 
 
 def frontend(settings: dict[str, Any], index: int, workers: int) -> None:
     """One front-end process: the whole server on its share of the workers."""
     os.setpgrp()
-    _exit_with_parent()
+    exit_with_parent(_drain)
     from app.cli import uvicorn_options
     from app.main import create_app
 

@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from app import worker
@@ -39,14 +40,19 @@ def check_models(paths: dict[str, str], sha256: dict[str, str]) -> None:
             )
 
 
-def exit_with_parent() -> None:
+def _exit_now() -> None:
+    os._exit(1)
+
+
+def exit_with_parent(leave: Callable[[], None] = _exit_now) -> None:
+    """Call `leave` (by default: exit at once) in a daemon thread when the parent process is gone."""
     parent = multiprocessing.parent_process()
     if parent is None:
         return
 
     def watch() -> None:
         parent.join()
-        os._exit(1)
+        leave()
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 

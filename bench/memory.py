@@ -13,15 +13,10 @@ peak, the statuses, and the memory left once the load is gone.
 from __future__ import annotations
 
 import argparse
-import collections
-import contextlib
 import sys
-import threading
 import time
 from pathlib import Path
 
-import httpx
-import orjson
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,35 +26,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from throughput import FALLBACK_CORPUS, SHARED_CORPUS, load_documents  # noqa: E402
 
 from tests.conftest import start_server, stop_server  # noqa: E402
-
-
-def body_of(documents: list[str], size: int, emoji: bool, text_bytes: int) -> bytes:
-    """A body of at most `size` bytes of texts of about `text_bytes` (documents joined)."""
-    joined, current = [], ""
-    for document in documents:
-        current = f"{current}\n\n{document}" if current else document
-        if len(current) >= text_bytes:
-            joined.append(current)
-            current = ""
-    texts: list[str] = []
-    total = len(b'{"texts":[]}')
-    while True:
-        text = joined[len(texts) % len(joined)]
-        if emoji:
-            text = "\U0001f600 " + text
-        grown = len(orjson.dumps(text)) + 1
-        if total + grown > size:
-            return orjson.dumps({"texts": texts})
-        texts.append(text)
-        total += grown
-
-
-def tree_rss(process: psutil.Process) -> int:
-    total = 0
-    for member in [process, *process.children(recursive=True)]:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            total += member.memory_info().rss
-    return total
+from tests.test_memory import body_of, peak_under_load, tree_rss  # noqa: E402
 
 
 def main() -> None:
@@ -78,38 +45,10 @@ def main() -> None:
     url, process = start_server(["--workers", str(args.workers), "--log-level", "warning", *server_flags], log)
     server = psutil.Process(process.pid)
     idle = tree_rss(server)
-    statuses: collections.Counter[int] = collections.Counter()
-    stop = threading.Event()
-
-    def client() -> None:
-        with httpx.Client(timeout=300) as http:
-            while not stop.is_set():
-                try:
-                    answer = http.post(
-                        f"{url}/v1/tokenize",
-                        content=body,
-                        headers={"content-type": "application/json", "accept": "application/x-tokenizer-arrays"},
-                    )
-                    statuses[answer.status_code] += 1
-                    if answer.status_code == 503:
-                        time.sleep(float(answer.headers.get("retry-after", "1")) * 0.2)
-                except httpx.HTTPError as exc:
-                    statuses[type(exc).__name__] += 1  # type: ignore[index]
-
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(args.clients)]
-    peak = 0
     try:
-        for thread in threads:
-            thread.start()
-        deadline = time.monotonic() + args.seconds
-        while time.monotonic() < deadline:
-            peak = max(peak, tree_rss(server))
-            if process.poll() is not None:
-                raise SystemExit(f"the server died (exit {process.returncode}); see {log}")
-            time.sleep(0.02)
-        stop.set()
-        for thread in threads:
-            thread.join(timeout=300)
+        peak, statuses, _ = peak_under_load(url, server, body, args.clients, args.seconds)
+        if process.poll() is not None:
+            raise SystemExit(f"the server died (exit {process.returncode}); see {log}")
         time.sleep(2)
         after = tree_rss(server)
         each = [f"{member.pid}:{member.memory_info().rss / 2**20:.0f}" for member in [server, *server.children()]]

@@ -27,14 +27,14 @@ DOCUMENTED_PEAK_BYTES = 1536 * 2**20
 MAX_REQUEST_BYTES = 32 * 2**20  # the default
 
 
-def body_of(documents: list[str], size: int, emoji: bool) -> bytes:
-    """At most `size` bytes of 8 KB texts (4,096 of them in 32 MiB, within --max-texts)."""
+def body_of(documents: list[str], size: int, emoji: bool, text_bytes: int = 8192) -> bytes:
+    """At most `size` bytes of texts of about `text_bytes` (4,096 of 8 KB in 32 MiB, within --max-texts)."""
     texts: list[str] = []
     current = ""
     total = len(b'{"texts":[]}')
     for position in range(10**9):
         current = f"{current}\n{documents[position % len(documents)]}"
-        if len(current) < 8192:
+        if len(current) < text_bytes:
             continue
         text = f"\U0001f600 {current}" if emoji else current
         current = ""
