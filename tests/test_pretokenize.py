@@ -437,3 +437,111 @@ def test_a_corrupt_gzip_input_reaches_no_shard(documents: list[str], tmp_path: P
     assert [dataset[i].tolist() for i in range(len(dataset))] == sp.encode(documents[:200], add_eos=True)[
         : len(dataset)
     ]
+
+
+# -- corpora as published: zstandard, .json, Parquet, directories --------------------------------------------
+
+
+def zstd_open(path: Path, mode: str, encoding: str):  # type: ignore[no-untyped-def]
+    """Like gzip.open for writing text: a zstandard stream with checksums, as the zstd tool writes."""
+    import io
+
+    import zstandard
+
+    raw = open(path, "wb")  # noqa: SIM115 - closed with the text wrapper
+    writer = zstandard.ZstdCompressor(write_checksum=True).stream_writer(raw, closefd=True)
+    return io.TextIOWrapper(writer, encoding=encoding)
+
+
+def write_parquet(path: Path, texts: list[str | None], row_group_size: int = 64) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"id": list(range(len(texts))), "text": texts, "url": ["https://example.org"] * len(texts)})
+    pq.write_table(table, path, row_group_size=row_group_size)
+    return path
+
+
+def documents_of(output: Path) -> list[list[int]]:
+    dataset = TokenDataset(output)
+    return [dataset[i].tolist() for i in range(len(dataset))]
+
+
+def test_every_input_kind_gives_the_documents_of_the_jsonl_run(documents: list[str], tmp_path: Path) -> None:
+    texts = documents[:500]
+    model = BUNDLED_MODELS_DIR / "default.model"
+    common = ["--local", "--model", model, "--workers", "1", "--shard-tokens", SHARD_TOKENS, "-q"]
+    expected = spm.SentencePieceProcessor(model_file=str(model)).encode(texts, add_eos=True)
+    inputs = {
+        "jsonl": write_jsonl(tmp_path / "a.jsonl", texts),
+        "jsonl.zst": write_jsonl(tmp_path / "a.jsonl.zst", texts, zstd_open),
+        "json": write_jsonl(tmp_path / "a.json", texts),
+        "json.gz": write_jsonl(tmp_path / "a.json.gz", texts, gzip.open),
+        "json.zst": write_jsonl(tmp_path / "a.json.zst", texts, zstd_open),
+        "parquet": write_parquet(tmp_path / "a.parquet", list(texts)),
+    }
+    for kind, path in inputs.items():
+        out = tmp_path / f"out-{kind}"
+        assert pretokenize(path, *common, "--output", out) == 0, kind
+        assert documents_of(out) == expected, kind
+    # .txt.zst reads as .txt does.
+    plain, packed = (
+        write_txt(tmp_path / "b.txt", texts[:100]),
+        write_txt(tmp_path / "b.txt.zst", texts[:100], zstd_open),
+    )
+    assert pretokenize(plain, *common, "--output", tmp_path / "txt") == 0
+    assert pretokenize(packed, *common, "--output", tmp_path / "txt-zst") == 0
+    assert documents_of(tmp_path / "txt-zst") == documents_of(tmp_path / "txt")
+    # A directory: every input file below it, sorted by path; other files ignored.
+    tree = tmp_path / "tree"
+    (tree / "b").mkdir(parents=True)
+    write_parquet(tree / "b" / "2.parquet", list(texts[200:]))
+    write_jsonl(tree / "a.jsonl.zst", texts[:200], zstd_open)
+    (tree / "README.md").write_text("not an input")
+    (tree / "b" / "_SUCCESS").write_text("")
+    assert pretokenize(tree, *common, "--output", tmp_path / "tree-out") == 0
+    assert documents_of(tmp_path / "tree-out") == expected
+
+
+def test_parquet_bad_rows_are_reported_by_row_and_a_missing_column_is_one_line(
+    documents: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows: list[str | None] = list(documents[:100])
+    rows[6] = None
+    path = write_parquet(tmp_path / "rows.parquet", rows, row_group_size=16)
+    model = BUNDLED_MODELS_DIR / "default.model"
+    common = ["--local", "--model", model, "--workers", "1", "-q"]
+    assert pretokenize(path, *common, "--output", tmp_path / "out") == 0
+    assert f"{path.resolve()}:7: column 'text' is null, not a string" in capsys.readouterr().err
+    assert json.loads((tmp_path / "out" / "metadata.json").read_text())["bad_records"] == 1
+    assert pretokenize(path, *common, "--text-field", "body", "--output", tmp_path / "other") == 1
+    error = capsys.readouterr().err
+    assert "no column 'body' (columns: id, text, url)" in error and "Traceback" not in error
+
+
+@pytest.mark.parametrize("kind", ["jsonl.zst", "parquet"])
+def test_an_interrupted_run_over_zstd_or_parquet_resumes_byte_identical(
+    kind: str, documents: list[str], tmp_path: Path
+) -> None:
+    texts = [f"{copy}.{number} {text}" for copy in range(7) for number, text in enumerate(documents)]
+    if kind == "parquet":
+        source = write_parquet(tmp_path / "big.parquet", list(texts), row_group_size=1000)
+    else:
+        source = write_jsonl(tmp_path / "big.jsonl.zst", texts, zstd_open)
+    model = BUNDLED_MODELS_DIR / "default.model"
+    args = [str(source), "--local", "--model", str(model), "--shard-tokens", "20000", "--workers", "1"]
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    assert pretokenize(*args, "--output", reference, "-q") == 0
+    command = [sys.executable, "-m", "app.pretokenize", *args, "--output", str(resumed), "-q"]
+    process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        wait_for_first_shard(resumed, process)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert not json.loads((resumed / "metadata.json").read_text())["complete"]
+    assert pretokenize(*args, "--output", resumed, "-q") == 0
+    assert files_of(resumed) == files_of(reference)

@@ -17,15 +17,17 @@ from tqdm import tqdm
 
 from app.pretokenize.backends import ServiceError
 from app.pretokenize.run import DEFAULT_SHARD_TOKENS, Options, Progress, Summary, run
-from app.pretokenize.sources import BadRecordError, InputError
+from app.pretokenize.sources import KINDS, BadRecordError, InputError
 from app.pretokenize.store import OutputError
 from app.registry import ModelLoadError
 from app.settings import usable_cpus
 from client.errors import TokenizerError
 
 EPILOG = """\
-Inputs: .jsonl (one JSON object a line; the text in --text-field) or .txt (one document per block of
-lines between blank lines), either gzipped (.jsonl.gz, .txt.gz). Output: NNNNN.bin/.idx shards and
+Inputs: .jsonl or .json (one JSON object a line; the text in --text-field), .txt (one document per
+block of lines between blank lines), each optionally compressed (.gz, or .zst with the corpora extra),
+.parquet (the text in column --text-field; corpora extra: pip install 'tokenizer-service[corpora]'),
+or a directory (every such file below it, sorted by path). Output: NNNNN.bin/.idx shards and
 metadata.json (see the client.dataset module for the format; read it with client.dataset.TokenDataset).
 Run the same command again after an interruption to resume; a finished output is left as it is.
 """
@@ -38,7 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("inputs", nargs="+", metavar="INPUT", help=".jsonl, .txt, .jsonl.gz or .txt.gz files")
+    parser.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help=f"input files ({KINDS}) or directories of them (every such file below, sorted by path)",
+    )
     parser.add_argument("--output", "-o", required=True, type=Path, metavar="DIR", help="output directory")
     parser.add_argument(
         "--model",
@@ -49,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--url", action="append", dest="urls", metavar="URL", help="a tokenizer-service (repeatable)")
     where.add_argument("--local", action="store_true", help="tokenize in-process on a pool of the server's workers")
-    parser.add_argument("--text-field", default="text", help="JSON field holding the text (default: text)")
+    parser.add_argument(
+        "--text-field", default="text", help="JSON field or Parquet column holding the text (default: text)"
+    )
     parser.add_argument("--seq-len", type=int, metavar="L", help="pack into rows of exactly L ids, as /v1/pack does")
     parser.add_argument("--strategy", choices=["concat", "best_fit"], help="packing with --seq-len (default: concat)")
     parser.add_argument(

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from app.pretokenize.backends import local_pool, tokenize_locally, tokenize_via_service
 from app.pretokenize.shards import BestFitShards, ConcatShards, RaggedShards, ShardSink
-from app.pretokenize.sources import BadRecordError, DocumentReader, Position, Source
+from app.pretokenize.sources import BadRecordError, DocumentReader, Position, Source, expand_inputs
 from app.pretokenize.store import OutputDir, OutputError, differences
 from app.registry import ModelInfo, ModelLoadError, inspect_model
 from app.settings import Settings, usable_cpus
@@ -209,7 +209,7 @@ def run(
 ) -> Summary:
     """Pre-tokenize `options.inputs` into `options.output`; resumes an interrupted output of the same run."""
     started = time.monotonic()
-    sources = [Source.from_path(path) for path in options.inputs]
+    sources = [Source.from_path(path) for path in expand_inputs(options.inputs)]
     with ExitStack() as stack:
         urls = options.urls
         model = resolve_service_model(urls, options.model) if urls else resolve_local_model(options.model)

@@ -1,12 +1,19 @@
-"""Input files of the pre-tokenizer: .jsonl and .txt, gzip or not, read as a stream that can resume mid-file.
+"""Input files of the pre-tokenizer, read as a stream that can resume mid-file.
+
+Kinds: JSON Lines (`.jsonl`, and `.json` read as JSON Lines, as Dolma and RedPajama publish it), plain
+text (`.txt`), either compressed with gzip (`.gz`) or zstandard (`.zst`), and Parquet (`.parquet`,
+streamed by row group; FineWeb and WikiText publish it). A directory stands for every such file below
+it, sorted by path.
 
 Every document comes with the Position just after it, which is what a resumed run seeks back to; bad
-records are reported with file:line and counted in the position, so a resume counts each one once.
+records are reported with file:line (file:row for Parquet) and counted in the position, so a resume
+counts each one once. For Parquet the position's `lines` and `read_bytes` count rows.
 """
 
 from __future__ import annotations
 
 import gzip
+import importlib
 import io
 import zlib
 from collections.abc import Callable, Iterator
@@ -16,7 +23,11 @@ from typing import Any, BinaryIO, NamedTuple
 
 import orjson
 
-FORMATS = {".jsonl": "jsonl", ".txt": "txt"}
+FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".txt": "txt", ".parquet": "parquet"}
+COMPRESSIONS = (".gz", ".zst")
+KINDS = ".jsonl, .json, .txt (each optionally .gz or .zst) or .parquet"
+CORPORA_EXTRA = "pip install 'tokenizer-service[corpora]'"
+PARQUET_BATCH_ROWS = 1024
 JSON_TYPES = {
     bool: "a boolean",
     int: "a number",
@@ -52,12 +63,10 @@ class Source:
     @classmethod
     def from_path(cls, path: str | Path) -> Source:
         resolved = Path(path).expanduser().resolve()
-        name = resolved.name.lower()
-        compressed = name.endswith(".gz")
-        stem = name[:-3] if compressed else name
-        suffix = next((suffix for suffix in FORMATS if stem.endswith(suffix)), None)
+        suffix, compression = kind_of(resolved.name)
         if suffix is None:
-            raise InputError(f"{path}: unknown input kind; expected .jsonl or .txt, optionally gzipped (.gz)")
+            raise InputError(f"{path}: unknown input kind; expected {KINDS}, or a directory of them")
+        compressed = compression is not None
         try:
             size = resolved.stat().st_size
         except OSError as exc:
@@ -68,6 +77,37 @@ class Source:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def codec(self) -> str | None:
+        """"gzip", "zstd" or None, from the file name."""
+        return kind_of(self.path)[1]
+
+
+def kind_of(name: str) -> tuple[str | None, str | None]:
+    """(format suffix, compression) of a file name; (None, None) for a kind the pre-tokenizer cannot read."""
+    lowered = name.lower()
+    compression = next((codec for codec in COMPRESSIONS if lowered.endswith(codec)), None)
+    stem = lowered[: -len(compression)] if compression else lowered
+    suffix = next((suffix for suffix in FORMATS if stem.endswith(suffix)), None)
+    if suffix == ".parquet" and compression:  # Parquet compresses inside
+        return None, None
+    return suffix, {".gz": "gzip", ".zst": "zstd", None: None}[compression]
+
+
+def expand_inputs(paths: list[str] | list[Path]) -> list[Path]:
+    """The input files: each file as given, each directory as every readable file below it, sorted."""
+    files: list[Path] = []
+    for path in paths:
+        path = Path(path).expanduser()
+        if path.is_dir():
+            found = sorted(item for item in path.rglob("*") if item.is_file() and kind_of(item.name)[0])
+            if not found:
+                raise InputError(f"{path}: a directory with no input file in it ({KINDS})")
+            files.extend(found)
+        else:
+            files.append(path)
+    return files
 
 
 class Position(NamedTuple):
@@ -102,19 +142,38 @@ def describe_bad_json(line: bytes, error: ValueError) -> str:
     return f"invalid JSON: {error}"
 
 
-def verify_compressed(path: Path) -> None:
-    """Decompress a whole .gz file once, checking its CRCs, before any of its documents are used.
+def verify_compressed(path: str | Path) -> None:
+    """Decompress a whole compressed file once, checking its checksums, before any of its documents are used.
 
-    gzip checks a member's CRC only at its end: read as a stream, a flipped bit would put corrupted
-    documents into shards before the error surfaced. One more decompression pass costs a few percent
-    of the tokenizing.
+    gzip checks a member's CRC only at its end (zstandard a frame's checksum, when it has one): read as
+    a stream, a flipped bit would put corrupted documents into shards before the error surfaced. One
+    more decompression pass costs a few percent of the tokenizing.
     """
     try:
-        with gzip.open(path, "rb") as stream:
+        with open(path, "rb") as raw:
+            stream = decompressed(raw, kind_of(str(path))[1])
             while stream.read(1 << 22):
                 pass
-    except (OSError, EOFError, zlib.error) as exc:
+    except (OSError, EOFError, zlib.error, ValueError) as exc:
         raise InputError(f"{path}: corrupt compressed data ({exc}); none of its documents were used") from exc
+
+
+def decompressed(raw: BinaryIO, codec: str | None) -> BinaryIO:
+    """A readable stream of `raw`'s decompressed bytes."""
+    if codec == "gzip":
+        return io.BufferedReader(gzip.GzipFile(fileobj=raw, mode="rb"), buffer_size=1 << 20)  # type: ignore[arg-type]
+    if codec == "zstd":
+        zstandard = _import("zstandard", "reading .zst")
+        reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+        return io.BufferedReader(reader, buffer_size=1 << 20)
+    return raw
+
+
+def _import(module: str, purpose: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise InputError(f"{purpose} needs {module}: {CORPORA_EXTRA}") from None
 
 
 class DocumentReader:
@@ -148,20 +207,68 @@ class DocumentReader:
                 verify_compressed(source.path)
             with open(source.path, "rb") as raw:
                 self._raw = raw
-                stream: BinaryIO = raw
-                if source.compressed:
-                    stream = io.BufferedReader(gzip.GzipFile(fileobj=raw, mode="rb"), buffer_size=1 << 20)
                 try:
-                    if source.read_bytes:
-                        stream.seek(source.read_bytes)
-                    parse = self._jsonl if source.format == "jsonl" else self._txt
-                    yield from parse(index, source, stream)
+                    if source.format == "parquet":
+                        yield from self._parquet(index, source, raw)
+                    else:
+                        stream = self._open_at(source, raw)
+                        parse = self._jsonl if source.format == "jsonl" else self._txt
+                        yield from parse(index, source, stream)
                 except (OSError, EOFError, zlib.error) as exc:
                     raise InputError(f"{source.path}: unreadable after line {source.lines}: {exc}") from exc
                 finally:
                     self._raw = None
             source.done = True
             self._done_bytes += source.size
+
+    @staticmethod
+    def _open_at(source: Source, raw: BinaryIO) -> BinaryIO:
+        """The decompressed stream of `source`, at the uncompressed offset reading goes on from."""
+        if source.codec == "zstd":  # a zstd stream only seeks forward, and not once buffered
+            zstandard = _import("zstandard", "reading .zst")
+            reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+            if source.read_bytes:
+                reader.seek(source.read_bytes)
+            return io.BufferedReader(reader, buffer_size=1 << 20)  # type: ignore[no-any-return]
+        stream = decompressed(raw, source.codec)
+        if source.read_bytes:
+            stream.seek(source.read_bytes)
+        return stream
+
+    def _parquet(self, index: int, source: Source, raw: BinaryIO) -> Iterator[tuple[str, Position]]:
+        """Rows of one column, a row group at a time; a position is a row number (in `lines`)."""
+        parquet = _import("pyarrow.parquet", "reading .parquet")
+        try:
+            file = parquet.ParquetFile(raw)
+        except Exception as exc:  # pyarrow raises ArrowInvalid and others for a file that is not Parquet
+            raise InputError(f"{source.path}: not a Parquet file ({exc})") from exc
+        field = self.text_field
+        if field not in file.schema_arrow.names:
+            names = ", ".join(file.schema_arrow.names)
+            raise InputError(f"{source.path}: no column {field!r} (columns: {names}); name it with --text-field")
+        row = first_row = 0
+        groups = []
+        for group in range(file.metadata.num_row_groups):
+            rows = file.metadata.row_group(group).num_rows
+            if row + rows > source.lines:
+                groups.append(group)
+            else:
+                first_row = row + rows
+            row += rows
+        row = first_row
+        for batch in file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[field], row_groups=groups):
+            for value in batch.column(0).to_pylist():
+                row += 1
+                if row <= source.lines:
+                    continue  # before the resume point, inside its row group
+                if type(value) is not str:
+                    described = JSON_TYPES.get(type(value), type(value).__name__)
+                    self._bad(source, row, f"column {field!r} is {described}, not a string")
+                    source.read_bytes = source.lines = row
+                    continue
+                source.documents += 1
+                source.read_bytes = source.lines = row
+                yield value, Position(index, row, row, source.documents, source.bad_records)
 
     def _bad(self, source: Source, line: int, reason: str) -> None:
         source.bad_records += 1
