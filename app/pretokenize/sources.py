@@ -80,7 +80,7 @@ class Source:
 
     @property
     def codec(self) -> str | None:
-        """"gzip", "zstd" or None, from the file name."""
+        """ "gzip", "zstd" or None, from the file name."""
         return kind_of(self.path)[1]
 
 

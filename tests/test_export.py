@@ -1,0 +1,187 @@
+"""tokenizer-shards: info, verify, and exports read back by the trainers' own readers.
+
+megatron-core and litdata pull torch and pin each other out, so each lives in a virtual environment
+of its own, named by TOKENIZER_MEGATRON_PYTHON and TOKENIZER_LITDATA_PYTHON (.ci/run creates both).
+Without them these tests skip, except under TOKENIZER_CI=1, where that fails. nanoGPT's and llm.c's
+files are checked against their documented layouts (llm.c's reader is C; its checks are mirrored).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from app.pretokenize import main as pretokenize
+from app.pretokenize.export import ExportError, check_exportable
+from app.pretokenize.shards_cli import main as shards
+from app.settings import BUNDLED_MODELS_DIR
+from client.dataset import TokenDataset
+
+MODEL = BUNDLED_MODELS_DIR / "default.model"
+
+
+def reader_python(name: str) -> str:
+    variable = f"TOKENIZER_{name.upper()}_PYTHON"
+    python = os.environ.get(variable)
+    if python and Path(python).exists():
+        return python
+    if os.environ.get("TOKENIZER_CI") == "1":
+        pytest.fail(f"{variable} names no Python with {name} installed, and TOKENIZER_CI=1 says this must run")
+    pytest.skip(f"{name} reader not available (set {variable} to a Python that has it)")
+
+
+def run_reader(name: str, script: str, *args: str) -> object:
+    result = subprocess.run(
+        [reader_python(name), "-W", "ignore", "-c", script, *args], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+MEGATRON_READ = """
+import json, sys, warnings
+warnings.filterwarnings("ignore")
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+dataset = IndexedDataset(sys.argv[1])
+print(json.dumps({"sequences": [dataset[i].tolist() for i in range(len(dataset))],
+                  "documents": dataset.document_indices.tolist()}))
+"""
+
+LITDATA_READ = """
+import json, sys, warnings
+warnings.filterwarnings("ignore")
+from litdata import StreamingDataset
+from litdata.streaming.item_loader import TokensLoader
+dataset = StreamingDataset(sys.argv[1], item_loader=TokensLoader(block_size=int(sys.argv[2])), shuffle=False)
+print(json.dumps([dataset[i].tolist() for i in range(len(dataset))]))
+"""
+
+
+@pytest.fixture(scope="module")
+def outputs(documents: list[str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    directory = tmp_path_factory.mktemp("exports")
+    source = directory / "in.jsonl"
+    source.write_text("".join(json.dumps({"text": text}) + "\n" for text in documents[:800]))
+    common = [source, "--local", "--model", MODEL, "--workers", "1", "-q", "--shard-tokens", "8000"]
+    made = {
+        "ragged": directory / "ragged",
+        "concat": directory / "concat",
+        "best_fit": directory / "best_fit",
+    }
+    assert pretokenize([str(a) for a in [*common, "--output", made["ragged"]]]) == 0
+    assert pretokenize([str(a) for a in [*common, "--output", made["concat"], "--seq-len", "64"]]) == 0
+    best_fit = [*common, "--output", made["best_fit"], "--seq-len", "64", "--strategy", "best_fit"]
+    assert pretokenize([str(a) for a in best_fit]) == 0
+    return made
+
+
+def documents_of(path: Path) -> list[list[int]]:
+    dataset = TokenDataset(path)
+    return [dataset[i].tolist() for i in range(len(dataset))]
+
+
+def all_ids(path: Path) -> list[int]:
+    dataset = TokenDataset(path)
+    return np.concatenate([dataset.shard(i).ids for i in range(dataset.num_shards)]).tolist()
+
+
+def test_info_and_verify(outputs, capsys):
+    assert shards(["info", str(outputs["ragged"])]) == 0
+    info = capsys.readouterr().out
+    assert "complete" in info and "800 documents" in info and "model default" in info
+    assert shards(["verify", str(outputs["ragged"]), "--sample", "40"]) == 0
+    assert "40 sampled documents re-tokenized to the same ids" in capsys.readouterr().out
+
+
+def test_verify_finds_a_damaged_shard(outputs, tmp_path, capsys):
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    for file in outputs["ragged"].iterdir():
+        (damaged / file.name).write_bytes(file.read_bytes())
+    shard = damaged / "00001.bin"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    assert shards(["verify", str(damaged)]) == 1
+    error = capsys.readouterr().err
+    assert error.startswith("tokenizer-shards: verify failed:") and "Traceback" not in error
+
+
+@pytest.mark.readers
+@pytest.mark.parametrize("per_shard", [False, True])
+def test_megatron_reads_the_export(outputs, tmp_path, per_shard):
+    prefix = tmp_path / "megatron" / "corpus"
+    args = ["export", str(outputs["ragged"]), "--to", "megatron", "--output", str(prefix), "-q"]
+    assert shards(args + (["--per-shard"] if per_shard else [])) == 0
+    expected = documents_of(outputs["ragged"])
+    if not per_shard:
+        read = run_reader("megatron", MEGATRON_READ, str(prefix))
+        assert read["sequences"] == expected and read["documents"] == list(range(len(expected) + 1))
+        return
+    got = []
+    dataset = TokenDataset(outputs["ragged"])
+    for shard in dataset.metadata["shards"]:
+        part = Path(f"{prefix}_{shard['name']}")
+        assert part.with_suffix(".bin").stat().st_ino == (outputs["ragged"] / f"{shard['name']}.bin").stat().st_ino
+        got += run_reader("megatron", MEGATRON_READ, str(part))["sequences"]
+    assert got == expected
+
+
+@pytest.mark.readers
+def test_megatron_reads_a_concat_packed_export_as_rows(outputs, tmp_path):
+    prefix = tmp_path / "rows"
+    assert shards(["export", str(outputs["concat"]), "--to", "megatron", "--output", str(prefix), "-q"]) == 0
+    read = run_reader("megatron", MEGATRON_READ, str(prefix))
+    assert read["sequences"] == documents_of(outputs["concat"])
+    assert {len(row) for row in read["sequences"]} == {64}
+
+
+@pytest.mark.readers
+def test_litdata_reads_the_export(outputs, tmp_path):
+    out = tmp_path / "litdata"
+    assert shards(["export", str(outputs["ragged"]), "--to", "litdata", "--output", str(out), "-q"]) == 0
+    blocks = run_reader("litdata", LITDATA_READ, str(out), "50")
+    expected = []
+    dataset = TokenDataset(outputs["ragged"])
+    for shard in range(dataset.num_shards):  # TokensLoader cuts each chunk into whole blocks
+        ids = dataset.shard(shard).ids
+        expected += [ids[start : start + 50].tolist() for start in range(0, len(ids) - 49, 50)]
+    assert blocks == expected
+
+
+def test_nanogpt_is_one_flat_uint16_file(outputs, tmp_path):
+    out = tmp_path / "train.bin"
+    assert shards(["export", str(outputs["ragged"]), "--to", "nanogpt", "--output", str(out), "-q"]) == 0
+    assert np.memmap(out, dtype=np.uint16, mode="r").tolist() == all_ids(outputs["ragged"])  # as nanoGPT reads it
+
+
+def test_llmc_shards_have_the_header_llmc_checks(outputs, tmp_path):
+    out = tmp_path / "llmc"
+    args = ["export", str(outputs["ragged"]), "--to", "llmc", "--output", str(out), "--shard-tokens", "10000", "-q"]
+    assert shards(args) == 0
+    ids: list[int] = []
+    files = sorted(out.glob("train_*.bin"))
+    assert len(files) >= 3
+    for file in files:  # llmc/dataloader.h: magic, version, token count, and the file size they imply
+        header = np.fromfile(file, dtype="<i4", count=256)
+        assert (header[0], header[1]) == (20240520, 1)
+        assert file.stat().st_size == 256 * 4 + int(header[2]) * 2
+        ids += np.fromfile(file, dtype="<u2", offset=1024).tolist()
+        assert int(header[2]) <= 10000
+    assert ids == all_ids(outputs["ragged"])
+
+
+def test_refusals_are_one_line_and_exit_2(outputs, tmp_path, capsys):
+    args = ["export", str(outputs["best_fit"]), "--to", "megatron", "--output", str(tmp_path / "x"), "-q"]
+    assert shards(args) == 2
+    error = capsys.readouterr().err
+    assert len(error.strip().splitlines()) == 1 and "best_fit rows carry padding" in error
+    metadata = json.loads((outputs["ragged"] / "metadata.json").read_text())
+    with pytest.raises(ExportError, match="uint16"):
+        check_exportable({**metadata, "dtype": "<u4", "model": {**metadata["model"], "vocab_size": 100_000}}, "nanogpt")
+    check_exportable({**metadata, "dtype": "<u4"}, "megatron")  # int32 ids there
+    with pytest.raises(ExportError, match="incomplete"):
+        check_exportable({**metadata, "complete": False}, "litdata")
