@@ -16,6 +16,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from app.pretokenize.backends import ServiceError
+from app.pretokenize.ranks import RankError, rank_from_environment
 from app.pretokenize.run import DEFAULT_SHARD_TOKENS, Options, Progress, Summary, run
 from app.pretokenize.sources import KINDS, BadRecordError, InputError
 from app.pretokenize.store import OutputError
@@ -80,6 +81,18 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="end each document with EOS (default: when the model has an EOS piece)",
+    )
+    parser.add_argument(
+        "--rank",
+        type=int,
+        help="this run is rank R of --world-size W: it tokenizes the R-th of W blocks of the inputs (balanced by "
+        "bytes) into OUTPUT/rank-RRRRR; default: RANK, SLURM_ARRAY_TASK_ID or JOB_COMPLETION_INDEX if set",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        metavar="W",
+        help="ranks in all (default: WORLD_SIZE or SLURM_ARRAY_TASK_COUNT); merge them with tokenizer-shards merge",
     )
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary")
     return parser
@@ -166,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.strategy is not None and args.seq_len is None:
         parser.error("--strategy needs --seq-len")
     try:
+        ranked = rank_from_environment(args.rank, args.world_size)
+    except RankError as exc:
+        parser.error(str(exc))
+    rank, world_size = ranked if ranked is not None else (None, None)
+    try:
         options = Options(
             inputs=args.inputs,
             output=args.output,
@@ -179,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
             strict=args.strict,
             add_bos=args.add_bos,
             add_eos=args.add_eos,
+            rank=rank,
+            world_size=world_size,
         )
     except ValueError as exc:
         parser.error(str(exc))

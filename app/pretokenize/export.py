@@ -147,7 +147,8 @@ def export_megatron(dataset: TokenDataset, output: Path, *, per_shard: bool, pro
     written: list[Path] = []
     if per_shard or dataset.num_shards == 1:
         for shard in range(dataset.num_shards):
-            prefix = Path(f"{output}_{dataset.metadata['shards'][shard]['name']}") if per_shard else output
+            name = dataset.metadata["shards"][shard]["name"].replace("/", "-")  # merged ranks: rank-RRRRR/NNNNN
+            prefix = Path(f"{output}_{name}") if per_shard else output
             ids, lengths = sequences(dataset, shard)
             link_or_copy(bin_path(dataset, shard), prefix.with_suffix(".bin"))
             _write_atomically(

@@ -15,6 +15,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from app.pretokenize.backends import local_pool, tokenize_locally, tokenize_via_service
+from app.pretokenize.ranks import blocks, rank_directory
 from app.pretokenize.shards import BestFitShards, ConcatShards, RaggedShards, ShardSink
 from app.pretokenize.sources import BadRecordError, DocumentReader, Position, Source, expand_inputs
 from app.pretokenize.store import OutputDir, OutputError, differences
@@ -43,6 +44,8 @@ class Options:
     strict: bool = False
     add_bos: bool = False
     add_eos: bool | None = None  # EOS after each document when the model has one
+    rank: int | None = None  # with world_size: this run is rank `rank` of `world_size` (app.pretokenize.ranks)
+    world_size: int | None = None
 
     def __post_init__(self) -> None:
         if not self.inputs:
@@ -210,12 +213,24 @@ def run(
     """Pre-tokenize `options.inputs` into `options.output`; resumes an interrupted output of the same run."""
     started = time.monotonic()
     sources = [Source.from_path(path) for path in expand_inputs(options.inputs)]
+    output, rank = options.output, None
+    if options.rank is not None and options.world_size is not None:
+        start, end = blocks([source.size for source in sources], options.world_size)[options.rank]
+        rank = {
+            "index": options.rank,
+            "world_size": options.world_size,
+            "inputs": [[source.path, source.size] for source in sources],
+        }
+        sources, output = sources[start:end], rank_directory(options.output, options.rank)
     with ExitStack() as stack:
         urls = options.urls
         model = resolve_service_model(urls, options.model) if urls else resolve_local_model(options.model)
         options = special_tokens(options, model)
-        out = OutputDir(options.output)
-        metadata, complete = open_output(out, new_metadata(model, sources, options))
+        out = OutputDir(output)
+        wanted = new_metadata(model, sources, options)
+        if rank is not None:
+            wanted["rank"] = rank
+        metadata, complete = open_output(out, wanted)
         if complete:
             return Summary(out.path, metadata, len(metadata["shards"]), 0, 0, time.monotonic() - started, True)
         shards_before = len(metadata["shards"])

@@ -1,6 +1,7 @@
 """`tokenizer-shards`: look at, check and export a tokenizer-pretokenize output directory.
 
     tokenizer-shards info DIR
+    tokenizer-shards merge DIR
     tokenizer-shards verify DIR [--sample N] [--model FILE_OR_NAME]
     tokenizer-shards export DIR --to {megatron,litdata,nanogpt,llmc} --output OUT [--per-shard] [--shard-tokens N]
 
@@ -20,6 +21,7 @@ import sentencepiece as spm
 from tqdm import tqdm
 
 from app.pretokenize.export import DEFAULT_LLMC_SHARD_TOKENS, FORMATS, ExportError, export
+from app.pretokenize.ranks import RankError, merge
 from app.pretokenize.run import resolve_local_model
 from app.pretokenize.sources import DocumentReader, InputError, Source
 from app.registry import ModelLoadError
@@ -51,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--sample", type=int, default=0, metavar="N", help="re-tokenize N documents and compare")
     verify.add_argument("--model", help="the model file (default: the output's model, resolved as the server does)")
     verify.add_argument("--seed", type=int, default=0, help="which documents --sample picks")
+    merger = commands.add_parser("merge", help="one dataset over the rank-RRRRR outputs of a ranked run")
+    merger.add_argument("directory", type=Path)
     exporter = commands.add_parser(
         "export",
         help="write the output in a trainer's format",
@@ -131,6 +135,17 @@ def verify(dataset: TokenDataset, sample: int, model: str | None, seed: int) -> 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "merge":
+        try:
+            merged = merge(args.directory)
+        except RankError as exc:
+            print(f"tokenizer-shards: {exc}", file=sys.stderr)
+            return 2
+        print(
+            f"merged {merged['merged']['world_size']} ranks into {args.directory}: {len(merged['shards'])} shards, "
+            f"{merged['documents']:,} documents, {merged['tokens']:,} tokens"
+        )
+        return 0
     try:
         dataset = TokenDataset(args.directory, allow_partial=args.command != "export")
     except (ValueError, OSError) as exc:

@@ -112,13 +112,16 @@ class OutputDir:
 
 def identity(metadata: dict[str, Any]) -> dict[str, Any]:
     """What must be equal for two runs to write into the same output."""
-    return {
+    fields = {
         "model sha256": metadata["model"]["sha256"],
         "layout": metadata["layout"],
         "dtype": metadata["dtype"],
         "options": metadata["options"],
         "inputs": [[source["path"], source["size"]] for source in metadata["sources"]],
     }
+    if "rank" in metadata:  # one rank of a cluster job: the same world size over the same whole input list
+        fields["ranks"] = {"world_size": metadata["rank"]["world_size"], "inputs": metadata["rank"]["inputs"]}
+    return fields
 
 
 def differences(existing: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
