@@ -6,10 +6,13 @@
 # Every *.model in /models is served under its file stem; with /models empty the bundled default
 # model is served. Flags after the image name go to tokenizer-server (e.g. `--workers 4`).
 # BASE_IMAGE lets CI build from a stand-in image where no registry is reachable; its python must be 3.10+.
+# EXTRAS picks the project's extras: `--build-arg EXTRAS=server,corpora` adds tokenizer-pretokenize and
+# tokenizer-shards with Parquet and zstandard inputs (the image deploy/k8s/pretokenize-job.yaml runs).
 ARG BASE_IMAGE=python:3.11-slim
 
 # Builder: a virtual environment holding the project and its server dependencies, nothing else.
 FROM ${BASE_IMAGE} AS builder
+ARG EXTRAS=server
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1
@@ -19,7 +22,7 @@ RUN python -m venv /opt/venv
 # the code rebuilds only the last layer.
 COPY pyproject.toml README.md ./
 RUN mkdir app client && touch app/__init__.py client/__init__.py \
-    && /opt/venv/bin/pip install --no-cache-dir '.[server]' \
+    && /opt/venv/bin/pip install --no-cache-dir ".[${EXTRAS}]" \
     && rm -rf app client build ./*.egg-info
 COPY client ./client
 COPY app ./app

@@ -1,6 +1,7 @@
 """Pre-tokenization throughput against in-process sentencepiece, measured in one run.
 
     python bench/pretokenize.py [--corpus FILE] [--docs N] [--rounds R] [--model FILE]
+    python bench/pretokenize.py --ranks W [--docs N] [--rounds R]
 
 The documents of bench/throughput.py (1-2 KB, from the Python docs corpus) are written to a .jsonl
 file once; then, in alternating rounds (the machine drifts; the median of per-round ratios is reported):
@@ -11,6 +12,10 @@ file once; then, in alternating rounds (the machine drifts; the median of per-ro
   service    tokenizer-pretokenize --url: the same through a server on this machine (client and server
              share the cores)
 Targets: local >= 0.8 x baseline, service >= 0.7 x baseline.
+
+With --ranks W it compares instead, on the documents split into 16 files, W ranks of --workers 1 (W
+processes at once, as W tasks of a cluster job would run on one machine) with one run of --workers W,
+both as command lines, and reports the merge's time (target: ranks >= 0.9 x one run).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import argparse
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +40,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from throughput import FALLBACK_CORPUS, SHARED_CORPUS, bench_model, load_documents, start_server  # noqa: E402
 
+from app.pretokenize.ranks import merge  # noqa: E402
 from app.pretokenize.run import Options, run  # noqa: E402
+from client.dataset import TokenDataset  # noqa: E402
 
 TARGETS = {"pretokenize --local": 0.8, "pretokenize --local --seq-len 2048": 0.8, "pretokenize --url": 0.7}
 
@@ -67,13 +75,84 @@ def pretokenize(
     return go
 
 
+def ranks_versus_one_run(docs: list[str], model: Path, ranks: int, rounds: int) -> None:
+    scratch = Path(tempfile.mkdtemp(prefix="bench-ranks-"))
+    corpus = scratch / "corpus"
+    corpus.mkdir()
+    for part in range(16):
+        write_jsonl(docs[part::16], corpus / f"part-{part:02d}.jsonl")
+    base = [sys.executable, "-m", "app.pretokenize", str(corpus), "--local", "--model", str(model), "-q"]
+
+    def one_run() -> float:
+        shutil.rmtree(scratch / "one", ignore_errors=True)
+        started = time.perf_counter()
+        subprocess.run([*base, "--workers", str(ranks), "--output", str(scratch / "one")], check=True, cwd=ROOT)
+        return time.perf_counter() - started
+
+    def ranked() -> tuple[float, float]:
+        shutil.rmtree(scratch / "ranked", ignore_errors=True)
+        started = time.perf_counter()
+        processes = [
+            subprocess.Popen(
+                [
+                    *base,
+                    "--workers",
+                    "1",
+                    "--rank",
+                    str(rank),
+                    "--world-size",
+                    str(ranks),
+                    "--output",
+                    str(scratch / "ranked"),
+                ],
+                cwd=ROOT,
+            )
+            for rank in range(ranks)
+        ]
+        if any(process.wait() != 0 for process in processes):
+            raise SystemExit("a rank failed")
+        ran = time.perf_counter() - started
+        started = time.perf_counter()
+        merge(scratch / "ranked")
+        return ran, time.perf_counter() - started
+
+    try:
+        ratios, merges, singles, multis = [], [], [], []
+        for round_index in range(rounds):
+            single = one_run()
+            multi, merging = ranked()
+            singles.append(single)
+            multis.append(multi)
+            merges.append(merging)
+            ratios.append(single / multi)
+            print(f"round {round_index + 1}/{rounds}: one run {single:.2f} s, {ranks} ranks {multi:.2f} s", flush=True)
+        tokens = TokenDataset(scratch / "ranked").num_tokens
+        assert tokens == TokenDataset(scratch / "one").num_tokens
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    print()
+    print("| method | seconds (best) | M tokens/s | vs one run | target |")
+    print("|---|---:|---:|---:|---:|")
+    print(f"| one run, --workers {ranks} | {min(singles):.2f} | {tokens / min(singles) / 1e6:.2f} | 1.00 | |")
+    print(
+        f"| {ranks} ranks of --workers 1, merged | {min(multis):.2f} | {tokens / min(multis) / 1e6:.2f} | "
+        f"{statistics.median(ratios):.2f} | ≥ 0.9 |"
+    )
+    print(f"merge: {statistics.median(merges) * 1e3:.1f} ms (median); {len(docs)} documents, {tokens:,} tokens")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--corpus", type=Path, default=SHARED_CORPUS if SHARED_CORPUS.exists() else FALLBACK_CORPUS)
     parser.add_argument("--docs", type=int, default=20000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", type=Path, help="a SentencePiece model (default: train one on the corpus)")
+    parser.add_argument("--ranks", type=int, help="compare W ranks of --workers 1 with one run of --workers W")
     args = parser.parse_args()
+    if args.ranks:
+        model = args.model or bench_model(args.corpus)
+        ranks_versus_one_run(load_documents(args.corpus, args.docs), model, args.ranks, args.rounds)
+        return
 
     cores = len(os.sched_getaffinity(0))
     docs = load_documents(args.corpus, args.docs)

@@ -21,6 +21,8 @@ import promql_parser
 import pytest
 import yaml
 
+from app.settings import BUNDLED_MODELS_DIR
+from client.dataset import TokenDataset
 from tests.conftest import ROOT, Server
 
 DEPLOY = ROOT / "deploy"
@@ -68,11 +70,13 @@ def load_documents(path: Path) -> list[dict[str, Any]]:
 
 
 def k8s_resources() -> dict[str, dict[str, Any]]:
-    """The manifests of deploy/k8s by kind (names are unique per kind there), headless Service apart."""
+    """The manifests of deploy/k8s by kind (names are unique per kind there), headless Service and Jobs apart."""
     resources = {}
     for path in sorted(K8S.glob("*.yaml")):
         for document in load_documents(path):
             key = document["kind"]
+            if key == "Job":
+                key = f"Job/{document['metadata']['name']}"
             if key == "Service" and document["spec"].get("clusterIP") == "None":
                 key = "HeadlessService"
             assert key not in resources, f"two {key} manifests"
@@ -401,3 +405,53 @@ def test_dashboard_variables_are_all_defined() -> None:
     }
     used = set(re.findall(r"\$\{?(\w+)", DASHBOARD.read_text()))
     assert used <= defined, used - defined
+
+
+# -- pre-tokenizing on a cluster -----------------------------------------------------------------------------
+
+
+def test_pretokenize_job_is_an_indexed_job_whose_world_size_is_its_completions() -> None:
+    resources = k8s_resources()
+    ranks, merge = resources["Job/tokenizer-pretokenize"], resources["Job/tokenizer-pretokenize-merge"]
+    spec = ranks["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["parallelism"] <= spec["completions"]
+    (pod,) = spec["template"]["spec"]["containers"]
+    args = pod["args"]
+    assert pod["command"] == ["tokenizer-pretokenize"]
+    assert int(args[args.index("--world-size") + 1]) == spec["completions"]
+    assert spec["template"]["spec"]["restartPolicy"] == "OnFailure"  # a restarted pod resumes its rank
+    output = args[args.index("--output") + 1]
+    (merger,) = merge["spec"]["template"]["spec"]["containers"]
+    assert merge["spec"]["suspend"] is True and merger["command"] == ["tokenizer-shards", "merge", output]
+    claims = {
+        volume["persistentVolumeClaim"]["claimName"]
+        for job in (ranks, merge)
+        for volume in job["spec"]["template"]["spec"]["volumes"]
+        if "persistentVolumeClaim" in volume
+    }
+    assert "tokenizer-corpus" in claims
+    for job in (ranks, merge):  # `kubectl apply -f deploy/k8s/ -l ...=tokenizer-service` leaves them out
+        assert job["metadata"]["labels"]["app.kubernetes.io/part-of"] == "tokenizer-pretokenize"
+
+
+def test_the_slurm_script_runs_as_array_tasks_and_merges(tmp_path: Path, documents: list[str]) -> None:
+    script = ROOT / "deploy" / "slurm" / "pretokenize.sbatch"
+    assert run(["bash", "-n", str(script)]).returncode == 0
+    text = script.read_text()
+    assert "#SBATCH --array=" in text and "--dependency=afterok" in text
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for part in range(3):
+        (corpus / f"{part}.jsonl").write_text("".join(f'{{"text": {json.dumps(t)}}}\n' for t in documents[part::3]))
+    model = BUNDLED_MODELS_DIR / "default.model"
+    for task in (0, 1):  # as Slurm runs the array's tasks: the rank and world size in the environment
+        environ = {**os.environ, "SLURM_ARRAY_TASK_ID": str(task), "SLURM_ARRAY_TASK_MIN": "0",
+                   "SLURM_ARRAY_TASK_COUNT": "2", "SLURM_CPUS_PER_TASK": "1"}  # fmt: skip
+        result = subprocess.run(
+            ["bash", str(script), str(corpus), str(tmp_path / "shards"), str(model)],
+            env=environ, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+    merged = run(["tokenizer-shards", "merge", str(tmp_path / "shards")])
+    assert merged.returncode == 0, merged.stderr
+    assert len(TokenDataset(tmp_path / "shards")) == len(documents)

@@ -148,3 +148,24 @@ def test_merge_refuses_missing_and_disagreeing_ranks(inputs: Path, tmp_path: Pat
     assert "disagree on the world size" in capsys.readouterr().err
     again = run_rank(inputs, ranked, {}, "--rank", "0", "--world-size", "2")  # into rank 0's output of W=3
     assert again.returncode == 2 and "refusing to mix" in again.stderr
+
+
+def test_ray_local_runs_every_rank_and_merges_to_one_run(inputs: Path, tmp_path: Path) -> None:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        if os.environ.get("TOKENIZER_CI") == "1":
+            pytest.fail("ray is not installed, and TOKENIZER_CI=1 says this test must run")
+        pytest.skip("ray is not installed (pip install 'tokenizer-service[ray]')")
+    single, on_ray = tmp_path / "single", tmp_path / "ray"
+    assert run_rank(inputs, single, {}).returncode == 0
+    result = run_rank(inputs, on_ray, {}, "--ray", "local", "--world-size", "3")
+    assert result.returncode == 0, result.stderr[-2000:]
+    merged, whole = TokenDataset(on_ray), TokenDataset(single)
+    assert merged.metadata["merged"]["world_size"] == 3
+    assert len(merged) == len(whole) and all(merged[i].tolist() == whole[i].tolist() for i in range(len(whole)))
+
+
+def test_ray_needs_a_world_size_and_no_rank(inputs: Path, tmp_path: Path) -> None:
+    result = run_rank(inputs, tmp_path / "x", {}, "--ray", "local")
+    assert result.returncode == 2 and "--ray runs every rank" in result.stderr

@@ -94,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="W",
         help="ranks in all (default: WORLD_SIZE or SLURM_ARRAY_TASK_COUNT); merge them with tokenizer-shards merge",
     )
+    parser.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        help="run the --world-size ranks as tasks of the Ray cluster at ADDRESS (or `local`: a Ray on this "
+        "machine, on 127.0.0.1 only), then merge them; needs pip install 'tokenizer-service[ray]'",
+    )
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary")
     return parser
 
@@ -173,15 +179,36 @@ def describe(summary: Summary) -> str:
     )
 
 
+def run_ranks_on_ray(options: Options, address: str, world_size: int, *, quiet: bool) -> int:
+    from app.pretokenize.on_ray import run_on_ray
+
+    try:
+        merged = run_on_ray(options, address, world_size, report=(lambda line: None) if quiet else print)
+    except (InputError, OutputError, RankError, ModelLoadError) as exc:
+        print(f"tokenizer-pretokenize: {exc}", file=sys.stderr)
+        return 1
+    if not quiet:
+        print(
+            f"{options.output}: {world_size} ranks merged, {merged['documents']:,} documents, "
+            f"{merged['tokens']:,} tokens in {len(merged['shards'])} shards"
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.strategy is not None and args.seq_len is None:
         parser.error("--strategy needs --seq-len")
-    try:
-        ranked = rank_from_environment(args.rank, args.world_size)
-    except RankError as exc:
-        parser.error(str(exc))
+    if args.ray is not None:
+        if args.world_size is None or args.rank is not None:
+            parser.error("--ray runs every rank: give --world-size W, and no --rank")
+        ranked = None
+    else:
+        try:
+            ranked = rank_from_environment(args.rank, args.world_size)
+        except RankError as exc:
+            parser.error(str(exc))
     rank, world_size = ranked if ranked is not None else (None, None)
     try:
         options = Options(
@@ -202,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ValueError as exc:
         parser.error(str(exc))
+    if args.ray is not None:
+        return run_ranks_on_ray(options, args.ray, args.world_size, quiet=args.quiet)
     bar = ProgressBar(enabled=not args.quiet)
     try:
         summary = run(options, report_bad=bar.write, progress=bar.update)
