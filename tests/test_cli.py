@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 
@@ -58,5 +59,10 @@ def test_help_lists_every_option():
         "--drain-timeout",
         "--api-keys",
         "--cors-origins",
+        "--frontends",
+        "--max-header-bytes",
+        "--header-timeout",
+        "--max-connections",
     ):
-        assert flag in output
+        # the whole flag, not a prefix of another (--model is one of --models-dir)
+        assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", output), flag

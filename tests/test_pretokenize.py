@@ -203,10 +203,10 @@ def test_strict_stops_at_the_first_bad_record(
 
 @pytest.fixture(scope="module")
 def big_input(documents: list[str], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """About 2 MB of documents with bad records early and late: long enough to be killed half way."""
+    """About 5 MB of documents with bad records early and late: long enough to be killed half way."""
     path = tmp_path_factory.mktemp("big") / "big.jsonl"
     with path.open("w", encoding="utf-8") as file:
-        for copy in range(7):
+        for copy in range(18):
             for number, text in enumerate(documents):
                 file.write(json.dumps({"text": f"{copy}.{number} {text}"}) + "\n")
                 if number in (3, 1500):
@@ -264,7 +264,7 @@ def test_an_interrupted_run_resumes_to_byte_identical_files(
 
     assert pretokenize(*args, "--output", resumed, "-q") == 0
     assert files_of(resumed) == files_of(reference)  # metadata.json too: bad records counted once
-    assert json.loads((resumed / "metadata.json").read_text())["bad_records"] == 14
+    assert json.loads((resumed / "metadata.json").read_text())["bad_records"] == 36
     assert len(TokenDataset(resumed).metadata["shards"]) > done
 
 
