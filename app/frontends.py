@@ -1,6 +1,6 @@
 """Several front-end processes on one port (`--frontends N`), for machines with more cores than one feeds.
 
-One server process keeps about 20 busy workers fed (README, "How it serves"). Beyond that, N
+One server process keeps about 20 busy workers fed (docs/design.md). Beyond that, N
 front-ends each bind the same address with SO_REUSEPORT, so the kernel spreads new connections
 over them, and each runs its share of the workers: the server's whole design, N times, with
 nothing shared between front-ends but the port and the metrics (prometheus_client's multiprocess

@@ -130,7 +130,7 @@ def answer(model: type[BaseModel], *, binary: bool = False, sha256: bool = True)
     """The 200 response: a JSON body, and the binary frame too where the route offers it."""
     response: dict[str, Any] = {"model": model, "description": "OK"}
     if binary:
-        response["description"] = f"JSON, or with `Accept: {BINARY_MEDIA_TYPE}` the binary frame (see README)"
+        response["description"] = f"JSON, or with `Accept: {BINARY_MEDIA_TYPE}` the binary frame (see docs/api.md)"
         response["content"] = {BINARY_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}
     if sha256:
         response["headers"] = _SHA256_HEADER

@@ -1,6 +1,6 @@
 """Memory is bounded by bytes: the server's process tree stays under the documented peak at maximum load.
 
-README ("Limits and defaults") states the worst case for the default flags with 2 workers as
+docs/operations.md ("Memory") states the worst case for the default flags with 2 workers as
 1.5 GiB; deploy/k8s/deployment.yaml and docker-compose.yml give the container 2 GiB. Clients here
 send maximum-size bodies as fast as they are answered; everything beyond the byte budget must be
 refused at once with 503 + Retry-After, never queued.
