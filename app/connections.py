@@ -30,6 +30,8 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from app.settings import Settings
+
 logger = logging.getLogger("tokenizer.connections")
 
 HEAD_END = b"\r\n\r\n"
@@ -154,3 +156,25 @@ class GuardedProtocol(HttpToolsProtocol):
         self._in_head = False
         self.transport.write(_answer(status, kind, message))
         self.transport.close()
+
+
+DEFAULT_MAX_CONNECTIONS = 4096
+RESERVED_FILES = 256  # for workers' sockets, model files, logs
+
+
+def uvicorn_options(settings: Settings) -> dict[str, Any]:
+    """What uvicorn runs with, for one server or each front-end: limits on connections included."""
+    files = raise_file_limit()
+    max_connections = settings.max_connections or max(16, min(DEFAULT_MAX_CONNECTIONS, files - RESERVED_FILES))
+    return {
+        "log_level": settings.log_level,
+        "access_log": False,
+        # SIGTERM: stop accepting, let in-flight requests finish for this long, then cancel them;
+        # the lifespan then stops every worker process.
+        "timeout_graceful_shutdown": settings.drain_timeout,
+        "http": GuardedProtocol.configure(
+            max_head_bytes=settings.max_header_bytes,
+            head_timeout=settings.header_timeout,
+            max_connections=max_connections,
+        ),
+    }

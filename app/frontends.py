@@ -62,7 +62,7 @@ def frontend(settings: dict[str, Any], index: int, workers: int) -> None:
     """One front-end process: the whole server on its share of the workers."""
     os.setpgrp()
     exit_with_parent(_drain)
-    from app.cli import uvicorn_options
+    from app.connections import uvicorn_options
     from app.main import create_app
 
     config = Settings.model_validate({**settings, "workers": workers, "frontends": 1})
