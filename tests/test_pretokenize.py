@@ -228,6 +228,24 @@ def wait_for_first_shard(out: Path, process: subprocess.Popen[bytes], timeout: f
     raise AssertionError("no shard within the timeout")
 
 
+def interrupt_after_first_shard(args: list[str], out: Path, stop: signal.Signals) -> tuple[int, str]:
+    """Run the pre-tokenizer and send `stop` once its first shard is written: (exit status, stderr).
+
+    A session of its own: the signal reaches the workers too, as kill -9 of a job or Ctrl-C would.
+    """
+    command = [sys.executable, "-m", "app.pretokenize", *args]
+    process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        wait_for_first_shard(out, process)
+        os.killpg(process.pid, stop)
+        _, errors = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return process.returncode, errors.decode()
+
+
 @pytest.mark.parametrize(
     ("stop", "packing"),
     [
@@ -245,18 +263,8 @@ def test_an_interrupted_run_resumes_to_byte_identical_files(
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
     assert pretokenize(*args, "--output", reference, "-q") == 0
 
-    command = [sys.executable, "-m", "app.pretokenize", *args, "--output", str(resumed), "-q"]
-    # A session of its own: the signal reaches the workers too, as kill -9 of a job or Ctrl-C would.
-    process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        wait_for_first_shard(resumed, process)
-        os.killpg(process.pid, stop)
-        _, errors = process.communicate(timeout=60)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    assert process.returncode == (130 if stop == signal.SIGINT else -signal.SIGKILL), errors.decode()
+    returncode, errors = interrupt_after_first_shard([*args, "--output", str(resumed), "-q"], resumed, stop)
+    assert returncode == (130 if stop == signal.SIGINT else -signal.SIGKILL), errors
     interrupted = json.loads((resumed / "metadata.json").read_text())
     assert not interrupted["complete"], "the run finished before it could be interrupted"
     done = len(interrupted["shards"])
@@ -532,16 +540,7 @@ def test_an_interrupted_run_over_zstd_or_parquet_resumes_byte_identical(
     args = [str(source), "--local", "--model", str(model), "--shard-tokens", "20000", "--workers", "1"]
     reference, resumed = tmp_path / "reference", tmp_path / "resumed"
     assert pretokenize(*args, "--output", reference, "-q") == 0
-    command = [sys.executable, "-m", "app.pretokenize", *args, "--output", str(resumed), "-q"]
-    process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        wait_for_first_shard(resumed, process)
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate(timeout=60)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+    interrupt_after_first_shard([*args, "--output", str(resumed), "-q"], resumed, signal.SIGKILL)
     assert not json.loads((resumed / "metadata.json").read_text())["complete"]
     assert pretokenize(*args, "--output", resumed, "-q") == 0
     assert files_of(resumed) == files_of(reference)
