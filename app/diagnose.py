@@ -20,11 +20,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,10 +30,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import orjson
 import sentencepiece as spm
 
+from app.launcher import ServerNotReady, ServerProcess
 from app.pretokenize.run import Options, run
 from app.pretokenize.sources import DocumentReader, InputError, Source
 from app.registry import inspect_model
@@ -61,44 +58,20 @@ def read_corpus(path: Path, count: int, text_field: str) -> list[str]:
     return [text for text, _ in itertools.islice(reader, count)]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextmanager
 def local_server(model: Path, workers: int, timeout: float = 120.0) -> Iterator[tuple[str, str]]:
     """A tokenizer-server on a free loopback port serving `model` as "bench"; yields (url, model name)."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tempfile.NamedTemporaryFile(prefix="tokenizer-bench-server-", suffix=".log", delete=False)  # noqa: SIM115
-    command = [sys.executable, "-m", "app", "--host", "127.0.0.1", "--port", str(port)]
-    command += ["--workers", str(workers), "--model", f"bench={model}", "--log-level", "warning"]
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    args = ["--workers", str(workers), "--model", f"bench={model}", "--log-level", "warning"]
+    server = ServerProcess(args)
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the server exited with {process.returncode}:\n{Path(log.name).read_text()}")
-            try:
-                if httpx.get(f"{url}/readyz", timeout=1.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server was not ready after {timeout:.0f} s:\n{Path(log.name).read_text()}")
-            time.sleep(0.1)
-        yield url, "bench"
+        server.start(timeout=timeout)
+    except ServerNotReady as exc:
+        raise RuntimeError(str(exc)) from None
+    try:
+        yield server.url, "bench"
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
-        os.unlink(log.name)
+        server.stop()
+        server.log.unlink(missing_ok=True)
 
 
 def served_name(url: str, sha256: str) -> str:

@@ -16,23 +16,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import numpy as np
 import sentencepiece as spm
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from app.launcher import ServerProcess  # noqa: E402
 from client import TokenizerClient  # noqa: E402
 
 SHARED_CORPUS = ROOT.parent / "shared" / "corpus" / "python_docs.txt"
@@ -84,43 +82,12 @@ def bench_model(corpus: Path, vocab_size: int = 32000) -> Path:
     return model
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def start_server(model: Path, workers: int, *extra: str) -> tuple[str, subprocess.Popen[bytes]]:
-    port = free_port()
-    log = open(tempfile.mktemp(prefix="tokenizer-bench-", suffix=".log"), "wb")  # noqa: SIM115
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "app",
-            "--port",
-            str(port),
-            "--workers",
-            str(workers),
-            "--model",
-            f"bench={model}",
-            "--log-level",
-            "warning",
-            *extra,
-        ],
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                return url, process
-        except httpx.TransportError:
-            time.sleep(0.1)
-    process.kill()
-    raise RuntimeError(f"server did not start; see {log.name}")
+    """A server on a free loopback port serving `model` as "bench" (app.launcher, as the tests start theirs)."""
+    args = ["--workers", str(workers), "--model", f"bench={model}", "--log-level", "warning", *extra]
+    server = ServerProcess(args).start(timeout=120)
+    assert server.process is not None
+    return server.url, server.process
 
 
 def service_run(client: TokenizerClient, docs: list[str], in_flight: int, format: str) -> Callable[[], int]:

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 import sentencepiece as spm
 
+from app.launcher import ServerProcess, free_port, stop, wait_ready  # noqa: F401 - re-exported to tests
 from app.settings import BUNDLED_MODELS_DIR
 
 DATA = Path(__file__).parent / "data"
@@ -57,12 +53,6 @@ def read_documents() -> list[str]:
     return documents
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @dataclass
 class Server:
     url: str
@@ -74,41 +64,15 @@ class Server:
         return spm.SentencePieceProcessor(model_file=str(self.model_files[name]))
 
 
-def wait_ready(url: str, process: subprocess.Popen[bytes], log: Path, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"tokenizer-server exited with {process.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(f"{url}/readyz", timeout=1.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    process.kill()
-    raise RuntimeError(f"tokenizer-server not ready after {timeout}s:\n{log.read_text()}")
-
-
 def start_server(args: list[str], log: Path, env: dict[str, str] | None = None) -> tuple[str, subprocess.Popen[bytes]]:
     """Start `python -m app` on a free loopback port and wait until /readyz answers 200."""
-    port = free_port()
-    command = [sys.executable, "-m", "app", "--host", "127.0.0.1", "--port", str(port), *args]
-    process = subprocess.Popen(
-        command, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **(env or {})}
-    )
-    url = f"http://127.0.0.1:{port}"
-    wait_ready(url, process, log)
-    return url, process
+    server = ServerProcess(args, log=log, env=env).start()
+    assert server.process is not None
+    return server.url, server.process
 
 
 def stop_server(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    stop(process)
 
 
 @pytest.fixture(scope="session")

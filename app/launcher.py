@@ -1,0 +1,139 @@
+"""A tokenizer-server in a process of its own, on a loopback port: the one launcher of tests, benchmarks
+and `tokenizer-bench`.
+
+`ServerProcess(args).start()` picks a free port (or keeps the one it had, so a restarted server comes
+back on the same URL), runs `python -m app` (or another module that takes `--host`/`--port`) in a
+session of its own with its output in a log file, and waits until `/readyz` answers 200; `stop()` sends
+SIGTERM and waits (SIGKILL past the timeout), `kill()` SIGKILLs the whole process group, worker
+processes included, as an OOM kill or a lost node would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+READY_TIMEOUT_SECONDS = 60.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class ServerNotReady(RuntimeError):
+    """The server exited, or did not answer /readyz in time; the message carries its log."""
+
+
+def wait_ready(url: str, process: subprocess.Popen[bytes], log: Path, timeout: float = READY_TIMEOUT_SECONDS) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise ServerNotReady(f"tokenizer-server exited with {process.returncode}:\n{log.read_text()}")
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/readyz", timeout=1.0).status_code == 200:
+                return
+        time.sleep(0.1)
+    process.kill()
+    raise ServerNotReady(f"tokenizer-server not ready after {timeout}s:\n{log.read_text()}")
+
+
+def stop(process: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    """SIGTERM (the server drains and stops its workers), then SIGKILL past `timeout`."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+class ServerProcess:
+    def __init__(
+        self,
+        args: Sequence[str] = (),
+        *,
+        env: Mapping[str, str] | None = None,
+        log: Path | None = None,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        module: str = "app",
+        clean_env: bool = False,
+    ) -> None:
+        """`env` adds to (with `clean_env`, replaces the TOKENIZER_* variables of) this process's environment."""
+        self.args = list(args)
+        self.host = host
+        self.port = port or free_port(host)
+        self.module = module
+        self.log = log or Path(tempfile.mkstemp(prefix="tokenizer-server-", suffix=".log")[1])
+        base = {k: v for k, v in os.environ.items() if not (clean_env and k.startswith("TOKENIZER_"))}
+        self.env = {
+            **base,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), base.get("PYTHONPATH")])),
+            **(env or {}),
+        }
+        self.process: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, wait: bool = True, timeout: float = READY_TIMEOUT_SECONDS) -> ServerProcess:
+        self.starts += 1
+        command = [sys.executable, "-m", self.module, "--host", self.host, "--port", str(self.port), *self.args]
+        mode = "ab" if self.starts > 1 else "wb"
+        with self.log.open(mode) as log:
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=self.env, start_new_session=True
+            )
+        if wait:
+            self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_SECONDS) -> None:
+        assert self.process is not None
+        wait_ready(self.url, self.process, self.log, timeout)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop gracefully, and leave no worker process behind."""
+        if self.process is None:
+            return
+        stop(self.process, timeout)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+
+    def kill(self) -> None:
+        """SIGKILL the server and its worker processes at once."""
+        assert self.process is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+    def restart(self, wait: bool = True) -> ServerProcess:
+        self.stop()
+        return self.start(wait)
+
+    def __enter__(self) -> ServerProcess:
+        if self.process is None:
+            self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
