@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import time
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -63,6 +64,30 @@ def _answer(status: int, reason: str, message: str, extra: bytes = b"") -> bytes
 _REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
 
 
+class _Refusals:
+    """Counts refused connections and says so at most every LOG_EVERY seconds (an attack must not flood the log)."""
+
+    LOG_EVERY = 10.0
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.logged_at = float("-inf")
+
+    def note(self, open_connections: int) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self.logged_at >= self.LOG_EVERY:
+            logger.warning(
+                "%d connections open, the most this server takes: refused %d since the last report",
+                open_connections,
+                self.count,
+            )
+            self.count, self.logged_at = 0, now
+
+
+_refusals = _Refusals()
+
+
 class GuardedProtocol(HttpToolsProtocol):
     """HttpToolsProtocol with a head size cap, a head deadline and a connection cap (see the module)."""
 
@@ -89,7 +114,7 @@ class GuardedProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         if len(self.connections) >= self.max_connections:
             self._refused = True
-            logger.warning("%d connections open, the most this server takes: refusing one", len(self.connections))
+            _refusals.note(len(self.connections))
             transport.write(_answer(503, "overloaded", "too many open connections; retry later", b"retry-after: 1\r\n"))
             transport.close()
             return
