@@ -1,59 +1,39 @@
-"""AsyncTokenizerClient: the TokenizerClient API for asyncio code, on httpx.AsyncClient."""
+"""AsyncTokenizerClient: the TokenizerClient API for asyncio code.
+
+The calls and answers are BaseClient's (client._base); this module adds the asyncio I/O.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
-from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import httpx
 import numpy as np
 
+from client._base import MODELS, READY, Answer, BaseClient, Call
 from client._protocol import (
     DEFAULT_URL,
     Format,
-    ModelFingerprints,
     PackedBatch,
-    Requests,
     Strategy,
     TokenizedBatch,
-    accept_header,
-    batch_from_response,
     check_replica_models,
     chunked,
-    detokenize_payload,
-    dumps,
-    loads,
-    pack_payload,
-    packed_from_response,
-    parse_urls,
-    raise_for_error,
-    resolve_api_key,
-    tokenize_payload,
 )
-from client._retry import NO_RETRY, Attempt, Replicas, RetryPolicy
+from client._retry import RetryPolicy
 from client.errors import TokenizerConnectionError, TokenizerError, TokenizerServiceError
 
 if TYPE_CHECKING:
     from client.prefetch import AsyncPrefetcher, PackSpec
 
-JSON_HEADERS = {"content-type": "application/json"}
+__all__ = ["Answer", "AsyncTokenizerClient"]
 
 
-@dataclass(frozen=True)
-class Answer:
-    """A successful response, the replica that gave it, and what it took to get it."""
-
-    response: httpx.Response
-    source: str
-    attempts: int
-    seconds: float
-
-
-class AsyncTokenizerClient:
+class AsyncTokenizerClient(BaseClient):
     """Client of one tokenizer-service or several replicas, for asyncio; ``async with`` it, or ``await aclose()``.
 
     Same options and methods as TokenizerClient, each a coroutine; ``prefetch`` returns an
@@ -70,16 +50,8 @@ class AsyncTokenizerClient:
         retry: RetryPolicy | None = None,
         replica_cooldown_s: float = 1.0,
     ) -> None:
-        self.urls = parse_urls(url)
-        self.url = self.urls[0]
-        self.timeout = timeout
-        self.retry = retry
-        self._api_key = resolve_api_key(api_key)
-        self._replicas = Replicas(self.urls, replica_cooldown_s)
-        self._requests = Requests(self._api_key, timeout)
+        super().__init__(url, timeout=timeout, api_key=api_key, retry=retry, replica_cooldown_s=replica_cooldown_s)
         self._transport = transport or httpx.AsyncHTTPTransport()
-        self._fingerprints = ModelFingerprints()
-        self._closed = False
 
     async def __aenter__(self) -> AsyncTokenizerClient:
         self._ensure_open()
@@ -95,36 +67,26 @@ class AsyncTokenizerClient:
             self._closed = True
             await self._transport.aclose()
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def _ensure_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("this AsyncTokenizerClient is closed")
-
-    async def _send(self, replica: int, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        url = f"{self.urls[replica]}{path}"
+    async def _send(self, replica: int, call: Call) -> httpx.Response:
+        """One call to one replica; TokenizerConnectionError or TokenizerServiceError on failure."""
         try:
-            response = await self._transport.handle_async_request(self._requests.build(method, url, **kwargs))
+            response = await self._transport.handle_async_request(self._http_request(replica, call))
             try:
                 await response.aread()
             finally:
                 await response.aclose()
         except httpx.TransportError as exc:
-            raise TokenizerConnectionError(f"{method} {url} failed: {exc!r}") from exc
-        raise_for_error(response)
-        return response
+            raise self._connection_error(self.urls[replica], call, exc) from exc
+        return self._checked(response)
 
-    async def _request(self, method: str, path: str, policy: RetryPolicy | None = None, **kwargs: Any) -> Answer:
+    async def _request(self, call: Call, policy: RetryPolicy | None = None) -> Answer:
         """Send with failover and retries (`policy`, else this client's); cancellation stops it at once."""
-        self._ensure_open()
-        attempt = Attempt(policy or self.retry or NO_RETRY, self._replicas)
+        attempt = self._attempt(policy)
         started = time.perf_counter()
         while True:
             replica = attempt.next_replica()
             try:
-                response = await self._send(replica, method, path, **kwargs)
+                response = await self._send(replica, call)
             except TokenizerError as exc:
                 delay = attempt.failed(replica, exc)
                 if delay:
@@ -144,17 +106,9 @@ class AsyncTokenizerClient:
         format: Format = "binary",
         policy: RetryPolicy | None = None,
     ) -> tuple[TokenizedBatch, Answer]:
-        payload = tokenize_payload(texts, model, add_bos, add_eos, max_length, sample)
-        answer = await self._request(
-            "POST",
-            "/v1/tokenize",
-            policy,
-            content=dumps(payload),
-            headers={**JSON_HEADERS, "accept": accept_header(format)},
-        )
-        batch = batch_from_response(answer.response)
-        self._fingerprints.check(batch.model, batch.model_sha256, answer.source, requested=model)
-        return batch, answer
+        call = self._tokenize_call(texts, model, add_bos, add_eos, max_length, sample, format)
+        answer = await self._request(call, policy)
+        return self._read_tokenize(answer, model), answer
 
     async def _pack_answer(
         self,
@@ -170,19 +124,11 @@ class AsyncTokenizerClient:
         policy: RetryPolicy | None = None,
         carry_document_starts: Sequence[int] | np.ndarray | None = None,
     ) -> tuple[PackedBatch, Answer]:
-        payload = pack_payload(
-            texts, seq_len, strategy, model, add_bos, add_eos, carry, mask_document_start, carry_document_starts
+        call = self._pack_call(
+            texts, seq_len, strategy, model, add_bos, add_eos, carry, mask_document_start, format, carry_document_starts
         )
-        answer = await self._request(
-            "POST",
-            "/v1/pack",
-            policy,
-            content=dumps(payload),
-            headers={**JSON_HEADERS, "accept": accept_header(format)},
-        )
-        packed = packed_from_response(answer.response)
-        self._fingerprints.check(packed.model, packed.model_sha256, answer.source, requested=model)
-        return packed, answer
+        answer = await self._request(call, policy)
+        return self._read_pack(answer, model), answer
 
     async def tokenize_batch(
         self,
@@ -259,24 +205,18 @@ class AsyncTokenizerClient:
     async def detokenize(
         self, ids: Sequence[Sequence[int]] | Sequence[np.ndarray], *, model: str | None = None
     ) -> list[str]:
-        answer = await self._request(
-            "POST", "/v1/detokenize", content=dumps(detokenize_payload(ids, model)), headers=JSON_HEADERS
-        )
-        texts: list[str] = loads(answer.response.content)["texts"]
-        return texts
+        return self._read_texts(await self._request(self._detokenize_call(ids, model)))
 
     async def models(self) -> dict[str, Any]:
         """The server's /v1/models answer: default name and each model's ids and sha256."""
-        answer = await self._request("GET", "/v1/models")
-        document: dict[str, Any] = loads(answer.response.content)
-        return document
+        return self._read_document((await self._request(MODELS)).response)
 
     async def check_replicas(self) -> dict[str, Any]:
         """Ask every replica for /v1/models and raise ModelMismatchError unless they all serve the same files."""
         self._ensure_open()
-        asked = [self._send(replica, "GET", "/v1/models") for replica in range(len(self.urls))]
+        asked = [self._send(replica, MODELS) for replica in range(len(self.urls))]
         responses = await asyncio.gather(*asked)
-        answers = [(url, loads(response.content)) for url, response in zip(self.urls, responses, strict=True)]
+        answers = [(url, self._read_document(response)) for url, response in zip(self.urls, responses, strict=True)]
         return check_replica_models(self._fingerprints, answers)
 
     async def ready(self) -> bool:
@@ -284,7 +224,7 @@ class AsyncTokenizerClient:
         self._ensure_open()
         for replica in range(len(self.urls)):
             try:
-                if (await self._send(replica, "GET", "/readyz")).status_code == 200:
+                if (await self._send(replica, READY)).status_code == 200:
                     return True
             except (TokenizerConnectionError, TokenizerServiceError):
                 continue

@@ -1,4 +1,7 @@
-"""TokenizerClient: one httpx connection pool over one or more replicas, binary answers, typed errors."""
+"""TokenizerClient: one httpx connection pool over one or more replicas, binary answers, typed errors.
+
+The calls and answers are BaseClient's (client._base); this module adds the blocking I/O.
+"""
 
 from __future__ import annotations
 
@@ -11,30 +14,19 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import numpy as np
 
+from client._base import MODELS, READY, Answer, BaseClient, Call
 from client._protocol import (
     DEFAULT_URL,
     MODEL_SHA256_HEADER,
     Format,
     ModelFingerprints,
     PackedBatch,
-    Requests,
     Strategy,
     TokenizedBatch,
-    accept_header,
-    batch_from_response,
     check_replica_models,
     chunked,
-    detokenize_payload,
-    dumps,
-    loads,
-    pack_payload,
-    packed_from_response,
-    parse_urls,
-    raise_for_error,
-    resolve_api_key,
-    tokenize_payload,
 )
-from client._retry import NO_RETRY, Attempt, Replicas, RetryPolicy
+from client._retry import RetryPolicy
 from client.errors import TokenizerConnectionError, TokenizerError, TokenizerServiceError
 
 if TYPE_CHECKING:
@@ -50,10 +42,8 @@ __all__ = [
     "TokenizerClient",
 ]
 
-JSON_HEADERS = {"content-type": "application/json"}
 
-
-class TokenizerClient:
+class TokenizerClient(BaseClient):
     """Client of one tokenizer-service, or of several replicas of it. Use as a context manager, or call close().
 
     ``url`` is one base URL, a list of them, or a comma-separated string: requests go round robin
@@ -75,18 +65,9 @@ class TokenizerClient:
         retry: RetryPolicy | None = None,
         replica_cooldown_s: float = 1.0,
     ) -> None:
-        self.urls = parse_urls(url)
-        self.url = self.urls[0]
-        self.timeout = timeout
-        self.retry = retry
-        self.replica_cooldown_s = replica_cooldown_s
-        self._api_key = resolve_api_key(api_key)
-        self._replicas = Replicas(self.urls, replica_cooldown_s)
-        self._requests = Requests(self._api_key, timeout)
+        super().__init__(url, timeout=timeout, api_key=api_key, retry=retry, replica_cooldown_s=replica_cooldown_s)
         self._transport = transport or httpx.HTTPTransport()
-        self._fingerprints = ModelFingerprints()
         self._prefetchers: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
-        self._closed = False
 
     def __enter__(self) -> TokenizerClient:
         self._ensure_open()
@@ -105,36 +86,31 @@ class TokenizerClient:
                 prefetcher.close()
             self._transport.close()
 
-    def _ensure_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("this TokenizerClient is closed")
-
-    def _send(self, replica: int, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        url = f"{self.urls[replica]}{path}"
+    def _send(self, replica: int, call: Call) -> httpx.Response:
+        """One call to one replica; TokenizerConnectionError or TokenizerServiceError on failure."""
         try:
-            response = self._transport.handle_request(self._requests.build(method, url, **kwargs))
+            response = self._transport.handle_request(self._http_request(replica, call))
             try:
                 response.read()
             finally:
                 response.close()
         except httpx.TransportError as exc:
-            raise TokenizerConnectionError(f"{method} {url} failed: {exc!r}") from exc
-        raise_for_error(response)
-        return response
+            raise self._connection_error(self.urls[replica], call, exc) from exc
+        return self._checked(response)
 
-    def _request(self, method: str, path: str, **kwargs: Any) -> tuple[httpx.Response, str]:
-        """Send with failover and this client's retry policy; the answer and the replica that gave it."""
-        self._ensure_open()
-        attempt = Attempt(self.retry or NO_RETRY, self._replicas)
+    def _request(self, call: Call, policy: RetryPolicy | None = None) -> Answer:
+        """Send with failover and retries (`policy`, else this client's)."""
+        attempt = self._attempt(policy)
+        started = time.perf_counter()
         while True:
             replica = attempt.next_replica()
             try:
-                response = self._send(replica, method, path, **kwargs)
+                response = self._send(replica, call)
             except TokenizerError as exc:
                 time.sleep(attempt.failed(replica, exc))
                 continue
             attempt.succeeded(replica)
-            return response, self.urls[replica]
+            return Answer(response, self.urls[replica], attempt.attempts, time.perf_counter() - started)
 
     def tokenize_batch(
         self,
@@ -148,16 +124,8 @@ class TokenizerClient:
         format: Format = "binary",
     ) -> TokenizedBatch:
         """Tokenize into one flat ids array plus offsets (the cheapest form to consume)."""
-        payload = tokenize_payload(texts, model, add_bos, add_eos, max_length, sample)
-        response, source = self._request(
-            "POST",
-            "/v1/tokenize",
-            content=dumps(payload),
-            headers={**JSON_HEADERS, "accept": accept_header(format)},
-        )
-        batch = batch_from_response(response)
-        self._fingerprints.check(batch.model, batch.model_sha256, source, requested=model)
-        return batch
+        call = self._tokenize_call(texts, model, add_bos, add_eos, max_length, sample, format)
+        return self._read_tokenize(self._request(call), model)
 
     def tokenize(
         self,
@@ -191,15 +159,10 @@ class TokenizerClient:
         format: Format = "binary",
     ) -> PackedBatch:
         """Tokenize and pack texts into rows of exactly `seq_len` tokens (see /v1/pack)."""
-        payload = pack_payload(
-            texts, seq_len, strategy, model, add_bos, add_eos, carry, mask_document_start, carry_document_starts
+        call = self._pack_call(
+            texts, seq_len, strategy, model, add_bos, add_eos, carry, mask_document_start, format, carry_document_starts
         )
-        response, source = self._request(
-            "POST", "/v1/pack", content=dumps(payload), headers={**JSON_HEADERS, "accept": accept_header(format)}
-        )
-        packed = packed_from_response(response)
-        self._fingerprints.check(packed.model, packed.model_sha256, source, requested=model)
-        return packed
+        return self._read_pack(self._request(call), model)
 
     def pack_stream(
         self, texts: Iterable[str], seq_len: int, *, texts_per_request: int = 256, **options: Any
@@ -218,16 +181,11 @@ class TokenizerClient:
             yield packed
 
     def detokenize(self, ids: Sequence[Sequence[int]] | Sequence[np.ndarray], *, model: str | None = None) -> list[str]:
-        payload = detokenize_payload(ids, model)
-        response, _ = self._request("POST", "/v1/detokenize", content=dumps(payload), headers=JSON_HEADERS)
-        texts: list[str] = loads(response.content)["texts"]
-        return texts
+        return self._read_texts(self._request(self._detokenize_call(ids, model)))
 
     def models(self) -> dict[str, Any]:
         """The server's /v1/models answer: default name and each model's ids and sha256."""
-        response, _ = self._request("GET", "/v1/models")
-        document: dict[str, Any] = loads(response.content)
-        return document
+        return self._read_document(self._request(MODELS).response)
 
     def check_replicas(self) -> dict[str, Any]:
         """Ask every replica for /v1/models and raise ModelMismatchError unless they all serve the same files.
@@ -236,9 +194,7 @@ class TokenizerClient:
         Returns the first replica's /v1/models answer.
         """
         self._ensure_open()
-        answers = [
-            (url, loads(self._send(replica, "GET", "/v1/models").content)) for replica, url in enumerate(self.urls)
-        ]
+        answers = [(url, self._read_document(self._send(replica, MODELS))) for replica, url in enumerate(self.urls)]
         return check_replica_models(self._fingerprints, answers)
 
     def ready(self) -> bool:
@@ -246,7 +202,7 @@ class TokenizerClient:
         self._ensure_open()
         for replica in range(len(self.urls)):
             try:
-                if self._send(replica, "GET", "/readyz").status_code == 200:
+                if self._send(replica, READY).status_code == 200:
                     return True
             except (TokenizerConnectionError, TokenizerServiceError):
                 continue

@@ -1,0 +1,172 @@
+"""What TokenizerClient and AsyncTokenizerClient share, with no I/O: the httpx shape.
+
+`BaseClient` holds the replicas, the retry policy, the API key and the model fingerprints; it builds
+every call (`Call`: method, path, body, headers) and reads every answer. The two clients add only
+I/O: sending a call to one replica (`_send`) and the retry loop around it (`_request`), which differ
+in how they wait (time.sleep, asyncio.sleep).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import numpy as np
+
+from client._protocol import (
+    DEFAULT_URL,
+    Format,
+    ModelFingerprints,
+    PackedBatch,
+    Requests,
+    Strategy,
+    TokenizedBatch,
+    accept_header,
+    batch_from_response,
+    detokenize_payload,
+    dumps,
+    loads,
+    pack_payload,
+    packed_from_response,
+    parse_urls,
+    raise_for_error,
+    resolve_api_key,
+    tokenize_payload,
+)
+from client._retry import NO_RETRY, Attempt, Replicas, RetryPolicy
+from client.errors import TokenizerConnectionError
+
+JSON_HEADERS = {"content-type": "application/json"}
+
+
+@dataclass(frozen=True)
+class Call:
+    """One HTTP call, as either client sends it to whichever replica it picks."""
+
+    method: str
+    path: str
+    content: bytes | None = None
+    headers: dict[str, str] | None = None
+
+
+MODELS = Call("GET", "/v1/models")
+READY = Call("GET", "/readyz")
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A successful response, the replica that gave it, and what it took to get it."""
+
+    response: httpx.Response
+    source: str
+    attempts: int
+    seconds: float
+
+
+class BaseClient:
+    """Replicas, retries, calls and answers; no I/O (see the module)."""
+
+    def __init__(
+        self,
+        url: str | Sequence[str] = DEFAULT_URL,
+        *,
+        timeout: float = 60.0,
+        api_key: str | None = None,
+        retry: RetryPolicy | None = None,
+        replica_cooldown_s: float = 1.0,
+    ) -> None:
+        self.urls = parse_urls(url)
+        self.url = self.urls[0]
+        self.timeout = timeout
+        self.retry = retry
+        self.replica_cooldown_s = replica_cooldown_s
+        self._api_key = resolve_api_key(api_key)
+        self._replicas = Replicas(self.urls, replica_cooldown_s)
+        self._requests = Requests(self._api_key, timeout)
+        self._fingerprints = ModelFingerprints()
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"this {type(self).__name__} is closed")
+
+    # -- building calls ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _tokenize_call(
+        texts: Sequence[str],
+        model: str | None,
+        add_bos: bool,
+        add_eos: bool,
+        max_length: int | None,
+        sample: dict[str, Any] | None,
+        format: Format,
+    ) -> Call:
+        payload = tokenize_payload(texts, model, add_bos, add_eos, max_length, sample)
+        return Call("POST", "/v1/tokenize", dumps(payload), {**JSON_HEADERS, "accept": accept_header(format)})
+
+    @staticmethod
+    def _pack_call(
+        texts: Sequence[str],
+        seq_len: int,
+        strategy: Strategy,
+        model: str | None,
+        add_bos: bool,
+        add_eos: bool,
+        carry: Sequence[int] | np.ndarray | None,
+        mask_document_start: bool,
+        format: Format,
+        carry_document_starts: Sequence[int] | np.ndarray | None,
+    ) -> Call:
+        payload = pack_payload(
+            texts, seq_len, strategy, model, add_bos, add_eos, carry, mask_document_start, carry_document_starts
+        )
+        return Call("POST", "/v1/pack", dumps(payload), {**JSON_HEADERS, "accept": accept_header(format)})
+
+    @staticmethod
+    def _detokenize_call(ids: Sequence[Sequence[int]] | Sequence[np.ndarray], model: str | None) -> Call:
+        return Call("POST", "/v1/detokenize", dumps(detokenize_payload(ids, model)), JSON_HEADERS)
+
+    def _http_request(self, replica: int, call: Call) -> httpx.Request:
+        return self._requests.build(call.method, f"{self.urls[replica]}{call.path}", call.content, call.headers)
+
+    def _attempt(self, policy: RetryPolicy | None = None) -> Attempt:
+        self._ensure_open()
+        return Attempt(policy or self.retry or NO_RETRY, self._replicas)
+
+    # -- reading answers -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _checked(response: httpx.Response) -> httpx.Response:
+        raise_for_error(response)
+        return response
+
+    @staticmethod
+    def _connection_error(replica_url: str, call: Call, exc: Exception) -> TokenizerConnectionError:
+        return TokenizerConnectionError(f"{call.method} {replica_url}{call.path} failed: {exc!r}")
+
+    def _read_tokenize(self, answer: Answer, requested: str | None) -> TokenizedBatch:
+        batch = batch_from_response(answer.response)
+        self._fingerprints.check(batch.model, batch.model_sha256, answer.source, requested=requested)
+        return batch
+
+    def _read_pack(self, answer: Answer, requested: str | None) -> PackedBatch:
+        packed = packed_from_response(answer.response)
+        self._fingerprints.check(packed.model, packed.model_sha256, answer.source, requested=requested)
+        return packed
+
+    @staticmethod
+    def _read_texts(answer: Answer) -> list[str]:
+        texts: list[str] = loads(answer.response.content)["texts"]
+        return texts
+
+    @staticmethod
+    def _read_document(response: httpx.Response) -> dict[str, Any]:
+        document: dict[str, Any] = loads(response.content)
+        return document
