@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -52,6 +53,7 @@ class AsyncTokenizerClient(BaseClient):
     ) -> None:
         super().__init__(url, timeout=timeout, api_key=api_key, retry=retry, replica_cooldown_s=replica_cooldown_s)
         self._transport = transport or httpx.AsyncHTTPTransport()
+        self._prefetchers: weakref.WeakSet[AsyncPrefetcher] = weakref.WeakSet()
 
     async def __aenter__(self) -> AsyncTokenizerClient:
         self._ensure_open()
@@ -63,8 +65,11 @@ class AsyncTokenizerClient(BaseClient):
         await self.aclose()
 
     async def aclose(self) -> None:
+        """Close the connection pool and every prefetcher this client started (as TokenizerClient.close)."""
         if not self._closed:
             self._closed = True
+            for prefetcher in list(self._prefetchers):
+                await prefetcher.aclose()
             await self._transport.aclose()
 
     async def _send(self, replica: int, call: Call) -> httpx.Response:
@@ -267,4 +272,6 @@ class AsyncTokenizerClient(BaseClient):
             pin_memory=pin_memory,
             retry=retry or self.retry or RetryPolicy(),
         )
-        return AsyncPrefetcher(self, texts, options, state)
+        prefetcher = AsyncPrefetcher(self, texts, options, state)
+        self._prefetchers.add(prefetcher)
+        return prefetcher

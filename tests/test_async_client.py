@@ -160,3 +160,17 @@ def test_async_prefetch_fails_over_and_reports_errors_with_their_position(server
             assert prefetcher.closed
 
     asyncio.run(main())
+
+
+def test_aclose_closes_the_prefetchers_it_started(server, documents):
+    """As TokenizerClient.close does: nothing keeps requesting after the client is closed."""
+
+    async def run() -> None:
+        client = AsyncTokenizerClient(server.url)
+        prefetcher = client.prefetch(iter(documents * 50), batch_size=8, depth=4, model="uni")
+        first = await prefetcher.__anext__()
+        assert len(first) == 8
+        await client.aclose()
+        assert prefetcher._closed and client.closed
+
+    asyncio.run(run())
