@@ -66,3 +66,13 @@ def test_help_lists_every_option():
     ):
         # the whole flag, not a prefix of another (--model is one of --models-dir)
         assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", output), flag
+
+
+def test_a_bad_flag_is_one_line_not_a_traceback():
+    result = subprocess.run(
+        ["tokenizer-server", "--max-header-bytes", "10"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2
+    assert (
+        result.stderr.strip() == "tokenizer-server: --max-header-bytes: Input should be greater than or equal to 1024"
+    )

@@ -143,8 +143,12 @@ class ProgressBar:
             self._bar = None
 
 
-def describe_os_error(exc: OSError, output: Path) -> str:
-    """One line for a failed read or write: what, where, and the room left on the output's filesystem."""
+RESUME_HINT = "the complete shards are kept: make room (or raise the limit) and run the same command again"
+
+
+def describe_os_error(exc: OSError, output: Path, hint: str = RESUME_HINT) -> str:
+    """One line for a failed read or write: what, where, the room left on the output's filesystem, and,
+    when the filesystem is full or a limit was hit, `hint`."""
     where = exc.filename or output
     what = exc.strerror or str(exc)
     try:
@@ -152,10 +156,8 @@ def describe_os_error(exc: OSError, output: Path) -> str:
         room = f"; {free / 2**20:,.1f} MiB free on the output's filesystem"
     except OSError:
         room = ""
-    hint = ""
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        hint = "; the complete shards are kept: make room (or raise the limit) and run the same command again"
-    return f"cannot write {where}: {what}{room}{hint}"
+    then = f"; {hint}" if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else ""
+    return f"cannot write {where}: {what}{room}{then}"
 
 
 def describe(summary: Summary) -> str:

@@ -20,6 +20,7 @@ from typing import Any
 import sentencepiece as spm
 from tqdm import tqdm
 
+from app.pretokenize.cli import describe_os_error
 from app.pretokenize.export import DEFAULT_LLMC_SHARD_TOKENS, FORMATS, ExportError, export
 from app.pretokenize.ranks import RankError, merge
 from app.pretokenize.run import resolve_local_model
@@ -172,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except OSError as exc:
         bar.close()
-        print(f"tokenizer-shards: cannot write {exc.filename or args.output}: {exc.strerror or exc}", file=sys.stderr)
+        hint = "make room (or raise the limit) and export again"
+        print(f"tokenizer-shards: {describe_os_error(exc, args.output, hint)}", file=sys.stderr)
         return 1
     bar.close()
     if not args.quiet:
