@@ -39,7 +39,8 @@ class Admission:
         self._metrics.queued_bytes.set(self.queued)
 
 
-def _digest(text: str) -> bytes:
+def text_digest(text: str) -> bytes:
+    """What poison texts are remembered by: the sha256 of the text (lone surrogates kept as they are)."""
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
 
 
@@ -56,10 +57,8 @@ class PoisonMemory:
         self._known: OrderedDict[tuple[str, bytes], int] = OrderedDict()
         self._lengths: Counter[int] = Counter()
 
-    def add(self, model: str, text: str) -> None:
-        self.add_digest(model, _digest(text), len(text))
-
-    def add_digest(self, model: str, digest: bytes, length: int) -> None:
+    def add(self, model: str, digest: bytes, length: int) -> None:
+        """Remember a text by its `text_digest` and length (the server sends no text to the workers)."""
         key = (model, digest)
         if key in self._known:
             return
@@ -76,6 +75,6 @@ class PoisonMemory:
         if not self._lengths:
             return None
         for index, text in enumerate(texts):
-            if len(text) in self._lengths and (model, _digest(text)) in self._known:
+            if len(text) in self._lengths and (model, text_digest(text)) in self._known:
                 return index
         return None

@@ -18,11 +18,10 @@ Pure logic: building frames and cutting a byte stream into frames. Both sides us
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 HEADER = struct.Struct("<IIB")
 HEADER_SIZE = HEADER.size
-MAX_PAYLOAD = (1 << 32) - 1
 
 # Server to worker
 REQUEST = 1  # a raw HTTP body to parse, check and answer, or to split into chunks
@@ -159,7 +158,3 @@ class FrameReader:
             view = view[count:]
             frames.extend(self.advance(count))
         return frames
-
-
-def total_size(parts: Iterable[bytes | bytearray | memoryview]) -> int:
-    return sum(len(part) for part in parts)

@@ -28,7 +28,7 @@ from app.admission import Admission
 from app.answers import Answer
 from app.auth import OPEN_PATHS, ApiKeys, bearer_token, route_path
 from app.errors import Overloaded, PayloadTooLarge, RequestTimeout, ServiceError, Unauthorized, Unavailable
-from app.http import CLIENT_CLOSED_REQUEST, error_body, error_headers, error_status, send_error
+from app.http import CLIENT_CLOSED_REQUEST, send_error
 from app.jobs import ROUTES
 from app.metrics import Metrics
 from app.pool import WorkerPool
@@ -89,7 +89,6 @@ class Edge:
     ) -> None:
         self.app = app
         self.pool: WorkerPool | None = None  # until the lifespan has started it
-        self.models: list[ModelInfo] = []
         self.metrics = metrics
         self.keys = keys
         self.max_request_bytes = max_request_bytes
@@ -101,7 +100,7 @@ class Edge:
         self.accepting = False  # True while the pool serves: otherwise new /v1 work gets 503
         self._trim = False
         self._counters: dict[tuple[str, int], Counter] = {}
-        self._durations = {path: metrics.request_duration.labels(path) for path in (*ROUTES, *paths)}
+        self._durations = {path: metrics.request_duration.labels(path) for path in paths}
         self._sha256: list[bytes] = []
         self._per_model: list[tuple[Any, Any, Any]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -109,7 +108,6 @@ class Edge:
     def open(self, pool: WorkerPool, models: list[ModelInfo]) -> None:
         """Start answering the hot routes with this (started) pool."""
         self.pool = pool
-        self.models = models
         self._sha256 = [info.sha256.encode() for info in models]
         metrics = self.metrics
         self._per_model = [
@@ -130,9 +128,8 @@ class Edge:
             await self.app(scope, receive, send)
             return
         path = route_path(scope)
-        route = ROUTES.get(path)
-        hot = route is not None and scope["method"] == "POST"
-        endpoint = path if (route is not None or path in self.paths) else "unmatched"
+        route = ROUTES.get(path) if scope["method"] == "POST" else None  # a hot route, served here
+        endpoint = path if path in self.paths else "unmatched"  # FastAPI declares the hot routes too
         started = time.perf_counter()
         status = CLIENT_CLOSED_REQUEST  # a request that ends without an answer: its client hung up
         metrics = self.metrics
@@ -140,7 +137,7 @@ class Edge:
         try:
             if self.keys is not None and path not in OPEN_PATHS and (refusal := self._refuse(scope)) is not None:
                 status = await send_error(send, refusal)
-            elif hot and route is not None:
+            elif route is not None:
                 status = await self._serve(route, scope, receive, send)
             else:
                 status = await self._delegate(scope, receive, send)
@@ -312,6 +309,3 @@ def starting() -> Unavailable:
 
 def shutting_down() -> Unavailable:
     return Unavailable("the server is shutting down; retry, another replica may answer")
-
-
-__all__ = ["Edge", "error_body", "error_headers", "error_status"]

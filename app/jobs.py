@@ -51,6 +51,8 @@ CHUNK_HEAD = struct.Struct("<B")
 # DONE and PART payloads start with what the server records: model index, content, texts, tokens,
 # when the worker started, seconds it worked, padding fraction (NaN when not packing).
 RESULT_HEAD = struct.Struct("<HBIQddd")
+# POISON payload: model index, the text's length; then its text_digest.
+POISON_HEAD = struct.Struct("<HQ")
 # SPLIT payload: model index, route, texts, seeded sampling; then blobs: chunk units (int64), the
 # context a FINISH job needs (may be empty), then each chunk.
 SPLIT_HEAD = struct.Struct("<HBIB")
@@ -74,7 +76,6 @@ class Limits:
 class Result:
     """DONE or PART, as meta plus the answer's buffers."""
 
-    kind: int
     model: int
     content: int
     texts: int
@@ -162,8 +163,8 @@ class Jobs:
         raise ValueError(f"unknown job kind {kind}")
 
     def remember_poison(self, payload: bytes | bytearray) -> None:
-        model, length = struct.unpack_from("<HQ", payload)
-        self.poison.add_digest(self.models[model].name, bytes(payload[10:]), length)
+        model, length = POISON_HEAD.unpack_from(payload)
+        self.poison.add(self.models[model].name, bytes(payload[POISON_HEAD.size :]), length)
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -229,7 +230,7 @@ class Jobs:
                 "num_tokens": tokens,
             }
             parts_out = [orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)]
-        result = Result(channel.DONE, position, binary, len(texts), tokens, started, seconds, math.nan, parts_out)
+        result = Result(position, binary, len(texts), tokens, started, seconds, math.nan, parts_out)
         return channel.DONE, result.payload()
 
     def detokenize(
@@ -259,7 +260,7 @@ class Jobs:
         texts = self.decode(position, ids, offsets, careful)
         content = orjson.dumps({"model": info.name, "texts": texts})
         seconds = time.monotonic() - started
-        result = Result(channel.DONE, position, JSON, len(texts), len(ids), started, seconds, math.nan, [content])
+        result = Result(position, JSON, len(texts), len(ids), started, seconds, math.nan, [content])
         return channel.DONE, result.payload()
 
     # -- chunks of split requests ------------------------------------------------------------------
@@ -271,9 +272,7 @@ class Jobs:
             texts = self.decode(chunk.model, chunk.ids, chunk.offsets, careful, chunk.first_index)
             fragment = orjson.dumps(texts)[1:-1]
             seconds = time.monotonic() - started
-            return Result(
-                channel.PART, chunk.model, JSON, len(texts), len(chunk.ids), started, seconds, math.nan, [fragment]
-            )
+            return Result(chunk.model, JSON, len(texts), len(chunk.ids), started, seconds, math.nan, [fragment])
         assert chunk.texts is not None
         ids, offsets, seconds = self.encode(chunk.model, chunk.texts, chunk.options, chunk.first_index, careful)
         lengths = np.diff(offsets)
@@ -283,9 +282,7 @@ class Jobs:
             rows = orjson.dumps(split_ragged(ids, offsets), option=orjson.OPT_SERIALIZE_NUMPY)[1:-1]
             blobs = channel.join_blobs([rows, orjson.dumps(lengths, option=orjson.OPT_SERIALIZE_NUMPY)[1:-1]])
         content = BINARY if chunk.binary else JSON
-        return Result(
-            channel.PART, chunk.model, content, len(chunk.texts), int(offsets[-1]), started, seconds, math.nan, blobs
-        )
+        return Result(chunk.model, content, len(chunk.texts), int(offsets[-1]), started, seconds, math.nan, blobs)
 
     def finish(self, payload: bytes | bytearray) -> Result:
         """Pack the parts of a split /v1/pack request: blobs = context, then each PART payload."""
@@ -363,9 +360,7 @@ class Jobs:
             )
         padding = packed.stats.padding_fraction if packed.stats.rows else math.nan
         parts = pack_answer(info.name, context, packed)
-        return Result(
-            channel.DONE, context.model, context.binary, texts, int(offsets[-1]), started, seconds, padding, parts
-        )
+        return Result(context.model, context.binary, texts, int(offsets[-1]), started, seconds, padding, parts)
 
 
 def encode_options(request: TokenizeRequest) -> worker.EncodeOptions:

@@ -124,10 +124,6 @@ class ServerProcess:
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
 
-    def restart(self, wait: bool = True) -> ServerProcess:
-        self.stop()
-        return self.start(wait)
-
     def __enter__(self) -> ServerProcess:
         if self.process is None:
             self.start()

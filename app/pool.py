@@ -15,10 +15,8 @@ Only domain errors leave this module (app.errors); app.edge maps them to HTTP.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import pickle
-import struct
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
@@ -26,9 +24,10 @@ import numpy as np
 import orjson
 
 from app import channel
+from app.admission import text_digest
 from app.answers import Answer, Part, join_detokenize, join_tokenize, read_done, read_part
 from app.errors import PoisonInput, ServiceError, Unavailable
-from app.jobs import CHUNK_HEAD, DETOKENIZE, PACK, REQUEST_HEAD, SPLIT_HEAD, Chunk, Limits
+from app.jobs import CHUNK_HEAD, DETOKENIZE, PACK, POISON_HEAD, REQUEST_HEAD, SPLIT_HEAD, Chunk, Limits
 from app.metrics import Metrics
 from app.registry import ModelInfo
 from app.workers import Lane, Startup, WorkerCrashed
@@ -104,7 +103,7 @@ class WorkerPool:
             return lambda idle: REQUEST_HEAD.pack(route, binary, max(idle, 1), careful)
 
         kind, payload = await self._supervised(
-            self.tokenizers, channel.REQUEST, head, body, len(body), lambda index: self._text_at(body, route, index)
+            self.tokenizers, channel.REQUEST, head, [body], len(body), lambda index: self._text_at(body, route, index)
         )
         if kind == channel.DONE:
             return read_done(payload)
@@ -121,7 +120,7 @@ class WorkerPool:
 
         def run(chunk: memoryview, size: int) -> Awaitable[tuple[int, Buffer]]:
             return self._supervised(
-                lane, channel.CHUNK, _chunk_head, chunk, size, lambda index: _chunk_text(chunk, index)
+                lane, channel.CHUNK, _chunk_head, [chunk], size, lambda index: _chunk_text(chunk, index)
             )
 
         replies = await _all_or_none([run(chunk, size) for chunk, size in zip(chunks, units, strict=True)])
@@ -156,7 +155,7 @@ class WorkerPool:
         lane: Lane,
         kind: int,
         head: Callable[[bool], Callable[[int], bytes]],
-        body: Buffer | Sequence[Buffer],
+        body: Sequence[Buffer],
         units: int,
         culprit: Callable[[int], Culprit],
     ) -> tuple[int, Buffer]:
@@ -165,10 +164,9 @@ class WorkerPool:
         `culprit(index)` names the field, model and text at `index`; it runs (in a thread) only
         when a careful run died, so the hot path never looks at texts.
         """
-        parts: list[Buffer] = list(body) if isinstance(body, (list, tuple)) else [body]  # type: ignore[list-item]
         for attempt in (1, 2):
             try:
-                return await lane.submit(kind, [b"", *parts], units, head(False))
+                return await lane.submit(kind, [b"", *body], units, head(False))
             except WorkerCrashed as crash:
                 if crash.stalled:
                     logger.warning("a job stalled its worker; running it carefully")
@@ -178,7 +176,7 @@ class WorkerPool:
                     break
                 self.metrics.chunk_retries.inc()
         try:
-            return await lane.submit(kind, [b"", *parts], units, head(True))
+            return await lane.submit(kind, [b"", *body], units, head(True))
         except WorkerCrashed as crash:
             if crash.progress < 0:  # the worker died between texts: nothing to blame
                 raise Unavailable("a tokenizer worker died; retry") from None
@@ -192,8 +190,7 @@ class WorkerPool:
         )
 
     def _remember(self, model: int, text: str) -> None:
-        digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
-        payload = struct.pack("<HQ", model, len(text)) + digest
+        payload = POISON_HEAD.pack(model, len(text)) + text_digest(text)
         for lane in (self.tokenizers, self.sampler):
             lane.broadcast_poison(payload)
 

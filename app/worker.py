@@ -1,13 +1,13 @@
-"""Code that runs inside the tokenizer worker processes.
+"""SentencePiece encoding in worker processes: the server's (app.jobs) and the pre-tokenizer's pool.
 
-Each process loads every model once (the pool initializer) and answers chunks of a request with
-flat numpy buffers: int32 ids plus int64 offsets pickle as two memcpy'd blobs, where lists of
-Python ints would cost about a quarter of the tokenization time again.
+Each process loads every model once (`load_models`). `encode_texts` is the one place ids are made,
+exactly as in-process `sp.encode` makes them; `encode_chunk` answers the pre-tokenizer's pool with flat
+numpy buffers (int32 ids plus int64 offsets pickle as two memcpy'd blobs, where lists of Python ints
+would cost about a quarter of the tokenization time again).
 """
 
 from __future__ import annotations
 
-import itertools
 import random
 import threading
 import time
@@ -38,13 +38,6 @@ class Encoded:
     offsets: np.ndarray  # int64, len(texts) + 1
     started: float  # time.monotonic() when the worker picked the chunk up
     seconds: float  # time spent tokenizing
-
-
-@dataclass(frozen=True)
-class Decoded:
-    texts: list[str]
-    started: float
-    seconds: float
 
 
 def load_models(paths: dict[str, str]) -> None:
@@ -143,12 +136,3 @@ def encode_chunk(model: str, texts: list[str], options: EncodeOptions, first_ind
     lengths = np.fromiter((len(ids) for ids in pieces), dtype=np.int64, count=len(pieces))
     ids = np.concatenate(pieces).astype(np.int32, copy=False) if pieces else np.zeros(0, dtype=np.int32)
     return Encoded(ids=ids, offsets=ragged_offsets(lengths), started=started, seconds=time.monotonic() - started)
-
-
-def decode_chunk(model: str, ids: np.ndarray, offsets: np.ndarray) -> Decoded:
-    """Detokenize each ragged row; ids were range-checked by the server."""
-    started = time.monotonic()
-    bounds = offsets.tolist()
-    rows = [ids[start:end].tolist() for start, end in itertools.pairwise(bounds)]
-    texts = _processors[model].decode(rows) if rows else []
-    return Decoded(texts=texts, started=started, seconds=time.monotonic() - started)

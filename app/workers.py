@@ -24,7 +24,6 @@ import multiprocessing
 import os
 import select
 import socket
-import struct
 import sys
 import time
 import traceback
@@ -38,9 +37,10 @@ import orjson
 from app import channel, memory, worker_start
 from app.admission import POISON_MEMORY
 from app.errors import Unavailable
-from app.jobs import Jobs, Limits, Progress
+from app.jobs import RESULT_HEAD, Jobs, Limits, Progress
 from app.metrics import Metrics
 from app.registry import ModelInfo
+from app.settings import usable_cpus
 
 logger = logging.getLogger("tokenizer.pool")
 
@@ -51,8 +51,6 @@ RESTART_BACKOFF_SECONDS = (0.25, 5.0)
 INTERNAL_ERROR = orjson.dumps({"type": "internal_error", "message": "internal server error"})
 
 Buffer = bytes | bytearray | memoryview
-_STARTED = struct.Struct("<d")
-_STARTED_OFFSET = 15  # of `started` in app.jobs.RESULT_HEAD
 
 
 class WorkerCrashed(Exception):
@@ -190,7 +188,6 @@ class Worker:
         self.serving = False
         self.gone = False
         self.stalled = False
-        self.started_at = time.monotonic()
         self._numbers = 0
         self._timer: asyncio.TimerHandle | None = None
         self._transport: asyncio.Transport | None = None
@@ -263,7 +260,7 @@ class Worker:
             self._timer.cancel()
             self._timer = None
         if kind == channel.DONE or kind == channel.PART:
-            (started,) = _STARTED.unpack_from(payload, _STARTED_OFFSET)
+            started = RESULT_HEAD.unpack_from(payload)[4]
             self.lane.metrics.queue_wait.observe(max(started - job.queued_at, 0.0))
         if not job.future.done():
             job.future.set_result((kind, payload))
@@ -326,7 +323,7 @@ class Lane:
         self._restarts: dict[int, asyncio.Task[None]] = {}
         self._poison: list[bytes] = []
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self.cores = usable_cpus()
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -379,10 +376,7 @@ class Lane:
             if worker.process.is_alive():
                 worker.process.kill()
                 worker.process.join(timeout=5.0)
-        while self.waiting:
-            job = self.waiting.popleft()
-            if not job.future.done():
-                job.future.set_exception(Unavailable("the server is shutting down"))
+        self._fail_waiting(Unavailable("the server is shutting down"))
 
     @property
     def serving(self) -> int:

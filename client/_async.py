@@ -24,6 +24,9 @@ from client._protocol import (
     TokenizedBatch,
     check_replica_models,
     chunked,
+    detokenize_payload,
+    pack_payload,
+    tokenize_payload,
 )
 from client._retry import RetryPolicy
 from client.errors import TokenizerConnectionError, TokenizerError, TokenizerServiceError
@@ -111,7 +114,7 @@ class AsyncTokenizerClient(BaseClient):
         format: Format = "binary",
         policy: RetryPolicy | None = None,
     ) -> tuple[TokenizedBatch, Answer]:
-        call = self._tokenize_call(texts, model, add_bos, add_eos, max_length, sample, format)
+        call = self._post("/v1/tokenize", tokenize_payload(texts, model, add_bos, add_eos, max_length, sample), format)
         answer = await self._request(call, policy)
         return self._read_tokenize(answer, model), answer
 
@@ -129,9 +132,10 @@ class AsyncTokenizerClient(BaseClient):
         policy: RetryPolicy | None = None,
         carry_document_starts: Sequence[int] | np.ndarray | None = None,
     ) -> tuple[PackedBatch, Answer]:
-        call = self._pack_call(
-            texts, seq_len, strategy, model, add_bos, add_eos, carry, mask_document_start, format, carry_document_starts
+        payload = pack_payload(
+            texts, seq_len, strategy, model, add_bos, add_eos, carry, mask_document_start, carry_document_starts
         )
+        call = self._post("/v1/pack", payload, format)
         answer = await self._request(call, policy)
         return self._read_pack(answer, model), answer
 
@@ -210,7 +214,7 @@ class AsyncTokenizerClient(BaseClient):
     async def detokenize(
         self, ids: Sequence[Sequence[int]] | Sequence[np.ndarray], *, model: str | None = None
     ) -> list[str]:
-        return self._read_texts(await self._request(self._detokenize_call(ids, model)))
+        return self._read_texts(await self._request(self._post("/v1/detokenize", detokenize_payload(ids, model))))
 
     async def models(self) -> dict[str, Any]:
         """The server's /v1/models answer: default name and each model's ids and sha256."""

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-import numpy as np
 
 from client._protocol import (
     DEFAULT_URL,
@@ -21,19 +20,15 @@ from client._protocol import (
     ModelFingerprints,
     PackedBatch,
     Requests,
-    Strategy,
     TokenizedBatch,
     accept_header,
     batch_from_response,
-    detokenize_payload,
     dumps,
     loads,
-    pack_payload,
     packed_from_response,
     parse_urls,
     raise_for_error,
     resolve_api_key,
-    tokenize_payload,
 )
 from client._retry import NO_RETRY, Attempt, Replicas, RetryPolicy
 from client.errors import TokenizerConnectionError
@@ -99,39 +94,10 @@ class BaseClient:
     # -- building calls ------------------------------------------------------------------------------
 
     @staticmethod
-    def _tokenize_call(
-        texts: Sequence[str],
-        model: str | None,
-        add_bos: bool,
-        add_eos: bool,
-        max_length: int | None,
-        sample: dict[str, Any] | None,
-        format: Format,
-    ) -> Call:
-        payload = tokenize_payload(texts, model, add_bos, add_eos, max_length, sample)
-        return Call("POST", "/v1/tokenize", dumps(payload), {**JSON_HEADERS, "accept": accept_header(format)})
-
-    @staticmethod
-    def _pack_call(
-        texts: Sequence[str],
-        seq_len: int,
-        strategy: Strategy,
-        model: str | None,
-        add_bos: bool,
-        add_eos: bool,
-        carry: Sequence[int] | np.ndarray | None,
-        mask_document_start: bool,
-        format: Format,
-        carry_document_starts: Sequence[int] | np.ndarray | None,
-    ) -> Call:
-        payload = pack_payload(
-            texts, seq_len, strategy, model, add_bos, add_eos, carry, mask_document_start, carry_document_starts
-        )
-        return Call("POST", "/v1/pack", dumps(payload), {**JSON_HEADERS, "accept": accept_header(format)})
-
-    @staticmethod
-    def _detokenize_call(ids: Sequence[Sequence[int]] | Sequence[np.ndarray], model: str | None) -> Call:
-        return Call("POST", "/v1/detokenize", dumps(detokenize_payload(ids, model)), JSON_HEADERS)
+    def _post(path: str, payload: dict[str, Any], format: Format | None = None) -> Call:
+        """A JSON body to `path`, asking for the binary frame or JSON as `format` says (None: JSON only)."""
+        headers = JSON_HEADERS if format is None else {**JSON_HEADERS, "accept": accept_header(format)}
+        return Call("POST", path, dumps(payload), headers)
 
     def _http_request(self, replica: int, call: Call) -> httpx.Request:
         return self._requests.build(call.method, f"{self.urls[replica]}{call.path}", call.content, call.headers)

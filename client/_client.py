@@ -25,6 +25,9 @@ from client._protocol import (
     TokenizedBatch,
     check_replica_models,
     chunked,
+    detokenize_payload,
+    pack_payload,
+    tokenize_payload,
 )
 from client._retry import RetryPolicy
 from client.errors import TokenizerConnectionError, TokenizerError, TokenizerServiceError
@@ -124,7 +127,7 @@ class TokenizerClient(BaseClient):
         format: Format = "binary",
     ) -> TokenizedBatch:
         """Tokenize into one flat ids array plus offsets (the cheapest form to consume)."""
-        call = self._tokenize_call(texts, model, add_bos, add_eos, max_length, sample, format)
+        call = self._post("/v1/tokenize", tokenize_payload(texts, model, add_bos, add_eos, max_length, sample), format)
         return self._read_tokenize(self._request(call), model)
 
     def tokenize(
@@ -159,9 +162,10 @@ class TokenizerClient(BaseClient):
         format: Format = "binary",
     ) -> PackedBatch:
         """Tokenize and pack texts into rows of exactly `seq_len` tokens (see /v1/pack)."""
-        call = self._pack_call(
-            texts, seq_len, strategy, model, add_bos, add_eos, carry, mask_document_start, format, carry_document_starts
+        payload = pack_payload(
+            texts, seq_len, strategy, model, add_bos, add_eos, carry, mask_document_start, carry_document_starts
         )
+        call = self._post("/v1/pack", payload, format)
         return self._read_pack(self._request(call), model)
 
     def pack_stream(
@@ -181,7 +185,7 @@ class TokenizerClient(BaseClient):
             yield packed
 
     def detokenize(self, ids: Sequence[Sequence[int]] | Sequence[np.ndarray], *, model: str | None = None) -> list[str]:
-        return self._read_texts(self._request(self._detokenize_call(ids, model)))
+        return self._read_texts(self._request(self._post("/v1/detokenize", detokenize_payload(ids, model))))
 
     def models(self) -> dict[str, Any]:
         """The server's /v1/models answer: default name and each model's ids and sha256."""

@@ -158,15 +158,20 @@ def verify_compressed(path: str | Path) -> None:
         raise InputError(f"{path}: corrupt compressed data ({exc}); none of its documents were used") from exc
 
 
-def decompressed(raw: BinaryIO, codec: str | None) -> BinaryIO:
-    """A readable stream of `raw`'s decompressed bytes."""
-    if codec == "gzip":
-        return io.BufferedReader(gzip.GzipFile(fileobj=raw, mode="rb"), buffer_size=1 << 20)  # type: ignore[arg-type]
-    if codec == "zstd":
+def decompressed(raw: BinaryIO, codec: str | None, skip: int = 0) -> BinaryIO:
+    """A readable stream of `raw`'s decompressed bytes, from uncompressed offset `skip`."""
+    if codec == "zstd":  # a zstd stream only seeks forward, and not once buffered: seek first
         zstandard = _import("zstandard", "reading .zst")
         reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
-        return io.BufferedReader(reader, buffer_size=1 << 20)
-    return raw
+        if skip:
+            reader.seek(skip)
+        return io.BufferedReader(reader, buffer_size=1 << 20)  # type: ignore[no-any-return]
+    stream = raw
+    if codec == "gzip":
+        stream = io.BufferedReader(gzip.GzipFile(fileobj=raw, mode="rb"), buffer_size=1 << 20)  # type: ignore[arg-type]
+    if skip:
+        stream.seek(skip)
+    return stream
 
 
 def _import(module: str, purpose: str) -> Any:
@@ -211,7 +216,7 @@ class DocumentReader:
                     if source.format == "parquet":
                         yield from self._parquet(index, source, raw)
                     else:
-                        stream = self._open_at(source, raw)
+                        stream = decompressed(raw, source.codec, source.read_bytes)
                         parse = self._jsonl if source.format == "jsonl" else self._txt
                         yield from parse(index, source, stream)
                 except (OSError, EOFError, zlib.error) as exc:
@@ -220,20 +225,6 @@ class DocumentReader:
                     self._raw = None
             source.done = True
             self._done_bytes += source.size
-
-    @staticmethod
-    def _open_at(source: Source, raw: BinaryIO) -> BinaryIO:
-        """The decompressed stream of `source`, at the uncompressed offset reading goes on from."""
-        if source.codec == "zstd":  # a zstd stream only seeks forward, and not once buffered
-            zstandard = _import("zstandard", "reading .zst")
-            reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
-            if source.read_bytes:
-                reader.seek(source.read_bytes)
-            return io.BufferedReader(reader, buffer_size=1 << 20)  # type: ignore[no-any-return]
-        stream = decompressed(raw, source.codec)
-        if source.read_bytes:
-            stream.seek(source.read_bytes)
-        return stream
 
     def _parquet(self, index: int, source: Source, raw: BinaryIO) -> Iterator[tuple[str, Position]]:
         """Rows of one column, a row group at a time; a position is a row number (in `lines`)."""
