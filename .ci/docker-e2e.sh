@@ -110,6 +110,20 @@ docker compose up --detach --wait --wait-timeout 180 tokenizer
 "$PYTHON" .ci/docker_e2e_check.py --url "$URL" --model "botchan_bpe=$TOKENIZER_MODELS/botchan_bpe.model" \
     --api-key e2e-key-2
 
+step "docker compose stop: SIGTERM is a clean stop (exit status 0, not 143)"
+docker compose stop --timeout 20 tokenizer
+status=$(docker inspect --format '{{.State.ExitCode}}' "$(docker compose ps --all --quiet tokenizer)")
+[ "$status" = 0 ] || fail "the stopped container exited with status $status, not 0"
+
+step "a model file the container cannot read: up --wait fails, the log says why in one line"
+chmod 600 "$TOKENIZER_MODELS/botchan_bpe.model"
+if docker compose up --detach --wait --wait-timeout 90 tokenizer; then
+    fail "up --wait succeeded with an unreadable model"
+fi
+docker compose logs --no-color tokenizer 2>&1 | grep "tokenizer-server: model 'botchan_bpe': cannot read" ||
+    fail "the log does not name the unreadable model"
+chmod a+r "$TOKENIZER_MODELS/botchan_bpe.model"
+
 step "docker compose down"
 docker compose down --volumes --timeout 20
 step "passed"

@@ -1,4 +1,6 @@
-from app.cli import main
+"""`python -m app`: the same as `tokenizer-server`."""
+
+from app.entry import server
 
 if __name__ == "__main__":
-    main()
+    server()

@@ -1,34 +1,90 @@
-"""`tokenizer-server`: flags and TOKENIZER_* variables -> Settings -> uvicorn."""
+"""`tokenizer-server`: flags and TOKENIZER_* variables -> Settings -> models checked -> uvicorn.
+
+Exit status: 0 stopped (SIGTERM or Ctrl-C after the drain, as `docker compose down` and Kubernetes
+stop it), 2 cannot start as configured (one line per mistake on stderr; `--log-level debug` adds the
+traceback), 1 failed while serving.
+"""
 
 from __future__ import annotations
 
+import argparse
 import logging
+import signal
 import sys
+from typing import Any
 
 import uvicorn
 from pydantic import ValidationError
+from pydantic_settings import CliSettingsSource
 
 from app.connections import uvicorn_options
-from app.settings import Settings
+from app.entry import USAGE_ERROR
+from app.registry import ModelLoadError, ModelRegistry
+from app.settings import ConfigError, Settings, describe_error
+
+PROG = "tokenizer-server"
+EPILOG = """\
+Every flag is also an environment variable: --max-texts N is TOKENIZER_MAX_TEXTS=N; repeatable flags
+take comma-separated values there (TOKENIZER_MODEL=a=a.model,b=b.model). A flag wins over its variable.
+With no --model and no --models-dir the bundled model is served as 'default'.
+Exit status: 0 stopped by SIGTERM or Ctrl-C, 1 failed while serving, 2 cannot start as configured.
+"""
 
 
-def main(argv: list[str] | None = None) -> None:
+def _add_argument(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -> Any:
+    """pydantic-settings' argparse hook: our metavars, and no type names or `(default: null)` in --help."""
+    field = Settings.model_fields.get(kwargs.get("dest") or "")
+    if field is not None:
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        kwargs["metavar"] = extra.get("metavar", kwargs.get("metavar"))
+        text = field.description or ""
+        if field.default_factory is None and field.default is not None and "(default" not in text:
+            text += f" (default: {field.default})"
+        kwargs["help"] = text.replace("%", "%%")
+    return parser.add_argument(*names, **kwargs)
+
+
+def _source(argv: list[str]) -> CliSettingsSource[Settings]:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Serve SentencePiece tokenization over HTTP on a pool of worker processes.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    return CliSettingsSource(Settings, root_parser=parser, add_argument_method=_add_argument)(args=argv)
+
+
+def _stopped(signum: int, frame: object) -> None:
+    """What uvicorn re-raises after draining: a stop asked for is a clean exit, not death by signal."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        settings = Settings(_cli_parse_args=sys.argv[1:] if argv is None else argv)
-    except ValidationError as exc:  # a flag or TOKENIZER_* variable out of range: one line each, no traceback
+        settings = Settings(_cli_settings_source=_source(argv))
+    except ValidationError as exc:
         for error in exc.errors(include_url=False):
-            flag = "--" + "-".join(str(part) for part in error["loc"]).replace("_", "-")
-            print(f"tokenizer-server: {flag}: {error['msg']}", file=sys.stderr)
-        sys.exit(2)
+            print(f"{PROG}: {describe_error(error, argv)}", file=sys.stderr)
+        return USAGE_ERROR
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:  # every model read once here, so a wrong path is one line and not a failed lifespan
+        ModelRegistry.from_paths(settings.model_paths(), settings.default_model)
+    except (ConfigError, ModelLoadError) as exc:
+        if settings.log_level in ("debug", "trace"):
+            logging.getLogger("tokenizer").exception("cannot start")
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return USAGE_ERROR
     if settings.frontends > 1:
         from app.frontends import supervise
 
-        sys.exit(supervise(settings))
+        return supervise(settings)
     from app.main import create_app
 
+    signal.signal(signal.SIGTERM, _stopped)
+    signal.signal(signal.SIGINT, _stopped)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, **uvicorn_options(settings))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

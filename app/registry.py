@@ -63,7 +63,7 @@ def inspect_model(name: str, path: Path) -> ModelInfo:
     try:
         processor.LoadFromSerializedProto(serialized)
     except (RuntimeError, OSError) as exc:
-        raise ModelLoadError(f"model {name!r}: {path} is not a SentencePiece model: {exc}") from exc
+        raise ModelLoadError(f"model {name!r}: {path} is not a SentencePiece model file") from exc
     return ModelInfo(
         name=name,
         path=path.resolve(),

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -13,6 +14,10 @@ BUNDLED_MODELS_DIR = Path(__file__).parent / "models"
 BUNDLED_MODEL_NAME = "default"
 # --max-queued-bytes defaults to this many full-size request bodies.
 QUEUED_REQUESTS_DEFAULT = 4
+
+
+class ConfigError(ValueError):
+    """Settings that validate one by one but cannot be served together (a models directory with no model)."""
 
 
 def usable_cpus() -> int:
@@ -34,76 +39,129 @@ class Settings(BaseSettings):
         extra="ignore",
     )
 
-    host: str = Field("127.0.0.1", description="address to bind")
-    port: int = Field(8000, ge=0, le=65535, description="port to bind (0 picks a free one)")
+    host: str = Field("127.0.0.1", description="address to bind", json_schema_extra={"metavar": "ADDRESS"})
+    port: int = Field(
+        8000, ge=0, le=65535, description="port to bind (0 picks a free one)", json_schema_extra={"metavar": "PORT"}
+    )
     frontends: int = Field(
         1,
         ge=1,
         description="server processes sharing the port (SO_REUSEPORT), each with its share of --workers; one "
         "feeds about 20 busy workers",
+        json_schema_extra={"metavar": "N"},
     )
     workers: int = Field(
-        default_factory=usable_cpus, ge=1, description="tokenizer worker processes (default: usable CPU cores)"
+        default_factory=usable_cpus,
+        ge=1,
+        description="tokenizer worker processes (default: usable CPU cores)",
+        json_schema_extra={"metavar": "N"},
     )
     model: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="a model to serve as NAME=PATH; repeat the flag, or comma-separate in the environment",
+        json_schema_extra={"metavar": "NAME=PATH"},
     )
-    models_dir: Path | None = Field(None, description="serve every *.model in this directory under its file stem")
-    default_model: str | None = Field(None, description="model used when a request names none")
-    max_request_bytes: int = Field(32 * 1024 * 1024, ge=1, description="largest request body accepted (413 above)")
-    max_texts: int = Field(8192, ge=1, description="most texts in one request (413 above)")
-    max_seq_len: int = Field(131072, ge=2, description="largest seq_len /v1/pack accepts")
+    models_dir: Path | None = Field(
+        None,
+        description="serve every *.model in this directory under its file stem",
+        json_schema_extra={"metavar": "DIR"},
+    )
+    default_model: str | None = Field(
+        None, description="model used when a request names none", json_schema_extra={"metavar": "NAME"}
+    )
+    max_request_bytes: int = Field(
+        32 * 1024 * 1024,
+        ge=1,
+        description="largest request body accepted (413 above)",
+        json_schema_extra={"metavar": "BYTES"},
+    )
+    max_texts: int = Field(
+        8192, ge=1, description="most texts in one request (413 above)", json_schema_extra={"metavar": "N"}
+    )
+    max_seq_len: int = Field(
+        131072, ge=2, description="largest seq_len /v1/pack accepts", json_schema_extra={"metavar": "TOKENS"}
+    )
     min_chunk_chars: int = Field(
-        16384, ge=1, description="a request is split over workers only in chunks at least this many characters long"
+        16384,
+        ge=1,
+        description="a request is split over workers only in chunks at least this many characters long",
+        json_schema_extra={"metavar": "CHARS"},
     )
     max_queued_bytes: int | None = Field(
         None,
         ge=1,
         description="body bytes of /v1 requests admitted and not yet answered, at most; a request beyond it is "
         f"answered 503 at once (default: {QUEUED_REQUESTS_DEFAULT} x --max-request-bytes)",
+        json_schema_extra={"metavar": "BYTES"},
     )
     max_queued_texts: int | None = Field(
-        None, ge=1, description="deprecated and ignored: the server now bounds bytes (--max-queued-bytes)"
+        None,
+        ge=1,
+        description="deprecated and ignored: the server now bounds bytes (--max-queued-bytes)",
+        json_schema_extra={"metavar": "N"},
     )
     max_concurrent_requests: int = Field(
-        128, ge=1, description="/v1 requests handled at once, at most (503 above); bounds what request bodies hold"
+        128,
+        ge=1,
+        description="/v1 requests handled at once, at most (503 above); bounds what request bodies hold",
+        json_schema_extra={"metavar": "N"},
     )
     request_timeout: float = Field(
-        60.0, gt=0, description="seconds a /v1 request may take; then 504, and the work it queued is withdrawn"
+        60.0,
+        gt=0,
+        description="seconds a /v1 request may take; then 504, and the work it queued is withdrawn",
+        json_schema_extra={"metavar": "SECONDS"},
     )
     stall_timeout: float = Field(
         15.0,
         gt=0,
         description="seconds a job may run in a worker, plus 10 microseconds a character, before the worker "
         "counts as stalled and is killed",
+        json_schema_extra={"metavar": "SECONDS"},
     )
     drain_timeout: float = Field(
-        30.0, ge=0, description="seconds in-flight requests get to finish after SIGTERM before they are cancelled"
+        30.0,
+        ge=0,
+        description="seconds in-flight requests get to finish after SIGTERM before they are cancelled",
+        json_schema_extra={"metavar": "SECONDS"},
     )
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list,
         description="API keys accepted as `Authorization: Bearer KEY` on /v1 endpoints; repeat the flag, or "
         "comma-separate in the environment (prefer TOKENIZER_API_KEYS: flags show in `ps`); none: no authentication",
+        json_schema_extra={"metavar": "KEY"},
     )
     cors_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="origins browsers may call the API from (CORS), or *; repeat the flag, or comma-separate; "
         "none: CORS off",
+        json_schema_extra={"metavar": "ORIGIN"},
     )
     max_header_bytes: int = Field(
-        64 * 1024, ge=1024, description="largest request line plus headers accepted (431 and close above)"
+        64 * 1024,
+        ge=1024,
+        description="largest request line plus headers accepted (431 and close above)",
+        json_schema_extra={"metavar": "BYTES"},
     )
     header_timeout: float = Field(
-        10.0, gt=0, description="seconds a client may take to send a request's headers (408 and close after)"
+        10.0,
+        gt=0,
+        description="seconds a client may take to send a request's headers (408 and close after)",
+        json_schema_extra={"metavar": "SECONDS"},
     )
     max_connections: int | None = Field(
         None,
         ge=1,
         description="open connections at most; the next gets 503 and is closed (default: 4096, or the open-file "
         "limit less 256 when that is lower)",
+        json_schema_extra={"metavar": "N"},
     )
-    log_level: str = Field("info", description="uvicorn log level")
+    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
+        "info",
+        description="log level: critical, error, warning, info, debug (also prints the traceback of a failed "
+        "start) or trace",
+        json_schema_extra={"metavar": "LEVEL"},
+    )
 
     @property
     def queued_bytes_limit(self) -> int:
@@ -121,13 +179,33 @@ class Settings(BaseSettings):
             return [item.strip() for item in value.split(",") if item.strip()]
         return value
 
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_case(cls, value: Any) -> Any:
+        return value.strip().lower() if isinstance(value, str) else value
+
+    @field_validator("models_dir", "default_model", mode="before")
+    @classmethod
+    def _not_empty(cls, value: Any) -> Any:
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("is set but empty: give a value, or unset it")
+        return value
+
+    @field_validator("models_dir")
+    @classmethod
+    def _existing_directory(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.expanduser().is_dir():
+            problem = "is not a directory" if value.expanduser().exists() else "does not exist"
+            raise ValueError(problem)
+        return value.expanduser() if value is not None else None
+
     @field_validator("model")
     @classmethod
     def _check_model_specs(cls, value: list[str]) -> list[str]:
         for spec in value:
             name, sep, path = spec.partition("=")
             if not sep or not name or not path:
-                raise ValueError(f"model {spec!r} is not NAME=PATH")
+                raise ValueError(f"is not NAME=PATH (for example --model default={spec or 'tok.model'})")
         return value
 
     def model_paths(self) -> dict[str, Path]:
@@ -136,9 +214,26 @@ class Settings(BaseSettings):
         if self.models_dir is not None:
             for path in sorted(self.models_dir.glob("*.model")):
                 paths[path.stem] = path
+            if not paths:
+                raise ConfigError(
+                    f"the models directory {self.models_dir} (--models-dir, TOKENIZER_MODELS_DIR) holds no *.model file"
+                )
         for spec in self.model:
             name, _, file = spec.partition("=")
             paths[name.strip()] = Path(file.strip()).expanduser()
         if not paths:
             paths[BUNDLED_MODEL_NAME] = BUNDLED_MODELS_DIR / f"{BUNDLED_MODEL_NAME}.model"
         return paths
+
+
+def describe_error(error: Any, argv: Sequence[str] = ()) -> str:
+    """One of a ValidationError's errors as the user wrote it: the flag, or the environment variable, and the value."""
+    name = "_".join(str(part) for part in error["loc"] if isinstance(part, str)) or "settings"
+    flag = "--" + name.replace("_", "-")
+    variable = "TOKENIZER_" + name.upper()
+    message = str(error["msg"]).removeprefix("Value error, ")
+    if not any(arg == flag or arg.startswith(flag + "=") for arg in argv) and variable in os.environ:
+        return f"{variable}={os.environ[variable]!r}: {message}"
+    value = error.get("input")
+    shown = f" {value!r}" if isinstance(value, str | int | float) else ""
+    return f"{flag}{shown}: {message}"

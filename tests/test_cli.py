@@ -5,13 +5,19 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
+import sys
 
 import httpx
+import pytest
 import sentencepiece as spm
 
+from app.launcher import ServerProcess
 from app.settings import BUNDLED_MODELS_DIR
 from tests.conftest import free_port, stop_server, wait_ready
+
+CLEAN_ENV = {key: value for key, value in os.environ.items() if not key.startswith("TOKENIZER_")}
 
 
 def test_bare_command_serves_the_bundled_model(tmp_path):
@@ -74,5 +80,129 @@ def test_a_bad_flag_is_one_line_not_a_traceback():
     )
     assert result.returncode == 2
     assert (
-        result.stderr.strip() == "tokenizer-server: --max-header-bytes: Input should be greater than or equal to 1024"
+        result.stderr.strip()
+        == "tokenizer-server: --max-header-bytes '10': Input should be greater than or equal to 1024"
     )
+
+
+def test_help_reads_as_a_person_wrote_it():
+    output = subprocess.run(["tokenizer-server", "--help"], capture_output=True, text=True, check=True).stdout
+    for leak in ("null", "{", "default factory", "list[", "SecretStr", "PydanticUndefined", "str]"):
+        assert leak not in output, leak
+    for shown in ("--model NAME=PATH", "--models-dir DIR", "--workers N", "--request-timeout SECONDS", "TOKENIZER_"):
+        assert shown in output, shown
+
+
+def _start(args: list[str], env: dict[str, str], tmp_path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["tokenizer-server", "--port", "0", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**CLEAN_ENV, **env},
+        cwd=tmp_path,
+    )
+
+
+def _models(tmp_path, kind: str) -> dict[str, str]:
+    if kind == "empty":
+        (tmp_path / "empty").mkdir()
+    elif kind == "not-a-model":
+        (tmp_path / "notes.model").write_text("not a model\n")
+    return {}
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "setup", "expected"),
+    [
+        (["--models-dir", "nodir"], {}, None, "tokenizer-server: --models-dir 'nodir': does not exist"),
+        (
+            ["--models-dir", "empty"],
+            {},
+            "empty",
+            "the models directory empty (--models-dir, TOKENIZER_MODELS_DIR) holds no *.model file",
+        ),
+        ([], {"TOKENIZER_MODELS_DIR": ""}, None, "TOKENIZER_MODELS_DIR='': is set but empty"),
+        ([], {"TOKENIZER_MODELS_DIR": "nodir"}, None, "TOKENIZER_MODELS_DIR='nodir': does not exist"),
+        (["--model", "foo=nope.model"], {}, None, "model 'foo': cannot read nope.model: No such file or directory"),
+        (["--model", "foo=notes.model"], {}, "not-a-model", "notes.model is not a SentencePiece model file"),
+        (
+            ["--model", "tok.model"],
+            {},
+            None,
+            "--model 'tok.model': is not NAME=PATH (for example --model default=tok.model)",
+        ),
+        ([], {"TOKENIZER_WORKERS": "abc"}, None, "TOKENIZER_WORKERS='abc': Input should be a valid integer"),
+        (["--workers", "abc"], {"TOKENIZER_WORKERS": "2"}, None, "--workers 'abc': Input should be a valid integer"),
+        (["--log-level", "loud"], {}, None, "--log-level 'loud': Input should be 'critical', 'error'"),
+        (["--default-model", "other"], {}, None, "default model 'other' is not among the served models ['default']"),
+    ],
+    ids=[
+        "missing-dir",
+        "empty-dir",
+        "empty-env",
+        "missing-dir-env",
+        "missing-file",
+        "not-a-model",
+        "no-name",
+        "workers-env",
+        "workers-flag",
+        "log-level",
+        "default-model",
+    ],
+)
+def test_a_start_it_cannot_serve_is_one_line_and_exit_2(tmp_path, args, env, setup, expected):
+    if setup:
+        _models(tmp_path, setup)
+    result = _start(args, env, tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tokenizer-server: "), result.stderr
+    assert expected in lines[0]
+
+
+def test_log_level_debug_adds_the_traceback(tmp_path):
+    result = _start(["--model", "foo=nope.model", "--log-level", "debug"], {}, tmp_path)
+    assert result.returncode == 2
+    assert "Traceback" in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "tokenizer-server: model 'foo': cannot read nope.model: No such file or directory"
+    )
+
+
+@pytest.mark.parametrize(
+    ("entry", "missing", "extra"),
+    [
+        ("server", "uvicorn", "server"),
+        ("pretokenize", "tqdm", "tools"),
+        ("bench", "orjson", "tools"),
+        ("shards", "tqdm", "tools"),
+    ],
+)
+def test_a_missing_extra_names_what_to_install(entry, missing, extra):
+    # None in sys.modules is how Python itself marks a module as absent: its import raises ModuleNotFoundError.
+    program = f"import sys; sys.modules[{missing!r}] = None; from app.entry import {entry}; {entry}()"
+    result = subprocess.run([sys.executable, "-c", program, "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"tokenizer-{entry}: the Python package {missing!r} is missing; tokenizer-{entry} needs the {extra!r} "
+        f"extra: pip install 'tokenizer-service[{extra}]'"
+    ]
+
+
+@pytest.mark.parametrize("to", ["server", "process-group"])
+def test_sigterm_is_a_clean_stop(tmp_path, to):
+    """compose down / Kubernetes send SIGTERM: exit 0; sent to the whole group (`timeout`), no worker dies first."""
+    server = ServerProcess(["--workers", "2"], log=tmp_path / "server.log").start()
+    assert server.process is not None
+    if to == "server":
+        server.process.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(server.process.pid, signal.SIGTERM)
+    try:
+        assert server.process.wait(timeout=60) == 0
+    finally:
+        server.stop()
+    log = server.log.read_text()
+    assert "Finished server process" in log
+    assert "died" not in log and "restarting" not in log, log

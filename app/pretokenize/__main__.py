@@ -1,3 +1,6 @@
-from app.pretokenize import main
+"""`python -m app.pretokenize`: the same as `tokenizer-pretokenize`."""
 
-raise SystemExit(main())
+from app.entry import pretokenize
+
+if __name__ == "__main__":
+    pretokenize()

@@ -20,7 +20,7 @@ from app.pretokenize.shards import BestFitShards, ConcatShards, RaggedShards, Sh
 from app.pretokenize.sources import BadRecordError, DocumentReader, Position, Source, expand_inputs
 from app.pretokenize.store import OutputDir, OutputError, differences
 from app.registry import ModelInfo, ModelLoadError, inspect_model
-from app.settings import Settings, usable_cpus
+from app.settings import ConfigError, Settings, describe_error, usable_cpus
 from client import TokenizerClient
 from client.dataset import FORMAT_NAME, FORMAT_VERSION, id_dtype
 
@@ -88,8 +88,12 @@ def resolve_local_model(name_or_path: str | None) -> ModelInfo:
     try:
         settings = Settings()  # type: ignore[call-arg]  # every field has a default or comes from TOKENIZER_*
     except ValidationError as exc:
-        raise ModelLoadError(f"the server's options (TOKENIZER_* variables) are invalid: {exc}") from exc
-    paths = settings.model_paths()
+        problems = "; ".join(describe_error(error) for error in exc.errors(include_url=False))
+        raise ModelLoadError(f"the server's options are invalid: {problems}") from exc
+    try:
+        paths = settings.model_paths()
+    except ConfigError as exc:
+        raise ModelLoadError(str(exc)) from exc
     name = name_or_path or settings.default_model or ("default" if "default" in paths else next(iter(paths)))
     if name not in paths:
         raise ModelLoadError(

@@ -284,7 +284,8 @@ class DocumentReader:
                 if type(record) is not dict:
                     reason = f"{JSON_TYPES.get(type(record), 'a string')}, not a JSON object"
                 elif field not in record:
-                    reason = f"no field {field!r}"
+                    fields = ", ".join(repr(key) for key in list(record)[:8]) or "none"
+                    reason = f"no field {field!r} (its fields: {fields}; choose one with --text-field)"
                 else:
                     reason = f"field {field!r} is {JSON_TYPES.get(type(text), type(text).__name__)}, not a string"
                 self._bad(source, line_number, reason)
