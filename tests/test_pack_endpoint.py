@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import re
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -196,3 +199,21 @@ def test_pack_error_through_client(client):
     with pytest.raises(TokenizerServiceError) as caught:
         client.pack(["a"], 64, strategy="best_fit", carry=[1])
     assert caught.value.status == 422 and caught.value.field == "carry"
+
+
+def _documented_answers() -> list[dict]:
+    """The JSON answers docs/api.md shows (each ```json block after a line that mentions an answer)."""
+    text = (Path(__file__).parent.parent / "docs" / "api.md").read_text()
+    answers = []
+    for block in re.findall(r"JSON answer[^\n]*\n(?:[^\n]*\n)*?\n```json\n(.*?)```", text, flags=re.S):
+        answers.append(json.loads(block.replace("[...]", "[]")))
+    return answers
+
+
+def test_the_documented_json_answers_have_every_field_the_server_sends(server: Server):
+    tokenize, pack = _documented_answers()
+    real = httpx.post(f"{server.url}/v1/tokenize", json={"texts": ["I am a cat."]}).json()
+    assert set(tokenize) == set(real)
+    real = httpx.post(f"{server.url}/v1/pack", json={"texts": ["I am a cat."], "seq_len": 4}).json()
+    assert set(pack) == set(real)
+    assert set(pack["stats"]) == set(real["stats"])
