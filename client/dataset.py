@@ -1,7 +1,9 @@
-"""Pre-tokenized shards: the on-disk format ``tokenizer-pretokenize`` writes, and ``TokenDataset`` to read it.
+"""Pre-tokenized shards: the on-disk format ``tokenizer-pretokenize`` writes, its writer and its reader.
 
-This docstring is the one description of the format; the writer (``app.pretokenize``) takes its constants
-and header layout from this module. Everything is little-endian.
+This docstring is the one description of the format and this module its one implementation: the constants,
+``write_shard`` (one shard's files, byte for byte), ``read_shard`` and ``TokenDataset`` (reading them back),
+``check_metadata``. ``app.pretokenize`` decides what goes into which shard, has ``write_shard`` write it under
+temporary names, and keeps ``metadata.json``. Everything is little-endian.
 
 An output directory holds::
 
@@ -67,11 +69,14 @@ import bisect
 import functools
 import json
 import operator
+import re
 import struct
 from collections import OrderedDict
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -94,14 +99,19 @@ __all__ = [
     "OFFSET_DTYPE",
     "SEG_DTYPE",
     "SEG_SUFFIX",
+    "SHARD_SUFFIXES",
     "IndexHeader",
     "PackedRow",
     "Shard",
     "TokenDataset",
+    "check_metadata",
     "id_dtype",
     "index_header",
     "read_index_header",
+    "read_shard",
+    "shard_index",
     "shard_name",
+    "write_shard",
 ]
 
 FORMAT_NAME = "tokenizer-shards"
@@ -110,6 +120,7 @@ METADATA_FILE = "metadata.json"
 BIN_SUFFIX = ".bin"
 IDX_SUFFIX = ".idx"
 SEG_SUFFIX = ".seg"
+SHARD_SUFFIXES = (BIN_SUFFIX, IDX_SUFFIX, SEG_SUFFIX)
 IDX_MAGIC = b"TKSHARD\0"
 IDX_HEADER = struct.Struct("<8sHBBIqq")
 LAYOUT_RAGGED = 0
@@ -123,6 +134,15 @@ _SHARDS_OPEN = 64  # memory maps kept open at once; each holds file descriptors
 
 def shard_name(index: int) -> str:
     return f"{index:05d}"
+
+
+_SHARD_FILE = re.compile(rf"([0-9]{{5,}})({'|'.join(map(re.escape, SHARD_SUFFIXES))})")
+
+
+def shard_index(file_name: str) -> int | None:
+    """The shard a file such as ``00012.idx`` belongs to; None for any other name."""
+    match = _SHARD_FILE.fullmatch(file_name)
+    return int(match[1]) if match else None
 
 
 def id_dtype(vocab_size: int) -> np.dtype:
@@ -141,6 +161,19 @@ class IndexHeader(NamedTuple):
 def index_header(header: IndexHeader) -> bytes:
     """The 32 bytes that open an ``.idx`` file."""
     return IDX_HEADER.pack(IDX_MAGIC, FORMAT_VERSION, *header)
+
+
+def check_metadata(meta: Any, where: str | Path) -> dict[str, Any]:
+    """`meta` (a parsed ``metadata.json``) if it is of this format and version; ValueError naming `where` if not."""
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        raise ValueError(f"{where}: format is not {FORMAT_NAME!r}")
+    if meta.get("version") != FORMAT_VERSION:
+        raise ValueError(f"{where}: format version {meta.get('version')}, this reader knows {FORMAT_VERSION}")
+    if meta.get("layout") not in LAYOUTS:
+        raise ValueError(f"{where}: unknown layout {meta.get('layout')!r}")
+    if meta["layout"] == "packed" and not isinstance(meta.get("seq_len"), int):
+        raise ValueError(f"{where}: packed output without an integer seq_len")
+    return meta
 
 
 def read_index_header(raw: bytes, where: str) -> IndexHeader:
@@ -169,6 +202,80 @@ class Shard:
     ids: np.ndarray
     offsets: np.ndarray
     seg: np.ndarray | None
+
+
+Opener = Callable[[Path], AbstractContextManager[IO[bytes]]]
+
+
+def _create(path: Path) -> IO[bytes]:
+    return path.open("wb")
+
+
+def write_shard(
+    base: Path,
+    ids: np.ndarray,
+    offsets: np.ndarray,
+    seg: np.ndarray | None = None,
+    *,
+    dtype: np.dtype,
+    seq_len: int = 0,
+    opener: Opener = _create,
+) -> list[Path]:
+    """Write one shard's files, `base` plus each suffix; returns their paths (``.bin``, ``.idx``, packed ``.seg``).
+
+    Ragged: `ids` are the documents end to end, `offsets` where each starts. Packed (`seg` given): `ids`
+    are rows of `seq_len`, `offsets` index `seg`, each row's segment boundaries. `opener(path)` opens a
+    file for writing; the pre-tokenizer's writes a temporary file and renames it once the shard is whole.
+    """
+    offsets = np.asarray(offsets)
+    count = len(offsets) - 1
+    if offsets.ndim != 1 or count < 0 or offsets[0] != 0:
+        raise ValueError("offsets must be count + 1 values starting at 0")
+    end = int(offsets[-1])
+    if seg is None and (seq_len or end != ids.size):
+        raise ValueError(f"ragged shard: seq_len {seq_len} (must be 0), offsets end at {end} of {ids.size} ids")
+    if seg is not None and (seq_len < 1 or ids.size != count * seq_len or end != seg.size):
+        raise ValueError(
+            f"packed shard: {ids.size} ids for {count} rows of {seq_len}, offsets end at {end} of {seg.size} boundaries"
+        )
+    layout = LAYOUT_RAGGED if seg is None else LAYOUT_PACKED
+    header = IndexHeader(layout, dtype.itemsize, seq_len, count, ids.size)
+    files = [base.with_suffix(BIN_SUFFIX), base.with_suffix(IDX_SUFFIX)]
+    with opener(files[0]) as file:
+        file.write(np.ascontiguousarray(ids, dtype).data)
+    with opener(files[1]) as file:
+        file.write(index_header(header))
+        file.write(np.ascontiguousarray(offsets, OFFSET_DTYPE).data)
+    if seg is not None:
+        files.append(base.with_suffix(SEG_SUFFIX))
+        with opener(files[2]) as file:
+            file.write(np.ascontiguousarray(seg, SEG_DTYPE).data)
+    return files
+
+
+def read_shard(base: Path, dtype: np.dtype, expected: IndexHeader) -> Shard:
+    """Memory-map one shard's files, ``base`` plus each suffix; ValueError unless they are what `expected` says."""
+    idx_path = base.with_suffix(IDX_SUFFIX)
+    with idx_path.open("rb") as file:
+        header = read_index_header(file.read(IDX_HEADER.size), str(idx_path))
+    if header != expected:
+        raise ValueError(f"{idx_path}: header {header} does not match metadata.json {expected}")
+    count, num_ids = expected.items, expected.num_ids
+    size = idx_path.stat().st_size
+    if size != IDX_HEADER.size + (count + 1) * OFFSET_DTYPE.itemsize:
+        raise ValueError(f"{idx_path}: {size} bytes, expected {count + 1} offsets after the header")
+    offsets = _map(idx_path, OFFSET_DTYPE, IDX_HEADER.size)
+    ids = _map(base.with_suffix(BIN_SUFFIX), dtype)
+    if ids.size != num_ids:
+        raise ValueError(f"{base.with_suffix(BIN_SUFFIX)}: {ids.size} ids, the index says {num_ids}")
+    seg = None
+    if expected.layout == LAYOUT_PACKED:
+        seg = _map(base.with_suffix(SEG_SUFFIX), SEG_DTYPE)
+        if seg.size != int(offsets[-1]):
+            raise ValueError(f"{base.with_suffix(SEG_SUFFIX)}: {seg.size} entries, the index says {offsets[-1]}")
+    elif int(offsets[-1]) != num_ids:
+        raise ValueError(f"{idx_path}: offsets end at {offsets[-1]}, the shard holds {num_ids} ids")
+    return Shard(ids=ids, offsets=offsets, seg=seg)
 
 
 @dataclass(frozen=True, eq=False)
@@ -227,19 +334,11 @@ class TokenDataset:
     def _read_metadata(self) -> dict[str, Any]:
         file = self.path / METADATA_FILE
         try:
-            meta = json.loads(file.read_text(encoding="utf-8"))
+            meta = check_metadata(json.loads(file.read_text(encoding="utf-8")), file)
         except FileNotFoundError:
             raise ValueError(f"{self.path} holds no {METADATA_FILE}: not a tokenizer-pretokenize output") from None
-        except ValueError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"{file}: not JSON: {exc}") from exc
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-            raise ValueError(f"{file}: format is not {FORMAT_NAME!r}")
-        if meta.get("version") != FORMAT_VERSION:
-            raise ValueError(f"{file}: format version {meta.get('version')}, this reader knows {FORMAT_VERSION}")
-        if meta.get("layout") not in LAYOUTS:
-            raise ValueError(f"{file}: unknown layout {meta.get('layout')!r}")
-        if meta["layout"] == "packed" and not isinstance(meta.get("seq_len"), int):
-            raise ValueError(f"{file}: packed output without an integer seq_len")
         if not meta.get("complete") and not self.allow_partial:
             raise ValueError(
                 f"{self.path} is incomplete ({len(meta.get('shards', []))} shards so far): run tokenizer-pretokenize "
@@ -298,30 +397,10 @@ class TokenDataset:
         return shard
 
     def _map_shard(self, index: int) -> Shard:
-        base = self.path / self._names[index]
-        idx_path = base.with_suffix(IDX_SUFFIX)
-        with idx_path.open("rb") as file:
-            header = read_index_header(file.read(IDX_HEADER.size), str(idx_path))
         count = int(self._count_starts[index + 1] - self._count_starts[index])
         num_ids = int(self._id_starts[index + 1] - self._id_starts[index])
         expected = IndexHeader(LAYOUTS[self.layout], self.dtype.itemsize, self.seq_len or 0, count, num_ids)
-        if header != expected:
-            raise ValueError(f"{idx_path}: header {header} does not match metadata.json {expected}")
-        size = idx_path.stat().st_size
-        if size != IDX_HEADER.size + (count + 1) * OFFSET_DTYPE.itemsize:
-            raise ValueError(f"{idx_path}: {size} bytes, expected {count + 1} offsets after the header")
-        offsets = _map(idx_path, OFFSET_DTYPE, IDX_HEADER.size)
-        ids = _map(base.with_suffix(BIN_SUFFIX), self.dtype)
-        if ids.size != num_ids:
-            raise ValueError(f"{base.with_suffix(BIN_SUFFIX)}: {ids.size} ids, the index says {num_ids}")
-        seg = None
-        if self.layout == "packed":
-            seg = _map(base.with_suffix(SEG_SUFFIX), SEG_DTYPE)
-            if seg.size != int(offsets[-1]):
-                raise ValueError(f"{base.with_suffix(SEG_SUFFIX)}: {seg.size} entries, the index says {offsets[-1]}")
-        elif int(offsets[-1]) != num_ids:
-            raise ValueError(f"{idx_path}: offsets end at {offsets[-1]}, the shard holds {num_ids} ids")
-        return Shard(ids=ids, offsets=offsets, seg=seg)
+        return read_shard(self.path / self._names[index], self.dtype, expected)
 
     def _locate(self, index: int) -> tuple[int, int]:
         """(shard, position in shard) of document or row `index`; negative counts from the end."""

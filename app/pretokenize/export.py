@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from client.dataset import TokenDataset
+from client.dataset import BIN_SUFFIX, TokenDataset
 
 FORMATS = ("megatron", "litdata", "nanogpt", "llmc")
 
@@ -102,7 +102,7 @@ def sequences(dataset: TokenDataset, shard: int) -> tuple[np.ndarray, np.ndarray
 
 
 def bin_path(dataset: TokenDataset, shard: int) -> Path:
-    return dataset.path / f"{dataset.metadata['shards'][shard]['name']}.bin"
+    return dataset.path / f"{dataset.metadata['shards'][shard]['name']}{BIN_SUFFIX}"
 
 
 def link_or_copy(source: Path, target: Path) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from app.pretokenize.store import identity
-from client.dataset import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE
+from client.dataset import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, check_metadata
 
 RANK_DIRECTORY = "rank-{:05d}"
 
@@ -105,7 +105,8 @@ def merge(directory: Path) -> dict[str, Any]:
     problems = []
     for path in ranks:
         try:
-            metadata.append(json.loads((path / METADATA_FILE).read_text(encoding="utf-8")))
+            file = path / METADATA_FILE
+            metadata.append(check_metadata(json.loads(file.read_text(encoding="utf-8")), file))
         except (OSError, ValueError) as exc:
             problems.append(f"{path.name}: no readable {METADATA_FILE} ({exc})")
     if problems:

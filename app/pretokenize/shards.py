@@ -2,7 +2,8 @@
 
 Where a shard ends depends only on the documents, never on how they were batched for tokenizing, and
 each closed shard records the position after its last document (plus, for concat, the ids that did not
-fill a row): so a resumed run rebuilds exactly the shards an uninterrupted run writes.
+fill a row): so a resumed run rebuilds exactly the shards an uninterrupted run writes. The bytes of a
+shard are `client.dataset.write_shard`'s, the format's one writer.
 """
 
 from __future__ import annotations
@@ -14,18 +15,7 @@ import numpy as np
 
 from app.pretokenize.sources import Position, Source, source_at
 from app.pretokenize.store import OutputDir
-from client.dataset import (
-    BIN_SUFFIX,
-    IDX_SUFFIX,
-    LAYOUT_PACKED,
-    LAYOUT_RAGGED,
-    OFFSET_DTYPE,
-    SEG_DTYPE,
-    SEG_SUFFIX,
-    IndexHeader,
-    index_header,
-    shard_name,
-)
+from client.dataset import shard_name, write_shard
 from client.packing import pack_best_fit, pack_concat
 from client.wire import ragged_offsets
 
@@ -54,22 +44,12 @@ class ShardSink:
     def _write(
         self, ids: np.ndarray, offsets: np.ndarray, seg: np.ndarray | None, record: dict[str, Any], doc_tokens: int
     ) -> None:
-        index = len(self.metadata["shards"])
-        layout = LAYOUT_RAGGED if seg is None else LAYOUT_PACKED
-        count = len(offsets) - 1
-        header = IndexHeader(layout, self.dtype.itemsize, self.seq_len, count, ids.size)
-        files = [self.out.shard_path(index, BIN_SUFFIX), self.out.shard_path(index, IDX_SUFFIX)]
-        with self.out.writing(files[0]) as file:
-            file.write(np.ascontiguousarray(ids, self.dtype).data)
-        with self.out.writing(files[1]) as file:
-            file.write(index_header(header))
-            file.write(np.ascontiguousarray(offsets, OFFSET_DTYPE).data)
-        if seg is not None:
-            files.append(self.out.shard_path(index, SEG_SUFFIX))
-            with self.out.writing(files[2]) as file:
-                file.write(np.ascontiguousarray(seg, SEG_DTYPE).data)
-        self.out.commit(files)
-        self.metadata["shards"].append({"name": shard_name(index), "tokens": int(ids.size), **record})
+        name = shard_name(len(self.metadata["shards"]))
+        written = write_shard(
+            self.out.path / name, ids, offsets, seg, dtype=self.dtype, seq_len=self.seq_len, opener=self.out.writing
+        )
+        self.out.commit(written)
+        self.metadata["shards"].append({"name": name, "tokens": int(ids.size), **record})
         self.tokens = doc_tokens
 
     def _snapshot(self, position: Position | None, leftover: tuple[np.ndarray, np.ndarray] | None) -> None:

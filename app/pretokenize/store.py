@@ -1,6 +1,7 @@
-"""The output directory: atomic shard files, metadata.json, and the checks that keep runs from mixing.
+"""The output directory: atomic writes, metadata.json, and the checks that keep runs from mixing.
 
-A shard's files are written under temporary names, flushed to disk and renamed; metadata.json is
+What the files hold is `client.dataset`'s (the format, its writer and reader); this module is how they get
+there. A shard's files are written under temporary names, flushed to disk and renamed; metadata.json is
 rewritten the same way afterwards and is the only thing that says a shard is complete. A run killed at
 any point leaves either the previous metadata.json or the new one, never a half shard that looks whole.
 """
@@ -9,23 +10,20 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-from client.dataset import BIN_SUFFIX, FORMAT_NAME, FORMAT_VERSION, IDX_SUFFIX, METADATA_FILE, SEG_SUFFIX, shard_name
+from client.dataset import METADATA_FILE, check_metadata, shard_index
 
 TMP_SUFFIX = ".tmp"
-_SUFFIXES = "|".join(re.escape(suffix) for suffix in (BIN_SUFFIX, IDX_SUFFIX, SEG_SUFFIX))
-_SHARD_FILE = re.compile(rf"^(\d{{5,}})({_SUFFIXES})$")
 
 
 def _ours(name: str) -> bool:
     """A file this tool writes: a shard file or metadata.json, or one of their temporary files."""
     name = name.removesuffix(TMP_SUFFIX)
-    return name == METADATA_FILE or _SHARD_FILE.match(name) is not None
+    return name == METADATA_FILE or shard_index(name) is not None
 
 
 class OutputError(Exception):
@@ -50,9 +48,6 @@ class OutputDir:
         self.path = path
         self.metadata_path = path / METADATA_FILE
 
-    def shard_path(self, index: int, suffix: str) -> Path:
-        return self.path / f"{shard_name(index)}{suffix}"
-
     def load(self) -> dict[str, Any] | None:
         """metadata.json if there is one; refuses a directory that holds anything else of its own."""
         if not self.path.exists():
@@ -73,20 +68,17 @@ class OutputDir:
             metadata = json.loads(text)
         except ValueError as exc:
             raise OutputError(f"{self.metadata_path} is not JSON ({exc}); choose another --output") from exc
-        if not isinstance(metadata, dict) or metadata.get("format") != FORMAT_NAME:
-            raise OutputError(f"{self.metadata_path} is not a {FORMAT_NAME} metadata file; choose another --output")
-        if metadata.get("version") != FORMAT_VERSION:
-            raise OutputError(
-                f"{self.metadata_path} is format version {metadata.get('version')}, this tool writes {FORMAT_VERSION}"
-            )
-        return metadata
+        try:
+            return check_metadata(metadata, self.metadata_path)
+        except ValueError as exc:
+            raise OutputError(f"{exc}; choose another --output") from exc
 
     def prepare(self, shards_kept: int) -> None:
         """Create the directory; remove temporary files and shard files past the complete ones."""
         self.path.mkdir(parents=True, exist_ok=True)
         for entry in self.path.iterdir():
-            shard = _SHARD_FILE.match(entry.name)
-            if (entry.name.endswith(TMP_SUFFIX) and _ours(entry.name)) or (shard and int(shard[1]) >= shards_kept):
+            shard = shard_index(entry.name)
+            if (entry.name.endswith(TMP_SUFFIX) and _ours(entry.name)) or (shard is not None and shard >= shards_kept):
                 entry.unlink()
 
     @contextmanager
