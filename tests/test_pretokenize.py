@@ -201,6 +201,25 @@ def test_strict_stops_at_the_first_bad_record(
     assert not json.loads((tmp_path / "out" / "metadata.json").read_text())["complete"]
 
 
+@pytest.mark.parametrize("records", [3, 1500], ids=["all-bad", "first-1000-bad"])
+def test_a_wrong_text_field_stops_with_the_fix_and_leaves_no_output(
+    records: int, documents: list[str], model_files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_text("".join(json.dumps({"content": documents[i % 20]}) + "\n" for i in range(records)))
+    out = tmp_path / "out"
+    assert pretokenize(jsonl, "--output", out, "--local", "--model", model_files["uni"], "-q") == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("tokenizer-pretokenize: ") and "is --text-field 'text' the field" in last, last
+    assert "(its fields: 'content'; choose one with --text-field)" in last
+    assert not out.exists()
+    code = pretokenize(
+        jsonl, "--output", out, "--local", "--model", model_files["uni"], "-q", "--text-field", "content"
+    )
+    assert code == 0
+    assert len(TokenDataset(out)) == records
+
+
 @pytest.fixture(scope="module")
 def big_input(documents: list[str], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """About 5 MB of documents with bad records early and late: long enough to be killed half way."""

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from app.pretokenize.backends import local_pool, tokenize_locally, tokenize_via_service
 from app.pretokenize.ranks import blocks, rank_directory
 from app.pretokenize.shards import BestFitShards, ConcatShards, RaggedShards, ShardSink
-from app.pretokenize.sources import BadRecordError, DocumentReader, Position, Source, expand_inputs
+from app.pretokenize.sources import BadRecordError, DocumentReader, InputError, Position, Source, expand_inputs
 from app.pretokenize.store import OutputDir, OutputError, differences
 from app.registry import ModelInfo, ModelLoadError, inspect_model
 from app.settings import ConfigError, Settings, describe_error, usable_cpus
@@ -26,6 +26,8 @@ from client.dataset import FORMAT_NAME, FORMAT_VERSION, id_dtype
 
 DEFAULT_SHARD_TOKENS = 1 << 24
 SERVICE_BATCH = 256
+# A run whose first this-many records are all bad reads the wrong field (or the wrong files): stop there.
+NOTHING_GOOD_LIMIT = 1000
 SERVICE_DEPTH = 4  # requests in flight per URL
 LOCAL_CHUNK_CHARS = (1 << 16, 1 << 20)  # a chunk for one worker: at least 64 KiB, at most 1 MiB of text
 
@@ -240,9 +242,25 @@ def run(
         shards_before = len(metadata["shards"])
         sources = [Source(**source) for source in metadata["sources"]]
 
+        bad = documents = tokens = 0
+        last_bad = ""
+
+        def nothing_to_tokenize(last: str) -> InputError:
+            if shards_before == 0:
+                out.discard()  # nothing of this run is worth keeping: the corrected command starts afresh
+            every = f"all {bad:,} records" if bad < NOTHING_GOOD_LIMIT else f"the first {bad:,} records"
+            return InputError(
+                f"{every} are bad, so nothing would be tokenized (the last: {last}); is --text-field "
+                f"{options.text_field!r} the field that holds the text?"
+            )
+
         def on_bad(message: str) -> None:
+            nonlocal bad, last_bad
             if options.strict:
                 raise BadRecordError(message)
+            bad, last_bad = bad + 1, message
+            if bad >= NOTHING_GOOD_LIMIT and documents == 0 and not positions:  # not one good record yet
+                raise nothing_to_tokenize(message)
             report_bad(message)
 
         reader = DocumentReader(sources, options.text_field, on_bad)
@@ -284,7 +302,6 @@ def run(
         initial_bytes = sum(
             source.size if source.done else 0 if source.compressed else source.read_bytes for source in sources
         )
-        documents = tokens = 0
         for ids, offsets in batches:
             count = len(offsets) - 1
             sink.add(ids, offsets, [positions.popleft() for _ in range(count)])
@@ -292,5 +309,7 @@ def run(
             tokens += ids.size
             if progress is not None:
                 progress(Progress(documents, tokens, reader.compressed_bytes_read(), initial_bytes, total_bytes))
+        if documents == 0 and bad and shards_before == 0:
+            raise nothing_to_tokenize(last_bad)
         sink.finish()
     return Summary(out.path, metadata, shards_before, documents, tokens, time.monotonic() - started)

@@ -81,6 +81,14 @@ class OutputDir:
             if (entry.name.endswith(TMP_SUFFIX) and _ours(entry.name)) or (shard is not None and shard >= shards_kept):
                 entry.unlink()
 
+    def discard(self) -> None:
+        """Remove what this tool wrote here (a run that produced nothing), and the directory once empty."""
+        for entry in self.path.iterdir():
+            if _ours(entry.name):
+                entry.unlink()
+        if not any(self.path.iterdir()):
+            self.path.rmdir()
+
     @contextmanager
     def writing(self, final: Path) -> Iterator[IO[bytes]]:
         """A file written under a temporary name, flushed to disk; the caller renames it with `commit`."""
