@@ -38,7 +38,7 @@ from app.pretokenize.run import Options, run
 from app.pretokenize.sources import DocumentReader, InputError, Source
 from app.registry import inspect_model
 from app.settings import usable_cpus
-from client import TokenizerClient
+from client import TokenizerClient, TokenizerError
 from client.dataset import TokenDataset
 
 BATCH = 256
@@ -178,9 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.docs < 1 or args.rounds < 1 or args.workers < 1:
-        raise SystemExit("tokenizer-bench: --docs, --rounds and --workers must be positive")
+        parser.error("--docs, --rounds and --workers must be positive")
+    if args.url is not None:
+        try:
+            TokenizerClient(args.url).close()
+        except ValueError as exc:
+            parser.error(str(exc))
     try:
         info = inspect_model("bench", args.model)
         docs = read_corpus(args.corpus, args.docs, args.text_field)
@@ -197,14 +203,17 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     service = local_server(args.model, args.workers) if args.url is None else given_server(args.url, info.sha256)
-    with (
-        tempfile.TemporaryDirectory(prefix="tokenizer-bench-") as scratch,
-        service as (url, name),
-        TokenizerClient(url, timeout=300) as client,
-    ):
-        candidates = methods(sp, docs, args.model, args.workers, client, name, Path(scratch))
-        client.tokenize_batch(docs[:BATCH], model=name)  # connections and workers warm
-        seconds, tokens = measure(candidates, args.rounds)
+    try:
+        with (
+            tempfile.TemporaryDirectory(prefix="tokenizer-bench-") as scratch,
+            service as (url, name),
+            TokenizerClient(url, timeout=300) as client,
+        ):
+            candidates = methods(sp, docs, args.model, args.workers, client, name, Path(scratch))
+            client.tokenize_batch(docs[:BATCH], model=name)  # connections and workers warm
+            seconds, tokens = measure(candidates, args.rounds)
+    except TokenizerError as exc:  # the --url server is down, or refuses
+        raise SystemExit(f"tokenizer-bench: {exc}") from exc
     if len(set(tokens.values())) != 1:
         raise SystemExit(f"tokenizer-bench: the methods disagree on the number of tokens: {tokens}")
     print()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 import httpx
 
@@ -34,6 +34,7 @@ from client._retry import NO_RETRY, Attempt, Replicas, RetryPolicy
 from client.errors import TokenizerConnectionError
 
 JSON_HEADERS = {"content-type": "application/json"}
+FORMATS = get_args(Format)
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,11 @@ class BaseClient:
         replica_cooldown_s: float = 1.0,
     ) -> None:
         self.urls = parse_urls(url)
+        for each in self.urls:
+            if httpx.URL(each).scheme not in ("http", "https"):
+                raise ValueError(f"url {each!r} has no http:// or https:// in front: did you mean 'http://{each}'?")
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            raise ValueError(f"timeout is in seconds, a number above 0; got {timeout!r}")
         self.url = self.urls[0]
         self.timeout = timeout
         self.retry = retry
@@ -96,6 +102,8 @@ class BaseClient:
     @staticmethod
     def _post(path: str, payload: dict[str, Any], format: Format | None = None) -> Call:
         """A JSON body to `path`, asking for the binary frame or JSON as `format` says (None: JSON only)."""
+        if format is not None and format not in FORMATS:
+            raise ValueError(f"format must be one of {', '.join(map(repr, FORMATS))}, not {format!r}")
         headers = JSON_HEADERS if format is None else {**JSON_HEADERS, "accept": accept_header(format)}
         return Call("POST", path, dumps(payload), headers)
 

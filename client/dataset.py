@@ -336,6 +336,8 @@ class TokenDataset:
         try:
             meta = check_metadata(json.loads(file.read_text(encoding="utf-8")), file)
         except FileNotFoundError:
+            if not self.path.is_dir():
+                raise ValueError(f"{self.path} is not a directory: give a tokenizer-pretokenize --output") from None
             raise ValueError(f"{self.path} holds no {METADATA_FILE}: not a tokenizer-pretokenize output") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"{file}: not JSON: {exc}") from exc
