@@ -1,7 +1,7 @@
 """SentencePiece encoding in worker processes: the server's (app.jobs) and the pre-tokenizer's pool.
 
 Each process loads every model once (`load_models`). `encode_texts` is the one place ids are made,
-exactly as in-process `sp.encode` makes them; `encode_chunk` answers the pre-tokenizer's pool with flat
+exactly as in-process `sp.encode` makes them; `encode_chunk` answers the pre-tokenizer's pool with a TokenizedBatch, flat
 numpy buffers (int32 ids plus int64 offsets pickle as two memcpy'd blobs, where lists of Python ints
 would cost about a quarter of the tokenization time again).
 """
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import sentencepiece as spm
 
+from client import TokenizedBatch
 from client.wire import ragged_offsets
 
 _processors: dict[str, spm.SentencePieceProcessor] = {}
@@ -30,14 +30,6 @@ class EncodeOptions:
     sample_alpha: float | None = None
     sample_nbest_size: int = -1
     sample_seed: int | None = None
-
-
-@dataclass(frozen=True)
-class Encoded:
-    ids: np.ndarray  # int32, all texts of the chunk end to end
-    offsets: np.ndarray  # int64, len(texts) + 1
-    started: float  # time.monotonic() when the worker picked the chunk up
-    seconds: float  # time spent tokenizing
 
 
 def load_models(paths: dict[str, str]) -> None:
@@ -129,10 +121,9 @@ def encode_texts(
     return pieces
 
 
-def encode_chunk(model: str, texts: list[str], options: EncodeOptions, first_index: int = 0) -> Encoded:
+def encode_chunk(model: str, texts: list[str], options: EncodeOptions) -> TokenizedBatch:
     """Tokenize texts[i] exactly as `sp.encode(texts[i], ...)` would in-process (the pre-tokenizer's pool)."""
-    started = time.monotonic()
-    pieces = encode_texts(_processors[model], texts, options, first_index)
+    pieces = encode_texts(_processors[model], texts, options)
     lengths = np.fromiter((len(ids) for ids in pieces), dtype=np.int64, count=len(pieces))
     ids = np.concatenate(pieces).astype(np.int32, copy=False) if pieces else np.zeros(0, dtype=np.int32)
-    return Encoded(ids=ids, offsets=ragged_offsets(lengths), started=started, seconds=time.monotonic() - started)
+    return TokenizedBatch(ids, ragged_offsets(lengths), model, None)

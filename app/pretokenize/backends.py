@@ -1,7 +1,7 @@
 """Where the ids come from: a process pool running the server's own worker code, or the service over HTTP.
 
-Both take a stream of texts and yield (ids, offsets) batches in order with a bounded number in flight,
-so reading the next texts and writing shards overlap with tokenizing.
+Both take a stream of texts and yield TokenizedBatch (the client's ragged type) in order, with a
+bounded number in flight, so reading the next texts and writing shards overlap with tokenizing.
 """
 
 from __future__ import annotations
@@ -15,12 +15,8 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import TypeVar
 
-import numpy as np
-
 from app import worker, worker_start
 from client import TokenizedBatch, TokenizerClient
-
-Batch = tuple[np.ndarray, np.ndarray]  # int32 ids end to end, int64 offsets
 
 Result = TypeVar("Result")
 
@@ -84,11 +80,6 @@ def in_order(submitted: Iterator[Future[Result]], depth: int) -> Iterator[Result
             future.cancel()
 
 
-def _encode(model: str, texts: list[str], options: worker.EncodeOptions) -> Batch:
-    encoded = worker.encode_chunk(model, texts, options)
-    return encoded.ids, encoded.offsets
-
-
 def tokenize_locally(
     pool: ProcessPoolExecutor,
     model: str,
@@ -98,10 +89,12 @@ def tokenize_locally(
     add_eos: bool,
     chunk_chars: int,
     depth: int,
-) -> Iterator[Batch]:
+) -> Iterator[TokenizedBatch]:
     """Tokenize on the pool in chunks of about `chunk_chars` characters, `depth` chunks in flight."""
     options = worker.EncodeOptions(add_bos=add_bos, add_eos=add_eos)
-    submitted = (pool.submit(_encode, model, chunk, options) for chunk in chunks(texts, chunk_chars, 1 << 16))
+    submitted = (
+        pool.submit(worker.encode_chunk, model, chunk, options) for chunk in chunks(texts, chunk_chars, 1 << 16)
+    )
     return in_order(submitted, depth)
 
 
@@ -115,7 +108,7 @@ def tokenize_via_service(
     add_eos: bool,
     batch_size: int,
     depth: int,
-) -> Iterator[Batch]:
+) -> Iterator[TokenizedBatch]:
     """Tokenize through the service with the client's prefetch: `batch_size` texts a request, `depth` in
     flight, over all of the client's URLs, with its retries and failover.
 
@@ -133,4 +126,4 @@ def tokenize_via_service(
                     f"the service answered with model {model!r} sha256 {answered[:12]}…, "
                     f"but this output is tokenized with {sha256[:12]}…"
                 )
-            yield np.asarray(batch.ids), np.asarray(batch.offsets)
+            yield batch

@@ -302,11 +302,11 @@ def run(
         initial_bytes = sum(
             source.size if source.done else 0 if source.compressed else source.read_bytes for source in sources
         )
-        for ids, offsets in batches:
-            count = len(offsets) - 1
-            sink.add(ids, offsets, [positions.popleft() for _ in range(count)])
+        for batch in batches:
+            count = len(batch)
+            sink.add(batch.ids, batch.offsets, [positions.popleft() for _ in range(count)])
             documents += count
-            tokens += ids.size
+            tokens += batch.num_tokens
             if progress is not None:
                 progress(Progress(documents, tokens, reader.compressed_bytes_read(), initial_bytes, total_bytes))
         if documents == 0 and bad and shards_before == 0:
