@@ -1,9 +1,9 @@
 """SentencePiece encoding in worker processes: the server's (app.jobs) and the pre-tokenizer's pool.
 
 Each process loads every model once (`load_models`). `encode_texts` is the one place ids are made,
-exactly as in-process `sp.encode` makes them; `encode_chunk` answers the pre-tokenizer's pool with a TokenizedBatch, flat
-numpy buffers (int32 ids plus int64 offsets pickle as two memcpy'd blobs, where lists of Python ints
-would cost about a quarter of the tokenization time again).
+exactly as in-process `sp.encode` makes them; `encode_chunk` answers the pre-tokenizer's pool with a
+TokenizedBatch: flat numpy buffers (int32 ids plus int64 offsets pickle as two memcpy'd blobs, where
+lists of Python ints would cost about a quarter of the tokenization time again).
 """
 
 from __future__ import annotations
