@@ -28,6 +28,13 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def option(metavar: str, description: str, default: Any = None, **constraints: Any) -> Any:
+    """A Settings field: what --help shows for its value (`metavar`), what it does, its default and bounds."""
+    if "default_factory" in constraints:
+        return Field(description=description, json_schema_extra={"metavar": metavar}, **constraints)
+    return Field(default, description=description, json_schema_extra={"metavar": metavar}, **constraints)
+
+
 class Settings(BaseSettings):
     """Everything the server can be told; each field is also `--kebab-case` and `TOKENIZER_UPPER_CASE`."""
 
@@ -39,128 +46,85 @@ class Settings(BaseSettings):
         extra="ignore",
     )
 
-    host: str = Field("127.0.0.1", description="address to bind", json_schema_extra={"metavar": "ADDRESS"})
-    port: int = Field(
-        8000, ge=0, le=65535, description="port to bind (0 picks a free one)", json_schema_extra={"metavar": "PORT"}
-    )
-    frontends: int = Field(
+    host: str = option("ADDRESS", "address to bind", "127.0.0.1")
+    port: int = option("PORT", "port to bind (0 picks a free one)", 8000, ge=0, le=65535)
+    frontends: int = option(
+        "N",
+        "server processes sharing the port (SO_REUSEPORT), each with its share of --workers; one "
+        "feeds about 20 busy workers",
         1,
         ge=1,
-        description="server processes sharing the port (SO_REUSEPORT), each with its share of --workers; one "
-        "feeds about 20 busy workers",
-        json_schema_extra={"metavar": "N"},
     )
-    workers: int = Field(
-        default_factory=usable_cpus,
-        ge=1,
-        description="tokenizer worker processes (default: usable CPU cores)",
-        json_schema_extra={"metavar": "N"},
+    workers: int = option(
+        "N", "tokenizer worker processes (default: usable CPU cores)", default_factory=usable_cpus, ge=1
     )
-    model: Annotated[list[str], NoDecode] = Field(
+    model: Annotated[list[str], NoDecode] = option(
+        "NAME=PATH",
+        "a model to serve as NAME=PATH; repeat the flag, or comma-separate in the environment",
         default_factory=list,
-        description="a model to serve as NAME=PATH; repeat the flag, or comma-separate in the environment",
-        json_schema_extra={"metavar": "NAME=PATH"},
     )
-    models_dir: Path | None = Field(
-        None,
-        description="serve every *.model in this directory under its file stem",
-        json_schema_extra={"metavar": "DIR"},
+    models_dir: Path | None = option("DIR", "serve every *.model in this directory under its file stem", None)
+    default_model: str | None = option("NAME", "model used when a request names none", None)
+    max_request_bytes: int = option("BYTES", "largest request body accepted (413 above)", 32 * 1024 * 1024, ge=1)
+    max_texts: int = option("N", "most texts in one request (413 above)", 8192, ge=1)
+    max_seq_len: int = option("TOKENS", "largest seq_len /v1/pack accepts", 131072, ge=2)
+    min_chunk_chars: int = option(
+        "CHARS", "a request is split over workers only in chunks at least this many characters long", 16384, ge=1
     )
-    default_model: str | None = Field(
-        None, description="model used when a request names none", json_schema_extra={"metavar": "NAME"}
-    )
-    max_request_bytes: int = Field(
-        32 * 1024 * 1024,
-        ge=1,
-        description="largest request body accepted (413 above)",
-        json_schema_extra={"metavar": "BYTES"},
-    )
-    max_texts: int = Field(
-        8192, ge=1, description="most texts in one request (413 above)", json_schema_extra={"metavar": "N"}
-    )
-    max_seq_len: int = Field(
-        131072, ge=2, description="largest seq_len /v1/pack accepts", json_schema_extra={"metavar": "TOKENS"}
-    )
-    min_chunk_chars: int = Field(
-        16384,
-        ge=1,
-        description="a request is split over workers only in chunks at least this many characters long",
-        json_schema_extra={"metavar": "CHARS"},
-    )
-    max_queued_bytes: int | None = Field(
-        None,
-        ge=1,
-        description="body bytes of /v1 requests admitted and not yet answered, at most; a request beyond it is "
+    max_queued_bytes: int | None = option(
+        "BYTES",
+        "body bytes of /v1 requests admitted and not yet answered, at most; a request beyond it is "
         f"answered 503 at once (default: {QUEUED_REQUESTS_DEFAULT} x --max-request-bytes)",
-        json_schema_extra={"metavar": "BYTES"},
-    )
-    max_queued_texts: int | None = Field(
         None,
         ge=1,
-        description="deprecated and ignored: the server now bounds bytes (--max-queued-bytes)",
-        json_schema_extra={"metavar": "N"},
     )
-    max_concurrent_requests: int = Field(
-        128,
-        ge=1,
-        description="/v1 requests handled at once, at most (503 above); bounds what request bodies hold",
-        json_schema_extra={"metavar": "N"},
+    max_queued_texts: int | None = option(
+        "N", "deprecated and ignored: the server now bounds bytes (--max-queued-bytes)", None, ge=1
     )
-    request_timeout: float = Field(
-        60.0,
-        gt=0,
-        description="seconds a /v1 request may take; then 504, and the work it queued is withdrawn",
-        json_schema_extra={"metavar": "SECONDS"},
+    max_concurrent_requests: int = option(
+        "N", "/v1 requests handled at once, at most (503 above); bounds what request bodies hold", 128, ge=1
     )
-    stall_timeout: float = Field(
+    request_timeout: float = option(
+        "SECONDS", "seconds a /v1 request may take; then 504, and the work it queued is withdrawn", 60.0, gt=0
+    )
+    stall_timeout: float = option(
+        "SECONDS",
+        "seconds a job may run in a worker, plus 10 microseconds a character, before the worker "
+        "counts as stalled and is killed",
         15.0,
         gt=0,
-        description="seconds a job may run in a worker, plus 10 microseconds a character, before the worker "
-        "counts as stalled and is killed",
-        json_schema_extra={"metavar": "SECONDS"},
     )
-    drain_timeout: float = Field(
-        30.0,
-        ge=0,
-        description="seconds in-flight requests get to finish after SIGTERM before they are cancelled",
-        json_schema_extra={"metavar": "SECONDS"},
+    drain_timeout: float = option(
+        "SECONDS", "seconds in-flight requests get to finish after SIGTERM before they are cancelled", 30.0, ge=0
     )
-    api_keys: Annotated[list[SecretStr], NoDecode] = Field(
-        default_factory=list,
-        description="API keys accepted as `Authorization: Bearer KEY` on /v1 endpoints; repeat the flag, or "
+    api_keys: Annotated[list[SecretStr], NoDecode] = option(
+        "KEY",
+        "API keys accepted as `Authorization: Bearer KEY` on /v1 endpoints; repeat the flag, or "
         "comma-separate in the environment (prefer TOKENIZER_API_KEYS: flags show in `ps`); none: no authentication",
-        json_schema_extra={"metavar": "KEY"},
-    )
-    cors_origins: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="origins browsers may call the API from (CORS), or *; repeat the flag, or comma-separate; "
-        "none: CORS off",
-        json_schema_extra={"metavar": "ORIGIN"},
     )
-    max_header_bytes: int = Field(
-        64 * 1024,
-        ge=1024,
-        description="largest request line plus headers accepted (431 and close above)",
-        json_schema_extra={"metavar": "BYTES"},
+    cors_origins: Annotated[list[str], NoDecode] = option(
+        "ORIGIN",
+        "origins browsers may call the API from (CORS), or *; repeat the flag, or comma-separate; none: CORS off",
+        default_factory=list,
     )
-    header_timeout: float = Field(
-        10.0,
-        gt=0,
-        description="seconds a client may take to send a request's headers (408 and close after)",
-        json_schema_extra={"metavar": "SECONDS"},
+    max_header_bytes: int = option(
+        "BYTES", "largest request line plus headers accepted (431 and close above)", 64 * 1024, ge=1024
     )
-    max_connections: int | None = Field(
+    header_timeout: float = option(
+        "SECONDS", "seconds a client may take to send a request's headers (408 and close after)", 10.0, gt=0
+    )
+    max_connections: int | None = option(
+        "N",
+        "open connections at most; the next gets 503 and is closed (default: 4096, or the open-file "
+        "limit less 256 when that is lower)",
         None,
         ge=1,
-        description="open connections at most; the next gets 503 and is closed (default: 4096, or the open-file "
-        "limit less 256 when that is lower)",
-        json_schema_extra={"metavar": "N"},
     )
-    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
+    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = option(
+        "LEVEL",
+        "log level: critical, error, warning, info, debug (also prints the traceback of a failed start) or trace",
         "info",
-        description="log level: critical, error, warning, info, debug (also prints the traceback of a failed "
-        "start) or trace",
-        json_schema_extra={"metavar": "LEVEL"},
     )
 
     @property
