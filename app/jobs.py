@@ -32,7 +32,7 @@ from app.admission import PoisonMemory
 from app.bodies import parse_request
 from app.errors import InvalidField, ModelNotFound, PayloadTooLarge, PoisonInput, ServiceError
 from app.registry import ModelInfo
-from app.schemas import DetokenizeRequest, PackRequest, TokenizeRequest
+from app.schemas import DetokenizeRequest, EncodeOptions, PackRequest, TokenizeRequest
 from client import wire
 from client.packing import PackedRows, pack_best_fit, pack_concat
 from client.wire import ragged_offsets, split_ragged
@@ -40,6 +40,7 @@ from client.wire import ragged_offsets, split_ragged
 # Routes, as the server names them to a worker
 TOKENIZE, DETOKENIZE, PACK = 1, 2, 3
 ROUTES = {"/v1/tokenize": TOKENIZE, "/v1/detokenize": DETOKENIZE, "/v1/pack": PACK}
+NO_OPTIONS = EncodeOptions()  # what a detokenize chunk carries
 
 # Content of an answer
 JSON, BINARY = 0, 1
@@ -98,7 +99,7 @@ class Chunk:
 
     route: int
     model: int
-    options: worker.EncodeOptions
+    options: EncodeOptions
     first_index: int
     binary: bool
     texts: list[str] | None = None  # tokenize, pack
@@ -197,12 +198,12 @@ class Jobs:
         binary = bool(binary)
         if isinstance(request, PackRequest):
             context = pack_context(request, info, position, binary, self.limits.max_seq_len)
-            options = worker.EncodeOptions(add_bos=request.add_bos, add_eos=context.add_eos)
+            options = EncodeOptions(add_bos=request.add_bos, add_eos=context.add_eos)
         else:
             context = None
-            options = encode_options(request)
+            options = request.options()
             check_special_tokens(options.add_bos, options.add_eos, info)
-        seeded = options.sample_seed is not None
+        seeded = options.seed is not None
         texts = request.texts
         sizes = np.fromiter((len(text) for text in texts), dtype=np.int64, count=len(texts))
         parts = 1 if careful or seeded else max_parts
@@ -246,7 +247,7 @@ class Jobs:
                 Chunk(
                     DETOKENIZE,
                     position,
-                    worker.EncodeOptions(),
+                    NO_OPTIONS,
                     start,
                     False,
                     ids=ids[offsets[start] : offsets[end]],
@@ -303,7 +304,7 @@ class Jobs:
     # -- tokenizing ----------------------------------------------------------------------------------
 
     def encode(
-        self, model: int, texts: list[str], options: worker.EncodeOptions, first_index: int, careful: bool
+        self, model: int, texts: list[str], options: EncodeOptions, first_index: int, careful: bool
     ) -> tuple[np.ndarray, np.ndarray, float]:
         """(ids, offsets, seconds): exactly what `sp.encode(text, ...)` gives for each text, in order."""
         started = time.monotonic()
@@ -361,18 +362,6 @@ class Jobs:
         padding = packed.stats.padding_fraction if packed.stats.rows else math.nan
         parts = pack_answer(info.name, context, packed)
         return Result(context.model, context.binary, texts, int(offsets[-1]), started, seconds, padding, parts)
-
-
-def encode_options(request: TokenizeRequest) -> worker.EncodeOptions:
-    sample = request.sample
-    return worker.EncodeOptions(
-        add_bos=request.add_bos,
-        add_eos=request.add_eos,
-        max_length=request.max_length,
-        sample_alpha=None if sample is None else float(sample.alpha),
-        sample_nbest_size=-1 if sample is None else sample.nbest_size,
-        sample_seed=None if sample is None else sample.seed,
-    )
 
 
 def check_special_tokens(add_bos: bool, add_eos: bool, info: ModelInfo) -> None:

@@ -37,13 +37,26 @@ class SampleOptions(_Body):
     seed: Annotated[StrictInt, Field(ge=0, lt=1 << 32)] | None = None
 
 
-class TokenizeRequest(_Body):
-    texts: list[StrictStr]
-    model: StrictStr | None = None
+class EncodeOptions(_Body):
+    """How texts become ids: the options of /v1/tokenize, declared once, and what a worker encodes with."""
+
     add_bos: StrictBool = False
     add_eos: StrictBool = False
     max_length: Annotated[StrictInt, Field(ge=0)] | None = None
     sample: SampleOptions | None = None
+
+    @property
+    def seed(self) -> int | None:
+        return None if self.sample is None else self.sample.seed
+
+
+class TokenizeRequest(EncodeOptions):
+    texts: list[StrictStr]
+    model: StrictStr | None = None
+
+    def options(self) -> EncodeOptions:
+        """The options alone, without the texts (what each chunk of a split request carries)."""
+        return EncodeOptions.model_construct(**{name: getattr(self, name) for name in EncodeOptions.model_fields})
 
 
 class DetokenizeRequest(_Body):

@@ -10,26 +10,16 @@ from __future__ import annotations
 
 import random
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import sentencepiece as spm
 
+from app.schemas import EncodeOptions
 from client import TokenizedBatch
 from client.wire import ragged_offsets
 
 _processors: dict[str, spm.SentencePieceProcessor] = {}
-
-
-@dataclass(frozen=True)
-class EncodeOptions:
-    add_bos: bool = False
-    add_eos: bool = False
-    max_length: int | None = None
-    sample_alpha: float | None = None
-    sample_nbest_size: int = -1
-    sample_seed: int | None = None
 
 
 def load_models(paths: dict[str, str]) -> None:
@@ -92,21 +82,15 @@ def encode_texts(
     which sentencepiece starts a native thread whatever `num_threads` says.
     """
     common = {"add_bos": options.add_bos, "add_eos": options.add_eos, "out_type": "numpy"}
-    if options.sample_alpha is not None:
-        sampling = {
-            **common,
-            "enable_sampling": True,
-            "alpha": options.sample_alpha,
-            "nbest_size": options.sample_nbest_size,
-        }
+    sample = options.sample
+    if sample is not None:
+        sampling = {**common, "enable_sampling": True, "alpha": float(sample.alpha), "nbest_size": sample.nbest_size}
         entropy = random.SystemRandom()
         pieces = [
             sample_in_fresh_thread(
                 processor,
                 text,
-                entropy.getrandbits(32)
-                if options.sample_seed is None
-                else sample_seed(options.sample_seed, first_index + position),
+                entropy.getrandbits(32) if sample.seed is None else sample_seed(sample.seed, first_index + position),
                 sampling,
             )
             for position, text in enumerate(texts)

@@ -16,6 +16,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from typing import TypeVar
 
 from app import worker, worker_start
+from app.schemas import EncodeOptions
 from client import TokenizedBatch, TokenizerClient
 
 Result = TypeVar("Result")
@@ -91,7 +92,7 @@ def tokenize_locally(
     depth: int,
 ) -> Iterator[TokenizedBatch]:
     """Tokenize on the pool in chunks of about `chunk_chars` characters, `depth` chunks in flight."""
-    options = worker.EncodeOptions(add_bos=add_bos, add_eos=add_eos)
+    options = EncodeOptions(add_bos=add_bos, add_eos=add_eos)
     submitted = (
         pool.submit(worker.encode_chunk, model, chunk, options) for chunk in chunks(texts, chunk_chars, 1 << 16)
     )
