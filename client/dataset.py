@@ -333,11 +333,12 @@ class TokenDataset:
 
     def _read_metadata(self) -> dict[str, Any]:
         file = self.path / METADATA_FILE
+        if not self.path.is_dir():
+            problem = "is not a directory" if self.path.exists() else "does not exist"
+            raise ValueError(f"{self.path} {problem}: give the directory a tokenizer-pretokenize run wrote (--output)")
         try:
             meta = check_metadata(json.loads(file.read_text(encoding="utf-8")), file)
         except FileNotFoundError:
-            if not self.path.is_dir():
-                raise ValueError(f"{self.path} is not a directory: give a tokenizer-pretokenize --output") from None
             raise ValueError(f"{self.path} holds no {METADATA_FILE}: not a tokenizer-pretokenize output") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"{file}: not JSON: {exc}") from exc

@@ -195,3 +195,25 @@ def test_importing_the_reader_imports_neither_torch_nor_the_server() -> None:
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+@pytest.mark.parametrize(
+    ("where", "message"),
+    [
+        ("missing", "does not exist: give the directory a tokenizer-pretokenize run wrote"),
+        ("file", "is not a directory: give the directory a tokenizer-pretokenize run wrote"),
+        ("empty", "holds no metadata.json: not a tokenizer-pretokenize output"),
+    ],
+)
+def test_a_path_that_is_no_output_says_what_it_is(tmp_path: Path, where: str, message: str) -> None:
+    path = tmp_path / where
+    if where == "file":
+        path.write_text("text\n")
+    elif where == "empty":
+        path.mkdir()
+    with pytest.raises(ValueError, match=message):
+        TokenDataset(path)
+    result = subprocess.run(
+        [sys.executable, "-m", "app.pretokenize.shards_cli", "info", str(path)], capture_output=True, text=True
+    )
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr
