@@ -8,8 +8,10 @@ traceback), 1 failed while serving.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import signal
+import socket
 import sys
 from typing import Any
 
@@ -54,6 +56,31 @@ def _source(argv: list[str]) -> CliSettingsSource[Settings]:
     return CliSettingsSource(Settings, root_parser=parser, add_argument_method=_add_argument)(args=argv)
 
 
+ADDRESS_HINTS = {
+    errno.EADDRINUSE: "another process listens there (another tokenizer-server?): stop it, or choose another --port",
+    errno.EADDRNOTAVAIL: "no interface of this machine has that address: --host 127.0.0.1 (this machine only) "
+    "or 0.0.0.0 (every interface)",
+    errno.EACCES: "a port below 1024 needs privileges: choose another --port, such as 8000",
+}
+
+
+def check_address(host: str, port: int) -> str | None:
+    """Why the server could not listen on host:port, found before any worker starts; None if it can."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"--host {host!r}: {exc.strerror}"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            hint = ADDRESS_HINTS.get(exc.errno or 0, "")
+            return f"cannot listen on {host}:{port}: {exc.strerror}" + (f"; {hint}" if hint else "")
+    return None
+
+
 def _stopped(signum: int, frame: object) -> None:
     """What uvicorn re-raises after draining: a stop asked for is a clean exit, not death by signal."""
 
@@ -73,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         if settings.log_level in ("debug", "trace"):
             logging.getLogger("tokenizer").exception("cannot start")
         print(f"{PROG}: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    if (problem := check_address(settings.host, settings.port)) is not None:
+        print(f"{PROG}: {problem}", file=sys.stderr)
         return USAGE_ERROR
     if settings.frontends > 1:
         from app.frontends import supervise

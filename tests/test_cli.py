@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 
@@ -206,3 +207,24 @@ def test_sigterm_is_a_clean_stop(tmp_path, to):
     log = server.log.read_text()
     assert "Finished server process" in log
     assert "died" not in log and "restarting" not in log, log
+
+
+def test_a_port_in_use_or_an_address_not_here_is_one_line_before_any_worker_starts(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            ["tokenizer-server", "--port", str(port)], capture_output=True, text=True, timeout=60, env=CLEAN_ENV
+        )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"tokenizer-server: cannot listen on 127.0.0.1:{port}: Address already in use; another process listens "
+        "there (another tokenizer-server?): stop it, or choose another --port"
+    ]
+    # 192.0.2.0/24 is TEST-NET-1 (RFC 5737): never an address of this machine
+    result = subprocess.run(
+        ["tokenizer-server", "--host", "192.0.2.1"], capture_output=True, text=True, timeout=60, env=CLEAN_ENV
+    )
+    assert result.returncode == 2
+    assert "cannot listen on 192.0.2.1:8000: Cannot assign requested address; no interface" in result.stderr
