@@ -6,13 +6,15 @@ bodies: these models exist for the schema only, and tests (schemathesis) hold th
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_type_hints
 
 from fastapi import FastAPI
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, create_model
 
 from app.auth import OPEN_PATHS
+from app.registry import SERVER_ONLY, ModelInfo
 from app.responses import MODEL_SHA256_HEADER
+from client.packing import PackStats
 from client.wire import MEDIA_TYPE as BINARY_MEDIA_TYPE
 
 
@@ -39,15 +41,6 @@ class DetokenizeAnswer(BaseModel):
     texts: list[str]
 
 
-class PackStatsAnswer(BaseModel):
-    rows: int
-    tokens: int
-    padding_tokens: int
-    padding_fraction: float
-    documents: int
-    documents_split: int
-
-
 class PackAnswer(BaseModel):
     model: str
     seq_len: int
@@ -58,18 +51,14 @@ class PackAnswer(BaseModel):
     cu_seqlens: list[list[int]]
     leftover: list[int]
     leftover_document_starts: list[int]
-    stats: PackStatsAnswer
+    stats: PackStats
 
 
-class ModelDescription(BaseModel):
-    name: str
-    type: str
-    vocab_size: int
-    bos_id: int
-    eos_id: int
-    pad_id: int
-    unk_id: int
-    sha256: str
+# /v1/models describes each model as ModelInfo.as_dict() does: ModelInfo's fields but its path.
+ModelDescription = create_model(
+    "ModelDescription",
+    **{name: (kind, ...) for name, kind in get_type_hints(ModelInfo).items() if name not in SERVER_ONLY},  # type: ignore[call-overload]
+)
 
 
 class ModelsAnswer(BaseModel):

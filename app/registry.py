@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import sentencepiece as spm
@@ -11,6 +11,9 @@ import sentencepiece as spm
 
 class ModelLoadError(RuntimeError):
     """A configured model file is missing or is not a SentencePiece model."""
+
+
+SERVER_ONLY = frozenset({"path"})  # ModelInfo's fields that /v1/models and metadata.json leave out
 
 
 @dataclass(frozen=True)
@@ -34,16 +37,8 @@ class ModelInfo:
         return 0
 
     def as_dict(self) -> dict[str, str | int]:
-        return {
-            "name": self.name,
-            "type": self.type,
-            "vocab_size": self.vocab_size,
-            "bos_id": self.bos_id,
-            "eos_id": self.eos_id,
-            "pad_id": self.pad_id,
-            "unk_id": self.unk_id,
-            "sha256": self.sha256,
-        }
+        """What /v1/models and metadata.json say of the model: every field but the server's own path."""
+        return {field.name: getattr(self, field.name) for field in fields(self) if field.name not in SERVER_ONLY}
 
 
 def _model_type(serialized: bytes) -> str:
