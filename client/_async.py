@@ -10,12 +10,14 @@ import time
 import weakref
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 import numpy as np
 
 from client._base import MODELS, READY, Answer, BaseClient, Call
+from client._options import PackSpec, PrefetchOptions
+from client._outage import OutageLog
 from client._protocol import (
     DEFAULT_URL,
     Format,
@@ -30,9 +32,7 @@ from client._protocol import (
 )
 from client._retry import RetryPolicy
 from client.errors import TokenizerConnectionError, TokenizerError, TokenizerServiceError
-
-if TYPE_CHECKING:
-    from client.prefetch import AsyncPrefetcher, PackSpec
+from client.prefetch import AsyncPrefetcher
 
 __all__ = ["Answer", "AsyncTokenizerClient"]
 
@@ -57,6 +57,7 @@ class AsyncTokenizerClient(BaseClient):
         super().__init__(url, timeout=timeout, api_key=api_key, retry=retry, replica_cooldown_s=replica_cooldown_s)
         self._transport = transport or httpx.AsyncHTTPTransport()
         self._prefetchers: weakref.WeakSet[AsyncPrefetcher] = weakref.WeakSet()
+        self._outage = OutageLog()
 
     async def __aenter__(self) -> AsyncTokenizerClient:
         self._ensure_open()
@@ -97,10 +98,12 @@ class AsyncTokenizerClient(BaseClient):
                 response = await self._send(replica, call)
             except TokenizerError as exc:
                 delay = attempt.failed(replica, exc)
+                self._outage.retrying(attempt, call, exc)
                 if delay:
                     await asyncio.sleep(delay)
                 continue
             attempt.succeeded(replica)
+            self._outage.answered(call, self.urls[replica])
             return Answer(response, self.urls[replica], attempt.attempts, time.perf_counter() - started)
 
     async def _tokenize_answer(
@@ -260,8 +263,6 @@ class AsyncTokenizerClient(BaseClient):
 
         `texts` may be a sync or an async iterable.
         """
-        from client.prefetch import AsyncPrefetcher, PrefetchOptions
-
         self._ensure_open()
         options = PrefetchOptions.build(
             batch_size=batch_size,

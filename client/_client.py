@@ -9,12 +9,15 @@ import time
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 import numpy as np
 
+from client._async import AsyncTokenizerClient
 from client._base import MODELS, READY, Answer, BaseClient, Call
+from client._options import PackSpec, PrefetchOptions
+from client._outage import OutageLog
 from client._protocol import (
     DEFAULT_URL,
     MODEL_SHA256_HEADER,
@@ -31,10 +34,7 @@ from client._protocol import (
 )
 from client._retry import RetryPolicy
 from client.errors import TokenizerConnectionError, TokenizerError, TokenizerServiceError
-
-if TYPE_CHECKING:
-    from client._async import AsyncTokenizerClient
-    from client.prefetch import PackSpec, Prefetcher
+from client.prefetch import Prefetcher
 
 __all__ = [
     "DEFAULT_URL",
@@ -71,6 +71,7 @@ class TokenizerClient(BaseClient):
         super().__init__(url, timeout=timeout, api_key=api_key, retry=retry, replica_cooldown_s=replica_cooldown_s)
         self._transport = transport or httpx.HTTPTransport()
         self._prefetchers: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
+        self._outage = OutageLog()
 
     def __enter__(self) -> TokenizerClient:
         self._ensure_open()
@@ -110,9 +111,12 @@ class TokenizerClient(BaseClient):
             try:
                 response = self._send(replica, call)
             except TokenizerError as exc:
-                time.sleep(attempt.failed(replica, exc))
+                delay = attempt.failed(replica, exc)
+                self._outage.retrying(attempt, call, exc)
+                time.sleep(delay)
                 continue
             attempt.succeeded(replica)
+            self._outage.answered(call, self.urls[replica])
             return Answer(response, self.urls[replica], attempt.attempts, time.perf_counter() - started)
 
     def tokenize_batch(
@@ -213,9 +217,13 @@ class TokenizerClient(BaseClient):
         return False
 
     def async_client(self) -> AsyncTokenizerClient:
-        """An AsyncTokenizerClient with this client's URLs, key, timeout and retry policy (a new pool)."""
-        from client._async import AsyncTokenizerClient
+        """An AsyncTokenizerClient with this client's URLs, API key, timeout, retry policy and replica cooldown.
 
+        It shares this client's model fingerprints (a model file that changes is caught across both)
+        and outage log (one warning per outage), not its connections: ``transport=`` is not carried
+        over, since a sync httpx transport cannot serve an async client, so the clone opens its own
+        ``httpx.AsyncHTTPTransport``. ``prefetch`` makes its prefetcher's client here, and only here.
+        """
         clone = AsyncTokenizerClient(
             self.urls,
             timeout=self.timeout,
@@ -224,6 +232,7 @@ class TokenizerClient(BaseClient):
             replica_cooldown_s=self.replica_cooldown_s,
         )
         clone._fingerprints = self._fingerprints
+        clone._outage = self._outage
         return clone
 
     def prefetch(
@@ -245,10 +254,10 @@ class TokenizerClient(BaseClient):
     ) -> Prefetcher:
         """Tokenize `texts` in the background, up to `depth` requests ahead, and iterate the batches in order.
 
-        See client.prefetch.Prefetcher. `retry` defaults to this client's policy, else RetryPolicy().
+        See client.prefetch.Prefetcher. `retry` defaults to this client's policy, else RetryPolicy(). The
+        requests go through a client of the prefetcher's own, made by ``async_client()`` (not through
+        this client's ``transport=``).
         """
-        from client.prefetch import Prefetcher, PrefetchOptions
-
         self._ensure_open()
         options = PrefetchOptions.build(
             batch_size=batch_size,

@@ -1,6 +1,7 @@
 """What travels over HTTP, without doing any I/O: request bodies, answers parsed into batches, errors.
 
 Shared by the sync and async clients so that both build the same requests and read the same answers.
+The batch types turn their arrays into torch tensors with client._torch, which knows arrays only.
 """
 
 from __future__ import annotations
@@ -8,13 +9,14 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import httpx
 import numpy as np
 
 from client import wire
+from client._torch import tensors
 from client.errors import ModelMismatchError, TokenizerProtocolError, TokenizerServiceError
 
 try:
@@ -64,9 +66,12 @@ class TokenizedBatch:
 
     def pin_memory(self) -> TokenizedBatch:
         """The batch as pinned torch tensors (what DataLoader(pin_memory=True) calls); needs an accelerator."""
-        from client._torch import to_torch
+        return self._to_torch(pin_memory=True)
 
-        return to_torch(self, pin_memory=True)
+    def _to_torch(self, pin_memory: bool) -> TokenizedBatch:
+        """The same batch with torch tensors in place of its arrays (int32 ids, int64 offsets)."""
+        ids, offsets = tensors([self.ids, self.offsets], pin_memory)
+        return replace(self, ids=ids, offsets=offsets)
 
 
 @dataclass(frozen=True)
@@ -104,9 +109,25 @@ class PackedBatch:
 
     def pin_memory(self) -> PackedBatch:
         """The batch as pinned torch tensors (what DataLoader(pin_memory=True) calls); needs an accelerator."""
-        from client._torch import to_torch
+        return self._to_torch(pin_memory=True)
 
-        return to_torch(self, pin_memory=True)
+    def _to_torch(self, pin_memory: bool) -> PackedBatch:
+        """The same batch with int32 torch tensors in place of its rows and cu_seqlens (and leftover, never pinned)."""
+        input_ids, labels, position_ids, *cu_seqlens = tensors(
+            [self.input_ids, self.labels, self.position_ids, *self.cu_seqlens], pin_memory
+        )
+        (leftover,) = tensors([self.leftover], pin_memory=False)
+        return replace(
+            self,
+            input_ids=input_ids,
+            labels=labels,
+            position_ids=position_ids,
+            cu_seqlens=cu_seqlens,
+            leftover=leftover,
+        )
+
+
+Batch = TokenizedBatch | PackedBatch
 
 
 def dumps(document: Any) -> bytes:

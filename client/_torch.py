@@ -1,4 +1,7 @@
-"""Batches as torch tensors; torch is imported only here, and only when asked for.
+"""Arrays as torch tensors; torch is imported only here, and only when asked for.
+
+This module knows arrays, not batches: TokenizedBatch and PackedBatch (client._protocol) convert
+themselves with :func:`tensors`.
 
 Pinned (page-locked) memory needs an accelerator: on a CPU-only torch build (e.g. 2.13.0+cpu)
 ``Tensor.pin_memory()`` raises RuntimeError. ``pin_memory=True`` therefore pins when torch reports
@@ -8,14 +11,12 @@ ordinary tensors, so the same training script runs on a laptop and on a GPU node
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import warnings
-from typing import Any, overload
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
-
-from client._protocol import PackedBatch, TokenizedBatch
 
 _warned = False
 _warn_lock = threading.Lock()
@@ -69,22 +70,7 @@ def tensor(array: Any, torch: Any, pin_memory: bool) -> Any:
     return torch.from_numpy(array)
 
 
-@overload
-def to_torch(batch: TokenizedBatch, pin_memory: bool = False) -> TokenizedBatch: ...
-@overload
-def to_torch(batch: PackedBatch, pin_memory: bool = False) -> PackedBatch: ...
-def to_torch(batch: TokenizedBatch | PackedBatch, pin_memory: bool = False) -> TokenizedBatch | PackedBatch:
-    """The same batch with torch tensors in place of numpy arrays (int32 ids, int64 offsets)."""
+def tensors(arrays: Sequence[Any], pin_memory: bool) -> list[Any]:
+    """Each array as a CPU tensor of its dtype and shape (in pinned memory when asked); imports torch."""
     torch = import_torch()
-    if isinstance(batch, TokenizedBatch):
-        return dataclasses.replace(
-            batch, ids=tensor(batch.ids, torch, pin_memory), offsets=tensor(batch.offsets, torch, pin_memory)
-        )
-    return dataclasses.replace(
-        batch,
-        input_ids=tensor(batch.input_ids, torch, pin_memory),
-        labels=tensor(batch.labels, torch, pin_memory),
-        position_ids=tensor(batch.position_ids, torch, pin_memory),
-        cu_seqlens=[tensor(row, torch, pin_memory) for row in batch.cu_seqlens],
-        leftover=tensor(batch.leftover, torch, False),
-    )
+    return [tensor(array, torch, pin_memory) for array in arrays]

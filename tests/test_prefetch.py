@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import itertools
 import json
+import logging
+import re
 import threading
 import time
 from pathlib import Path
@@ -333,3 +335,23 @@ def test_errors_of_the_text_source_are_raised_in_order(client, documents):
     with pytest.raises(TypeError, match="not one string"):
         client.prefetch("a single text")
     assert not prefetch_threads()
+
+
+def test_a_server_that_is_down_is_logged_once_while_prefetch_retries(caplog):
+    caplog.set_level(logging.INFO, logger="tokenizer.client")
+    url = dead_url()
+    policy = RetryPolicy(budget_s=1.0, initial_backoff_s=0.01, max_backoff_s=0.05)
+    with TokenizerClient(url) as client:
+        prefetcher = client.prefetch([f"text {i}" for i in range(8)], batch_size=2, depth=4, retry=policy)
+        with pytest.raises(PrefetchError):
+            next(prefetcher)
+        with pytest.raises(TokenizerConnectionError):
+            client.tokenize(["no retry policy: one try, raised, not logged"])
+    # Four requests in flight, each failing a round every 50 ms or less for a second: one warning.
+    records = [record for record in caplog.records if record.name == "tokenizer.client"]
+    assert [record.levelname for record in records] == ["WARNING"]
+    message = records[0].getMessage()
+    assert message.startswith(f"POST /v1/tokenize failed on replica {url} (last error: ")
+    assert "ConnectError" in message and "budget_s=1," in message
+    left = re.search(r"retrying for up to ([0-9.]+) s more", message)
+    assert left and float(left.group(1)) > 0.5, "logged after the first round, not when giving up"

@@ -130,3 +130,76 @@ def test_admission_counts_bytes_and_refuses_beyond_the_budget():
         admission.admit(1)
     admission.release(100)
     assert admission.queued == 0
+
+
+def client_import_graph() -> dict[str, set[str]]:
+    """Imports between the modules of client/, function-level ones included, ``if TYPE_CHECKING:`` blocks left out."""
+    import ast
+
+    package = Path(__file__).resolve().parent.parent / "client"
+    modules = {"client" if path.stem == "__init__" else f"client.{path.stem}": path for path in package.glob("*.py")}
+
+    def typing_only(test: ast.expr) -> bool:
+        return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+            isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+        )
+
+    def imported(node: ast.AST) -> list[str]:
+        if isinstance(node, ast.Import):
+            return [alias.name for alias in node.names]
+        if isinstance(node, ast.ImportFrom):
+            base = ("client." * bool(node.level) + (node.module or "")).rstrip(".")  # client/ is one flat package
+            if base == "client":  # from client import wire: the module client.wire, else the package itself
+                return [
+                    f"client.{alias.name}" if f"client.{alias.name}" in modules else "client" for alias in node.names
+                ]
+            return [base]
+        return []
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges: set[str] = set()
+        nodes: list[ast.AST] = [ast.parse(path.read_text(encoding="utf-8"))]
+        while nodes:
+            node = nodes.pop()
+            if isinstance(node, ast.If) and typing_only(node.test):
+                nodes.extend(node.orelse)
+                continue
+            edges.update(module for module in imported(node) if module in modules and module != name)
+            nodes.extend(ast.iter_child_nodes(node))
+        graph[name] = edges
+    return graph
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` (its modules in import order, the first repeated at the end), or None."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        path.append(node)
+        for child in sorted(graph[node]):
+            if child in path:
+                return [*path[path.index(child) :], child]
+            if child not in done and (cycle := visit(child)):
+                return cycle
+        path.pop()
+        done.add(node)
+        return None
+
+    for node in sorted(graph):
+        if node not in done and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_client_modules_import_each_other_without_a_cycle():
+    assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    graph = client_import_graph()
+    assert "client.torch_data" in graph["client"], "function-level imports count"
+    assert "client._async" in graph["client._client"] and "client.prefetch" in graph["client._async"]
+    for pipeline in ("client.prefetch", "client._pipeline"):
+        assert not graph[pipeline] & {"client._async", "client._client", "client._base"}, "it knows no client class"
+    assert not graph["client._torch"], "client._torch knows arrays only"
+    cycle = import_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)

@@ -1,0 +1,103 @@
+"""Answers fed in stream order become deliveries: batches (ragged, or rows cut and regrouped) with their states.
+
+No I/O and no asyncio: the prefetch pipeline feeds each window's answer here once every answer
+before it has been fed, whatever order they arrived in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from client._options import PrefetchOptions
+from client._packing import Block, ConcatPacker, Position, RowRegrouper
+from client._protocol import Batch, PackedBatch, TokenizedBatch
+from client._resume import Resume, state_dict
+from client._texts import Window
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A batch ready for the consumer, with the state to save once it has been handed out."""
+
+    batch: Batch
+    state: dict[str, Any]
+    texts: int
+    tokens: int
+
+
+class Assembler:
+    """Turns answers, fed in stream order, into deliveries."""
+
+    def __init__(self, options: PrefetchOptions, resume: Resume) -> None:
+        self.options = options
+        self.batches = resume.batches
+        self.position = resume.position
+        self.model = resume.model
+        self.sha256 = resume.model_sha256
+        self.leftover = np.empty(0, np.int32)
+        pack = options.pack
+        self._packer: ConcatPacker | None = None
+        self._regrouper: RowRegrouper | None = None
+        if pack is not None and pack.strategy == "concat":
+            self._packer = ConcatPacker(pack.seq_len, pack.rows, pack.mask_document_start, resume.position)
+        elif pack is not None:
+            self._regrouper = RowRegrouper(pack.seq_len, pack.rows, resume.position)
+
+    def feed(self, window: Window, answer: Batch) -> list[Delivery]:
+        self.model, self.sha256 = answer.model, answer.model_sha256
+        if isinstance(answer, TokenizedBatch) and self._packer is None:
+            batch = replace(answer, index=self.batches, start=window.start)
+            return [self._deliver(batch, Position(window.stop, 0), len(window.texts), answer.num_tokens)]
+        if isinstance(answer, TokenizedBatch):
+            assert self._packer is not None
+            self._packer.feed(np.asarray(answer.ids), np.asarray(answer.offsets), window.start)
+            return self._drain(self._packer.take)
+        assert self._regrouper is not None
+        self._regrouper.feed(
+            answer.input_ids, answer.labels, answer.position_ids, answer.cu_seqlens, window.start, window.stop
+        )
+        return self._drain(self._regrouper.take)
+
+    def finish(self) -> list[Delivery]:
+        """The last, partial block at the end of the stream (packing), and the leftover tokens."""
+        if self._packer is not None:
+            block, self.leftover = self._packer.finish()
+            return [self._packed(block, self.leftover)] if block is not None else []
+        if self._regrouper is not None:
+            block = self._regrouper.finish()
+            return [self._packed(block, self.leftover)] if block is not None else []
+        return []
+
+    def _drain(self, take: Callable[[], Block | None]) -> list[Delivery]:
+        deliveries = []
+        while (block := take()) is not None:
+            deliveries.append(self._packed(block, np.empty(0, np.int32)))
+        return deliveries
+
+    def _packed(self, block: Block, leftover: np.ndarray) -> Delivery:
+        pack = self.options.pack
+        assert pack is not None
+        batch = PackedBatch(
+            input_ids=block.input_ids,
+            labels=block.labels,
+            position_ids=block.position_ids,
+            cu_seqlens=block.cu_seqlens,
+            leftover=leftover,
+            stats=block.stats,
+            model=self.model or "",
+            seq_len=pack.seq_len,
+            strategy=pack.strategy,
+            model_sha256=self.sha256,
+            index=self.batches,
+            start=block.start,
+        )
+        return self._deliver(batch, block.after, block.after.text - self.position.text, int(block.stats["tokens"]))
+
+    def _deliver(self, batch: Batch, after: Position, texts: int, tokens: int) -> Delivery:
+        self.batches += 1
+        self.position = after
+        return Delivery(batch, state_dict(self.options, after, self.batches, self.model, self.sha256), texts, tokens)

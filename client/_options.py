@@ -1,0 +1,104 @@
+"""What a prefetch is asked for: PackSpec and the validated PrefetchOptions that decide every request and batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from client._retry import RetryPolicy
+from client._torch import check_torch
+
+
+@dataclass(frozen=True)
+class PackSpec:
+    """Pack the stream into batches of ``rows`` rows of exactly ``seq_len`` tokens.
+
+    ``concat`` (no padding; documents run across rows and batches) or ``best_fit`` (whole documents,
+    pieces of at most ``seq_len``, padded; each request of ``batch_size`` texts packs on its own).
+    ``add_eos``/``add_bos`` mark document boundaries in the ids; ``mask_document_start`` sets the
+    label of each document's first token to -100.
+    """
+
+    seq_len: int
+    rows: int
+    strategy: Literal["concat", "best_fit"] = "concat"
+    add_eos: bool = True
+    add_bos: bool = False
+    mask_document_start: bool = False
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 2:
+            raise ValueError(f"seq_len must be at least 2, got {self.seq_len}")
+        if self.rows < 1:
+            raise ValueError(f"rows must be at least 1, got {self.rows}")
+        if self.strategy not in ("concat", "best_fit"):
+            raise ValueError(f"strategy must be 'concat' or 'best_fit', got {self.strategy!r}")
+
+
+@dataclass(frozen=True)
+class PrefetchOptions:
+    """Everything that decides what a prefetcher requests and hands out (validated once, by ``build``)."""
+
+    batch_size: int
+    depth: int
+    model: str | None
+    add_bos: bool
+    add_eos: bool
+    max_length: int | None
+    sample: dict[str, Any] | None
+    pack: PackSpec | None
+    as_torch: bool
+    pin_memory: bool
+    retry: RetryPolicy
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        batch_size: int,
+        depth: int,
+        model: str | None,
+        add_bos: bool,
+        add_eos: bool,
+        max_length: int | None,
+        sample: dict[str, Any] | None,
+        pack: PackSpec | None,
+        as_torch: bool,
+        pin_memory: bool,
+        retry: RetryPolicy,
+    ) -> PrefetchOptions:
+        """Called by the clients' ``prefetch``, in the caller's thread (a missing torch fails there)."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        if depth < 1:
+            raise ValueError(f"depth must be at least 1, got {depth}")
+        if pack is not None:
+            if add_bos or add_eos or max_length is not None or sample is not None:
+                raise ValueError(
+                    "with pack=, set add_bos/add_eos on the PackSpec; max_length and sample do not apply to packing"
+                )
+            add_bos, add_eos = pack.add_bos, pack.add_eos
+        if pin_memory and not as_torch:
+            raise ValueError("pin_memory=True needs as_torch=True")
+        if as_torch:
+            pin_memory = check_torch(pin_memory)
+        return cls(batch_size, depth, model, add_bos, add_eos, max_length, sample, pack, as_torch, pin_memory, retry)
+
+    @property
+    def mode(self) -> str:
+        return "ragged" if self.pack is None else self.pack.strategy
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The options a resumed run must repeat to produce the same ids."""
+        options: dict[str, Any] = {
+            "model": self.model,
+            "add_bos": self.add_bos,
+            "add_eos": self.add_eos,
+            "max_length": self.max_length,
+            "sample": self.sample,
+        }
+        if self.pack is not None:
+            options.update(seq_len=self.pack.seq_len, mask_document_start=self.pack.mask_document_start)
+        if self.mode == "best_fit":
+            options["batch_size"] = self.batch_size  # best-fit rows depend on which texts share a request
+        return options

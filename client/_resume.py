@@ -1,0 +1,61 @@
+"""A prefetch's saved position: the JSON-able state_dict and the Resume read back from it.
+
+A state names the first text with something not yet delivered and how many of its tokens (concat) or
+of its request's rows (best_fit) were, so a resumed run re-reads the stream from its start, skips
+what was delivered and goes on with the very next batch. It also carries the model's name and
+sha256 and the options that decide the ids, which a resumed run must repeat.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from client._options import PrefetchOptions
+from client._packing import Position
+
+STATE_FORMAT = "tokenizer-prefetch"
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where a prefetcher starts: a position in the stream and the number of batches already handed out."""
+
+    position: Position
+    batches: int
+    model: str | None
+    model_sha256: str | None
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any] | None, options: PrefetchOptions) -> Resume:
+        """The start of the stream for None; else the saved position, once the state matches `options`."""
+        if state is None:
+            return cls(Position(0, 0), 0, None, None)
+        if state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:
+            raise ValueError(f"not a prefetch state of version {STATE_VERSION}: {state!r:.200}")
+        if state["mode"] != options.mode:
+            raise ValueError(f"the state is of a {state['mode']!r} prefetch, this one is {options.mode!r}")
+        if state["options"] != options.fingerprint():
+            raise ValueError(f"the state was saved with options {state['options']}, not {options.fingerprint()}")
+        position = Position(int(state["text"]), int(state["skip"]))
+        return cls(position, int(state["batches"]), state["model"], state["sha256"])
+
+    def state_dict(self, options: PrefetchOptions) -> dict[str, Any]:
+        return state_dict(options, self.position, self.batches, self.model, self.model_sha256)
+
+
+def state_dict(
+    options: PrefetchOptions, position: Position, batches: int, model: str | None, sha256: str | None
+) -> dict[str, Any]:
+    return {
+        "format": STATE_FORMAT,
+        "version": STATE_VERSION,
+        "mode": options.mode,
+        "text": position.text,
+        "skip": position.skip,
+        "batches": batches,
+        "model": model,
+        "sha256": sha256,
+        "options": options.fingerprint(),
+    }

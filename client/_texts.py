@@ -1,0 +1,110 @@
+"""Where a prefetcher's texts come from: windows of ``batch_size`` texts, each one request.
+
+:class:`TextReader` reads a sync iterable in the thread that calls ``read()``: Prefetcher's, the
+thread that calls ``next()``. AsyncPrefetcher awaits ``next_window()`` of the reader
+:func:`open_texts` picks: a TextReader for a sync iterable (read on the event loop), an
+:class:`AsyncTextReader` for an async one. Every reader skips the texts a saved state says were
+delivered, and checks that each text is a str.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Window:
+    """One request's texts: stream indices ``start`` to ``start + len(texts)``."""
+
+    start: int
+    texts: list[str]
+
+    @property
+    def stop(self) -> int:
+        return self.start + len(self.texts)
+
+
+class WindowReader(Protocol):
+    async def next_window(self) -> Window | None: ...
+
+
+def open_texts(texts: Iterable[str] | AsyncIterable[str], batch_size: int, start: int) -> WindowReader:
+    """The reader of `texts` in windows of `batch_size`, from stream index `start` on (the texts before are skipped)."""
+    if isinstance(texts, AsyncIterable):
+        return AsyncTextReader(texts, batch_size, start)
+    return TextReader(texts, batch_size, start)
+
+
+class _Windows:
+    """Counts the stream position and cuts windows; the readers below add where the texts come from."""
+
+    def __init__(self, batch_size: int, start: int) -> None:
+        self._batch_size = batch_size
+        self._start = start
+        self._position = 0
+
+    def _ended_before_start(self) -> ValueError:
+        return ValueError(f"the stream ended at text {self._position}, before the saved position {self._start}")
+
+    def _window(self, texts: list[str]) -> Window | None:
+        if set(map(type, texts)) - {str}:  # one pass in C; then look closer (str subclasses are fine)
+            for i, text in enumerate(texts):
+                if not isinstance(text, str):
+                    raise TypeError(f"text {self._position + i} is a {type(text).__name__}, not a str")
+        if not texts:
+            return None
+        window = Window(self._position, texts)
+        self._position += len(texts)
+        return window
+
+
+class TextReader(_Windows):
+    """Reads windows from a sync iterable, in the thread that calls ``read()`` (or awaits ``next_window()``)."""
+
+    def __init__(self, texts: Iterable[str], batch_size: int, start: int) -> None:
+        if isinstance(texts, (str, bytes)):
+            raise TypeError("texts must be an iterable of str (a list, a generator, a file...), not one string")
+        super().__init__(batch_size, start)
+        self._iterator: Iterator[str] = iter(texts)
+
+    def read(self) -> Window | None:
+        if self._position < self._start:
+            self._position += sum(1 for _ in itertools.islice(self._iterator, self._start - self._position))
+            if self._position < self._start:
+                raise self._ended_before_start()
+        return self._window(list(itertools.islice(self._iterator, self._batch_size)))
+
+    async def next_window(self) -> Window | None:
+        """``read()``, for AsyncPrefetcher (a sync iterable is read on the event loop)."""
+        return self.read()
+
+
+class AsyncTextReader(_Windows):
+    """Reads windows from an async iterable."""
+
+    def __init__(self, texts: AsyncIterable[str], batch_size: int, start: int) -> None:
+        super().__init__(batch_size, start)
+        self._iterator: AsyncIterator[str] = texts.__aiter__()
+
+    async def _next(self) -> tuple[bool, str]:
+        try:
+            return True, await self._iterator.__anext__()
+        except StopAsyncIteration:
+            return False, ""
+
+    async def next_window(self) -> Window | None:
+        while self._position < self._start:
+            more, _ = await self._next()
+            if not more:
+                raise self._ended_before_start()
+            self._position += 1
+        texts: list[str] = []
+        while len(texts) < self._batch_size:
+            more, text = await self._next()
+            if not more:
+                break
+            texts.append(text)
+        return self._window(texts)
