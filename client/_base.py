@@ -74,9 +74,6 @@ class BaseClient:
         replica_cooldown_s: float = 1.0,
     ) -> None:
         self.urls = parse_urls(url)
-        for each in self.urls:
-            if httpx.URL(each).scheme not in ("http", "https"):
-                raise ValueError(f"url {each!r} has no http:// or https:// in front: did you mean 'http://{each}'?")
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
             raise ValueError(f"timeout is in seconds, a number above 0; got {timeout!r}")
         self.url = self.urls[0]

@@ -72,6 +72,8 @@ class PrefetchOptions:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         if depth < 1:
             raise ValueError(f"depth must be at least 1, got {depth}")
+        if pack is not None and not isinstance(pack, PackSpec):
+            raise TypeError(f"pack takes a PackSpec(seq_len=..., rows=...), not {type(pack).__name__} {pack!r}")
         if pack is not None:
             if add_bos or add_eos or max_length is not None or sample is not None:
                 raise ValueError(

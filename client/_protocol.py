@@ -16,6 +16,7 @@ import httpx
 import numpy as np
 
 from client import wire
+from client._inputs import check_url, id_rows, texts_list
 from client._torch import tensors
 from client.errors import ModelMismatchError, TokenizerProtocolError, TokenizerServiceError
 
@@ -177,7 +178,7 @@ class Requests:
 def parse_urls(url: str | Sequence[str]) -> tuple[str, ...]:
     """One base URL, a comma-separated list of them, or a sequence of them; trailing slashes dropped."""
     items = url.split(",") if isinstance(url, str) else list(url)
-    urls = tuple(item.strip().rstrip("/") for item in items if item and item.strip())
+    urls = tuple(check_url(item.strip().rstrip("/")) for item in items if item and item.strip())
     if not urls:
         raise ValueError("at least one server URL is needed")
     return urls
@@ -195,7 +196,7 @@ def tokenize_payload(
     max_length: int | None,
     sample: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    payload: dict[str, Any] = {"texts": texts if isinstance(texts, list) else list(texts)}
+    payload: dict[str, Any] = {"texts": texts_list(texts)}
     if model is not None:
         payload["model"] = model
     if add_bos:
@@ -246,7 +247,7 @@ def pack_payload(
     carry_document_starts: Sequence[int] | np.ndarray | None = None,
 ) -> dict[str, Any]:
     payload: dict[str, Any] = {
-        "texts": texts if isinstance(texts, list) else list(texts),
+        "texts": texts_list(texts),
         "seq_len": seq_len,
         "strategy": strategy,
         "add_bos": add_bos,
@@ -264,8 +265,7 @@ def pack_payload(
 
 
 def detokenize_payload(ids: Sequence[Sequence[int]] | Sequence[np.ndarray], model: str | None) -> dict[str, Any]:
-    rows = [row.tolist() if isinstance(row, np.ndarray) else list(row) for row in ids]
-    payload: dict[str, Any] = {"ids": rows}
+    payload: dict[str, Any] = {"ids": id_rows(ids)}
     if model is not None:
         payload["model"] = model
     return payload

@@ -14,6 +14,8 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from client._inputs import check_texts
+
 
 @dataclass(frozen=True)
 class Window:
@@ -65,8 +67,7 @@ class TextReader(_Windows):
     """Reads windows from a sync iterable, in the thread that calls ``read()`` (or awaits ``next_window()``)."""
 
     def __init__(self, texts: Iterable[str], batch_size: int, start: int) -> None:
-        if isinstance(texts, (str, bytes)):
-            raise TypeError("texts must be an iterable of str (a list, a generator, a file...), not one string")
+        check_texts(texts)
         super().__init__(batch_size, start)
         self._iterator: Iterator[str] = iter(texts)
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
+import numpy as np
 import pytest
 
-from client import TokenizerClient, TokenizerConnectionError, TokenizerServiceError
+from client import AsyncTokenizerClient, TokenizerClient, TokenizerConnectionError, TokenizerServiceError
 from tests.conftest import MAX_REQUEST_BYTES, MAX_TEXTS, Server, free_port
 
 CASES = [
@@ -143,3 +146,56 @@ def test_a_model_is_a_name_never_a_path(server):
     listing = httpx.get(f"{server.url}/v1/models").text
     assert "path" not in listing and str(server.model_files["uni"].parent) not in listing  # no file paths
     assert_still_serving(server)
+
+
+MISTAKES = [
+    # (what a newcomer writes, the exception, what its message says)
+    (lambda c: c.tokenize("I am a cat."), TypeError, "not a single str: for one text, pass [text]"),
+    (lambda c: c.tokenize_batch(b"bytes"), TypeError, "not a single bytes"),
+    (lambda c: c.tokenize({"a": "text"}), TypeError, "not a dict"),
+    (lambda c: c.pack("I am a cat.", 8), TypeError, "not a single str"),
+    (lambda c: c.detokenize([1, 2, 3]), TypeError, "ids[0] is one id: for one text, pass [ids]"),
+    (lambda c: c.detokenize(np.array([1, 2, 3])), TypeError, "a 1-D array does not: for one text, pass [ids]"),
+    (lambda c: c.detokenize("abc"), TypeError, "not a str"),
+    (lambda c: c.tokenize(["x"], format="xml"), ValueError, "format must be one of 'binary', 'json', not 'xml'"),
+    (lambda c: c.prefetch("I am a cat."), TypeError, "not a single str"),
+    (lambda c: c.prefetch(["x"], pack=2048), TypeError, "pack takes a PackSpec(seq_len=..., rows=...), not int"),
+]
+
+
+@pytest.mark.parametrize(("call", "error", "message"), MISTAKES)
+def test_a_call_that_means_something_else_is_refused_before_any_request(call, error, message):
+    # A port nothing listens on: a refusal that needed the network would be a connection error instead.
+    with TokenizerClient(f"http://127.0.0.1:{free_port()}", timeout=2) as client, pytest.raises(error) as caught:
+        call(client)
+    assert message in str(caught.value)
+
+
+@pytest.mark.parametrize("call", [lambda c: c.tokenize("abc"), lambda c: c.pack("abc", 8), lambda c: c.detokenize([1])])
+def test_the_async_client_refuses_the_same(call):
+    async def main() -> None:
+        async with AsyncTokenizerClient(f"http://127.0.0.1:{free_port()}", timeout=2) as client:
+            with pytest.raises(TypeError, match="for one text"):
+                await call(client)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (
+            {"url": "localhost:8000"},
+            "url 'localhost:8000' has no http:// or https:// in front: did you mean 'http://localhost:8000'?",
+        ),
+        ({"url": ["http://a:1", "b:2"]}, "url 'b:2' has no http://"),
+        ({"url": "http://127.0.0.1:8000", "timeout": "5"}, "timeout is in seconds, a number above 0; got '5'"),
+        ({"url": "http://127.0.0.1:8000", "timeout": 0}, "timeout is in seconds, a number above 0; got 0"),
+    ],
+)
+def test_a_client_that_could_never_work_is_refused_when_made(arguments, message):
+    with pytest.raises(ValueError) as caught:
+        TokenizerClient(**arguments)
+    assert message in str(caught.value)
+    with pytest.raises(ValueError):
+        AsyncTokenizerClient(**arguments)

@@ -22,6 +22,7 @@ from app.pretokenize.store import OutputDir, OutputError, differences
 from app.registry import ModelInfo, ModelLoadError, inspect_model
 from app.settings import ConfigError, Settings, describe_error, usable_cpus
 from client import TokenizerClient
+from client._protocol import parse_urls
 from client.dataset import FORMAT_NAME, FORMAT_VERSION, id_dtype
 
 DEFAULT_SHARD_TOKENS = 1 << 24
@@ -58,6 +59,8 @@ class Options:
             raise ValueError(f"--strategy must be concat or best_fit, got {self.strategy!r}")
         if self.workers < 1 or self.shard_tokens < 1:
             raise ValueError("--workers and --shard-tokens must be positive")
+        if self.urls:
+            parse_urls(self.urls)  # a URL without http(s):// is refused here, with the fix
 
 
 @dataclass(frozen=True)
