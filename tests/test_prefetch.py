@@ -332,7 +332,7 @@ def test_errors_of_the_text_source_are_raised_in_order(client, documents):
         next(prefetcher)
     with pytest.raises(TypeError, match="text 3 is a bytes"):
         list(client.prefetch(["a", "b", "c", b"d"], batch_size=2))
-    with pytest.raises(TypeError, match="not one string"):
+    with pytest.raises(TypeError, match=r"not a single str: for one text, pass \[text\]"):
         client.prefetch("a single text")
     assert not prefetch_threads()
 
