@@ -17,7 +17,6 @@ import numpy as np
 
 from client._base import MODELS, READY, Answer, BaseClient, Call
 from client._options import PackSpec, PrefetchOptions
-from client._outage import OutageLog
 from client._protocol import (
     DEFAULT_URL,
     Format,
@@ -57,7 +56,6 @@ class AsyncTokenizerClient(BaseClient):
         super().__init__(url, timeout=timeout, api_key=api_key, retry=retry, replica_cooldown_s=replica_cooldown_s)
         self._transport = transport or httpx.AsyncHTTPTransport()
         self._prefetchers: weakref.WeakSet[AsyncPrefetcher] = weakref.WeakSet()
-        self._outage = OutageLog()
 
     async def __aenter__(self) -> AsyncTokenizerClient:
         self._ensure_open()

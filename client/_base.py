@@ -14,6 +14,7 @@ from typing import Any, get_args
 
 import httpx
 
+from client._outage import OutageLog
 from client._protocol import (
     DEFAULT_URL,
     Format,
@@ -84,6 +85,7 @@ class BaseClient:
         self._replicas = Replicas(self.urls, replica_cooldown_s)
         self._requests = Requests(self._api_key, timeout)
         self._fingerprints = ModelFingerprints()
+        self._outage = OutageLog()  # one warning an outage, whichever call meets it first
         self._closed = False
 
     @property

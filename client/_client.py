@@ -17,7 +17,6 @@ import numpy as np
 from client._async import AsyncTokenizerClient
 from client._base import MODELS, READY, Answer, BaseClient, Call
 from client._options import PackSpec, PrefetchOptions
-from client._outage import OutageLog
 from client._protocol import (
     DEFAULT_URL,
     MODEL_SHA256_HEADER,
@@ -71,7 +70,6 @@ class TokenizerClient(BaseClient):
         super().__init__(url, timeout=timeout, api_key=api_key, retry=retry, replica_cooldown_s=replica_cooldown_s)
         self._transport = transport or httpx.HTTPTransport()
         self._prefetchers: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
-        self._outage = OutageLog()
 
     def __enter__(self) -> TokenizerClient:
         self._ensure_open()
