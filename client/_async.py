@@ -21,13 +21,13 @@ from client._protocol import (
     DEFAULT_URL,
     Format,
     PackedBatch,
+    PackOptions,
     Strategy,
     TokenizedBatch,
+    TokenizeOptions,
     check_replica_models,
     chunked,
     detokenize_payload,
-    pack_payload,
-    tokenize_payload,
 )
 from client._retry import RetryPolicy
 from client.errors import TokenizerConnectionError, TokenizerError, TokenizerServiceError
@@ -107,38 +107,25 @@ class AsyncTokenizerClient(BaseClient):
     async def _tokenize_answer(
         self,
         texts: Sequence[str],
-        model: str | None,
-        add_bos: bool,
-        add_eos: bool,
-        max_length: int | None,
-        sample: dict[str, Any] | None,
+        options: TokenizeOptions,
         format: Format = "binary",
         policy: RetryPolicy | None = None,
     ) -> tuple[TokenizedBatch, Answer]:
-        call = self._post("/v1/tokenize", tokenize_payload(texts, model, add_bos, add_eos, max_length, sample), format)
-        answer = await self._request(call, policy)
-        return self._read_tokenize(answer, model), answer
+        answer = await self._request(self._post("/v1/tokenize", options.payload(texts), format), policy)
+        return self._read_tokenize(answer, options.model), answer
 
     async def _pack_answer(
         self,
         texts: Sequence[str],
-        seq_len: int,
-        strategy: Strategy,
-        model: str | None,
-        add_bos: bool,
-        add_eos: bool,
-        carry: Sequence[int] | np.ndarray | None,
-        mask_document_start: bool,
+        options: PackOptions,
+        carry: Sequence[int] | np.ndarray | None = None,
+        carry_document_starts: Sequence[int] | np.ndarray | None = None,
         format: Format = "binary",
         policy: RetryPolicy | None = None,
-        carry_document_starts: Sequence[int] | np.ndarray | None = None,
     ) -> tuple[PackedBatch, Answer]:
-        payload = pack_payload(
-            texts, seq_len, strategy, model, add_bos, add_eos, carry, mask_document_start, carry_document_starts
-        )
-        call = self._post("/v1/pack", payload, format)
+        call = self._post("/v1/pack", options.payload(texts, carry, carry_document_starts), format)
         answer = await self._request(call, policy)
-        return self._read_pack(answer, model), answer
+        return self._read_pack(answer, options.model), answer
 
     async def tokenize_batch(
         self,
@@ -152,8 +139,8 @@ class AsyncTokenizerClient(BaseClient):
         format: Format = "binary",
     ) -> TokenizedBatch:
         """Tokenize into one flat ids array plus offsets (the cheapest form to consume)."""
-        batch, _ = await self._tokenize_answer(texts, model, add_bos, add_eos, max_length, sample, format)
-        return batch
+        options = TokenizeOptions(model, add_bos, add_eos, max_length, sample)
+        return (await self._tokenize_answer(texts, options, format))[0]
 
     async def tokenize(
         self,
@@ -167,8 +154,8 @@ class AsyncTokenizerClient(BaseClient):
         format: Format = "binary",
     ) -> list[np.ndarray]:
         """Token ids of each text (int32 arrays), exactly as sentencepiece's encode gives them."""
-        batch, _ = await self._tokenize_answer(texts, model, add_bos, add_eos, max_length, sample, format)
-        return batch.to_list()
+        options = TokenizeOptions(model, add_bos, add_eos, max_length, sample)
+        return (await self._tokenize_answer(texts, options, format))[0].to_list()
 
     async def pack(
         self,
@@ -185,19 +172,8 @@ class AsyncTokenizerClient(BaseClient):
         format: Format = "binary",
     ) -> PackedBatch:
         """Tokenize and pack texts into rows of exactly `seq_len` tokens (see /v1/pack)."""
-        packed, _ = await self._pack_answer(
-            texts,
-            seq_len,
-            strategy,
-            model,
-            add_bos,
-            add_eos,
-            carry,
-            mask_document_start,
-            format,
-            carry_document_starts=carry_document_starts,
-        )
-        return packed
+        options = PackOptions(seq_len, strategy, model, add_bos, add_eos, mask_document_start)
+        return (await self._pack_answer(texts, options, carry, carry_document_starts, format))[0]
 
     async def pack_stream(
         self, texts: Iterable[str], seq_len: int, *, texts_per_request: int = 256, **options: Any
@@ -265,11 +241,7 @@ class AsyncTokenizerClient(BaseClient):
         options = PrefetchOptions.build(
             batch_size=batch_size,
             depth=depth,
-            model=model,
-            add_bos=add_bos,
-            add_eos=add_eos,
-            max_length=max_length,
-            sample=sample,
+            tokenize=TokenizeOptions(model, add_bos, add_eos, max_length, sample),
             pack=pack,
             as_torch=as_torch,
             pin_memory=pin_memory,

@@ -23,13 +23,13 @@ from client._protocol import (
     Format,
     ModelFingerprints,
     PackedBatch,
+    PackOptions,
     Strategy,
     TokenizedBatch,
+    TokenizeOptions,
     check_replica_models,
     chunked,
     detokenize_payload,
-    pack_payload,
-    tokenize_payload,
 )
 from client._retry import RetryPolicy
 from client.errors import TokenizerConnectionError, TokenizerError, TokenizerServiceError
@@ -129,8 +129,8 @@ class TokenizerClient(BaseClient):
         format: Format = "binary",
     ) -> TokenizedBatch:
         """Tokenize into one flat ids array plus offsets (the cheapest form to consume)."""
-        call = self._post("/v1/tokenize", tokenize_payload(texts, model, add_bos, add_eos, max_length, sample), format)
-        return self._read_tokenize(self._request(call), model)
+        options = TokenizeOptions(model, add_bos, add_eos, max_length, sample)
+        return self._read_tokenize(self._request(self._post("/v1/tokenize", options.payload(texts), format)), model)
 
     def tokenize(
         self,
@@ -164,10 +164,8 @@ class TokenizerClient(BaseClient):
         format: Format = "binary",
     ) -> PackedBatch:
         """Tokenize and pack texts into rows of exactly `seq_len` tokens (see /v1/pack)."""
-        payload = pack_payload(
-            texts, seq_len, strategy, model, add_bos, add_eos, carry, mask_document_start, carry_document_starts
-        )
-        call = self._post("/v1/pack", payload, format)
+        options = PackOptions(seq_len, strategy, model, add_bos, add_eos, mask_document_start)
+        call = self._post("/v1/pack", options.payload(texts, carry, carry_document_starts), format)
         return self._read_pack(self._request(call), model)
 
     def pack_stream(
@@ -260,11 +258,7 @@ class TokenizerClient(BaseClient):
         options = PrefetchOptions.build(
             batch_size=batch_size,
             depth=depth,
-            model=model,
-            add_bos=add_bos,
-            add_eos=add_eos,
-            max_length=max_length,
-            sample=sample,
+            tokenize=TokenizeOptions(model, add_bos, add_eos, max_length, sample),
             pack=pack,
             as_torch=as_torch,
             pin_memory=pin_memory,

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
+from client._protocol import PackOptions, TokenizeOptions
 from client._retry import RetryPolicy
 from client._torch import check_torch
 
@@ -41,11 +42,7 @@ class PrefetchOptions:
 
     batch_size: int
     depth: int
-    model: str | None
-    add_bos: bool
-    add_eos: bool
-    max_length: int | None
-    sample: dict[str, Any] | None
+    tokenize: TokenizeOptions  # with pack=, the PackSpec's add_bos/add_eos
     pack: PackSpec | None
     as_torch: bool
     pin_memory: bool
@@ -57,11 +54,7 @@ class PrefetchOptions:
         *,
         batch_size: int,
         depth: int,
-        model: str | None,
-        add_bos: bool,
-        add_eos: bool,
-        max_length: int | None,
-        sample: dict[str, Any] | None,
+        tokenize: TokenizeOptions,
         pack: PackSpec | None,
         as_torch: bool,
         pin_memory: bool,
@@ -75,16 +68,24 @@ class PrefetchOptions:
         if pack is not None and not isinstance(pack, PackSpec):
             raise TypeError(f"pack takes a PackSpec(seq_len=..., rows=...), not {type(pack).__name__} {pack!r}")
         if pack is not None:
-            if add_bos or add_eos or max_length is not None or sample is not None:
+            if tokenize != TokenizeOptions(tokenize.model):
                 raise ValueError(
                     "with pack=, set add_bos/add_eos on the PackSpec; max_length and sample do not apply to packing"
                 )
-            add_bos, add_eos = pack.add_bos, pack.add_eos
+            tokenize = replace(tokenize, add_bos=pack.add_bos, add_eos=pack.add_eos)
         if pin_memory and not as_torch:
             raise ValueError("pin_memory=True needs as_torch=True")
         if as_torch:
             pin_memory = check_torch(pin_memory)
-        return cls(batch_size, depth, model, add_bos, add_eos, max_length, sample, pack, as_torch, pin_memory, retry)
+        return cls(batch_size, depth, tokenize, pack, as_torch, pin_memory, retry)
+
+    def pack_options(self) -> PackOptions:
+        """What each best_fit window's /v1/pack request asks for."""
+        assert self.pack is not None
+        spec, tokenize = self.pack, self.tokenize
+        return PackOptions(
+            spec.seq_len, "best_fit", tokenize.model, tokenize.add_bos, tokenize.add_eos, spec.mask_document_start
+        )
 
     @property
     def mode(self) -> str:
@@ -92,13 +93,7 @@ class PrefetchOptions:
 
     def fingerprint(self) -> dict[str, Any]:
         """The options a resumed run must repeat to produce the same ids."""
-        options: dict[str, Any] = {
-            "model": self.model,
-            "add_bos": self.add_bos,
-            "add_eos": self.add_eos,
-            "max_length": self.max_length,
-            "sample": self.sample,
-        }
+        options: dict[str, Any] = asdict(self.tokenize)
         if self.pack is not None:
             options.update(seq_len=self.pack.seq_len, mask_document_start=self.pack.mask_document_start)
         if self.mode == "best_fit":

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Generic, NoReturn, Protocol, TypeVar
 
 from client._assembler import Assembler, Delivery
 from client._options import PrefetchOptions
-from client._protocol import Batch, PackedBatch, TokenizedBatch
+from client._protocol import Batch, PackedBatch, PackOptions, TokenizedBatch, TokenizeOptions
 from client._resume import Resume
 from client._retry import RetryPolicy
 from client._stats import StatsRecorder
@@ -33,7 +33,7 @@ from client.errors import PrefetchError, TokenizerError, TokenizerServiceError
 
 if TYPE_CHECKING:
     from client._base import Answer
-    from client._protocol import ModelFingerprints, Strategy
+    from client._protocol import ModelFingerprints
 
 H = TypeVar("H")
 
@@ -49,29 +49,11 @@ class PrefetchClient(Protocol):
     _fingerprints: ModelFingerprints
 
     async def _tokenize_answer(
-        self,
-        texts: Sequence[str],
-        model: str | None,
-        add_bos: bool,
-        add_eos: bool,
-        max_length: int | None,
-        sample: dict[str, Any] | None,
-        *,
-        policy: RetryPolicy | None = None,
+        self, texts: Sequence[str], options: TokenizeOptions, *, policy: RetryPolicy | None = None
     ) -> tuple[TokenizedBatch, Answer]: ...
 
     async def _pack_answer(
-        self,
-        texts: Sequence[str],
-        seq_len: int,
-        strategy: Strategy,
-        model: str | None,
-        add_bos: bool,
-        add_eos: bool,
-        carry: None,
-        mask_document_start: bool,
-        *,
-        policy: RetryPolicy | None = None,
+        self, texts: Sequence[str], options: PackOptions, *, policy: RetryPolicy | None = None
     ) -> tuple[PackedBatch, Answer]: ...
 
     async def aclose(self) -> None: ...
@@ -120,30 +102,12 @@ class Pipeline:
                 raise asyncio.CancelledError("an earlier window failed")
 
     async def _fetch(self, window: Window) -> Batch:
-        options, pack = self.options, self.options.pack
+        options = self.options
         answer: Batch
-        if pack is not None and pack.strategy == "best_fit":
-            answer, meta = await self.client._pack_answer(
-                window.texts,
-                pack.seq_len,
-                "best_fit",
-                options.model,
-                pack.add_bos,
-                pack.add_eos,
-                None,
-                pack.mask_document_start,
-                policy=options.retry,
-            )
+        if options.mode == "best_fit":
+            answer, meta = await self.client._pack_answer(window.texts, options.pack_options(), policy=options.retry)
         else:
-            answer, meta = await self.client._tokenize_answer(
-                window.texts,
-                options.model,
-                options.add_bos,
-                options.add_eos,
-                options.max_length,
-                options.sample,
-                policy=options.retry,
-            )
+            answer, meta = await self.client._tokenize_answer(window.texts, options.tokenize, policy=options.retry)
         self.recorder.answered(meta.seconds, meta.attempts)
         return answer
 

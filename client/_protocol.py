@@ -188,26 +188,49 @@ def accept_header(format: Format) -> str:
     return wire.MEDIA_TYPE if format == "binary" else "application/json"
 
 
-def tokenize_payload(
-    texts: Sequence[str],
-    model: str | None,
-    add_bos: bool,
-    add_eos: bool,
-    max_length: int | None,
-    sample: dict[str, Any] | None,
-) -> dict[str, Any]:
-    payload: dict[str, Any] = {"texts": texts_list(texts)}
-    if model is not None:
-        payload["model"] = model
-    if add_bos:
-        payload["add_bos"] = True
-    if add_eos:
-        payload["add_eos"] = True
-    if max_length is not None:
-        payload["max_length"] = max_length
-    if sample is not None:
-        payload["sample"] = sample
-    return payload
+@dataclass(frozen=True)
+class TokenizeOptions:
+    """/v1/tokenize's options as the client sends them: made once from a method's keywords, passed whole."""
+
+    model: str | None = None
+    add_bos: bool = False
+    add_eos: bool = False
+    max_length: int | None = None
+    sample: dict[str, Any] | None = None
+
+    def payload(self, texts: Iterable[str]) -> dict[str, Any]:
+        """The request body; options at their defaults are left out."""
+        payload: dict[str, Any] = {"texts": texts_list(texts)}
+        for name, value in vars(self).items():
+            if value is not None and value is not False:
+                payload[name] = value
+        return payload
+
+
+@dataclass(frozen=True)
+class PackOptions:
+    """/v1/pack's options but the carry (which changes with every request of a stream)."""
+
+    seq_len: int
+    strategy: Strategy = "concat"
+    model: str | None = None
+    add_bos: bool = False
+    add_eos: bool = True
+    mask_document_start: bool = False
+
+    def payload(
+        self,
+        texts: Iterable[str],
+        carry: Sequence[int] | np.ndarray | None = None,
+        carry_document_starts: Sequence[int] | np.ndarray | None = None,
+    ) -> dict[str, Any]:
+        payload: dict[str, Any] = {"texts": texts_list(texts), **vars(self)}
+        if self.model is None:
+            del payload["model"]
+        for name, ids in (("carry", carry), ("carry_document_starts", carry_document_starts)):
+            if ids is not None:
+                payload[name] = ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
+        return payload
 
 
 def check_replica_models(fingerprints: ModelFingerprints, answers: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
@@ -233,35 +256,6 @@ def chunked(items: Iterable[str], size: int) -> Iterator[list[str]]:
             chunk = []
     if chunk:
         yield chunk
-
-
-def pack_payload(
-    texts: Sequence[str],
-    seq_len: int,
-    strategy: Strategy,
-    model: str | None,
-    add_bos: bool,
-    add_eos: bool,
-    carry: Sequence[int] | np.ndarray | None,
-    mask_document_start: bool,
-    carry_document_starts: Sequence[int] | np.ndarray | None = None,
-) -> dict[str, Any]:
-    payload: dict[str, Any] = {
-        "texts": texts_list(texts),
-        "seq_len": seq_len,
-        "strategy": strategy,
-        "add_bos": add_bos,
-        "add_eos": add_eos,
-        "mask_document_start": mask_document_start,
-    }
-    if model is not None:
-        payload["model"] = model
-    if carry is not None:
-        payload["carry"] = carry.tolist() if isinstance(carry, np.ndarray) else list(carry)
-    if carry_document_starts is not None:
-        starts = carry_document_starts
-        payload["carry_document_starts"] = starts.tolist() if isinstance(starts, np.ndarray) else list(starts)
-    return payload
 
 
 def detokenize_payload(ids: Sequence[Sequence[int]] | Sequence[np.ndarray], model: str | None) -> dict[str, Any]:
