@@ -22,7 +22,7 @@ from pydantic_settings import CliSettingsSource
 from app.connections import uvicorn_options
 from app.entry import USAGE_ERROR
 from app.registry import ModelLoadError, ModelRegistry
-from app.settings import ConfigError, Settings, describe_error
+from app.settings import BUNDLED, ConfigError, Settings, describe_error
 
 PROG = "tokenizer-server"
 EPILOG = """\
@@ -95,12 +95,17 @@ def main(argv: list[str] | None = None) -> int:
         return USAGE_ERROR
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:  # every model read once here, so a wrong path is one line and not a failed lifespan
-        ModelRegistry.from_paths(settings.model_paths(), settings.default_model)
+        paths = settings.model_paths()
+        ModelRegistry.from_paths(paths, settings.default_model)
     except (ConfigError, ModelLoadError) as exc:
         if settings.log_level in ("debug", "trace"):
             logging.getLogger("tokenizer").exception("cannot start")
         print(f"{PROG}: {exc}", file=sys.stderr)
         return USAGE_ERROR
+    if settings.models_dir is not None and paths == BUNDLED:
+        logging.getLogger("tokenizer").warning(
+            "no *.model in %s: serving the bundled model as 'default' (--empty-models-dir bundled)", settings.models_dir
+        )
     if (problem := check_address(settings.host, settings.port)) is not None:
         print(f"{PROG}: {problem}", file=sys.stderr)
         return USAGE_ERROR

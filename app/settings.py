@@ -12,6 +12,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 BUNDLED_MODELS_DIR = Path(__file__).parent / "models"
 BUNDLED_MODEL_NAME = "default"
+BUNDLED = {BUNDLED_MODEL_NAME: BUNDLED_MODELS_DIR / f"{BUNDLED_MODEL_NAME}.model"}  # served when none is configured
 # --max-queued-bytes defaults to this many full-size request bodies.
 QUEUED_REQUESTS_DEFAULT = 4
 
@@ -64,6 +65,12 @@ class Settings(BaseSettings):
         default_factory=list,
     )
     models_dir: Path | None = option("DIR", "serve every *.model in this directory under its file stem", None)
+    empty_models_dir: Literal["refuse", "bundled"] = option(
+        "{refuse,bundled}",
+        "a --models-dir with no *.model in it: refuse to start, or serve the bundled model (what the container "
+        "image does, so that an empty mounted directory serves it)",
+        "refuse",
+    )
     default_model: str | None = option("NAME", "model used when a request names none", None)
     max_request_bytes: int = option("BYTES", "largest request body accepted (413 above)", 32 * 1024 * 1024, ge=1)
     max_texts: int = option("N", "most texts in one request (413 above)", 8192, ge=1)
@@ -178,16 +185,15 @@ class Settings(BaseSettings):
         if self.models_dir is not None:
             for path in sorted(self.models_dir.glob("*.model")):
                 paths[path.stem] = path
-            if not paths:
+            if not paths and not self.model and self.empty_models_dir == "refuse":
                 raise ConfigError(
-                    f"the models directory {self.models_dir} (--models-dir, TOKENIZER_MODELS_DIR) holds no *.model file"
+                    f"the models directory {self.models_dir} (--models-dir, TOKENIZER_MODELS_DIR) holds no *.model "
+                    "file; to serve the bundled model then, --empty-models-dir bundled"
                 )
         for spec in self.model:
             name, _, file = spec.partition("=")
             paths[name.strip()] = Path(file.strip()).expanduser()
-        if not paths:
-            paths[BUNDLED_MODEL_NAME] = BUNDLED_MODELS_DIR / f"{BUNDLED_MODEL_NAME}.model"
-        return paths
+        return paths or dict(BUNDLED)
 
 
 def describe_error(error: Any, argv: Sequence[str] = ()) -> str:

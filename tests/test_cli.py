@@ -88,7 +88,7 @@ def test_a_bad_flag_is_one_line_not_a_traceback():
 
 def test_help_reads_as_a_person_wrote_it():
     output = subprocess.run(["tokenizer-server", "--help"], capture_output=True, text=True, check=True).stdout
-    for leak in ("null", "{", "default factory", "list[", "SecretStr", "PydanticUndefined", "str]"):
+    for leak in ("null", "{Path", "{int", "{str", "default factory", "list[", "SecretStr", "PydanticUndefined"):
         assert leak not in output, leak
     for shown in ("--model NAME=PATH", "--models-dir DIR", "--workers N", "--request-timeout SECONDS", "TOKENIZER_"):
         assert shown in output, shown
@@ -228,3 +228,13 @@ def test_a_port_in_use_or_an_address_not_here_is_one_line_before_any_worker_star
     )
     assert result.returncode == 2
     assert "cannot listen on 192.0.2.1:8000: Cannot assign requested address; no interface" in result.stderr
+
+
+def test_an_empty_models_dir_serves_the_bundled_model_only_when_asked(tmp_path):
+    """The container image sets TOKENIZER_EMPTY_MODELS_DIR=bundled: an empty mounted /models serves the bundled model."""
+    (tmp_path / "models").mkdir()
+    args = ["--models-dir", str(tmp_path / "models"), "--workers", "1"]
+    assert _start(args, {}, tmp_path).returncode == 2
+    with ServerProcess(args, env={"TOKENIZER_EMPTY_MODELS_DIR": "bundled"}, log=tmp_path / "server.log") as server:
+        assert httpx.get(f"{server.url}/v1/models").json()["default"] == "default"
+    assert "serving the bundled model as 'default' (--empty-models-dir bundled)" in server.log.read_text()
