@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import sentencepiece as spm
 
@@ -35,6 +36,12 @@ class ModelInfo:
             if candidate >= 0:
                 return candidate
         return 0
+
+    @classmethod
+    def from_dict(cls, described: dict[str, Any], path: Path) -> ModelInfo:
+        """The inverse of `as_dict` (a /v1/models entry, a metadata.json model), with `path` for the file."""
+        described = {field.name: described[field.name] for field in fields(cls) if field.name not in SERVER_ONLY}
+        return cls(path=path, **described)
 
     def as_dict(self) -> dict[str, str | int]:
         """What /v1/models and metadata.json say of the model: every field but the server's own path."""

@@ -118,19 +118,7 @@ def resolve_service_model(urls: list[str], name: str | None) -> ModelInfo:
         if entry is None:
             served = ", ".join(model["name"] for model in answer["models"])
             raise ModelLoadError(f"{url} does not serve model {wanted!r} (it serves {served})")
-        infos.append(
-            ModelInfo(
-                name=entry["name"],
-                path=Path(url),
-                type=entry["type"],
-                vocab_size=entry["vocab_size"],
-                bos_id=entry["bos_id"],
-                eos_id=entry["eos_id"],
-                pad_id=entry["pad_id"],
-                unk_id=entry["unk_id"],
-                sha256=entry["sha256"],
-            )
-        )
+        infos.append(ModelInfo.from_dict(entry, Path(url)))
     if len({info.sha256 for info in infos}) > 1:
         found = ", ".join(f"{url}: {info.sha256[:12]}…" for url, info in zip(urls, infos, strict=True))
         raise ModelLoadError(f"the URLs serve different files as model {infos[0].name!r} ({found})")
