@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import httpx
 import numpy as np
@@ -283,63 +283,63 @@ def raise_for_error(response: httpx.Response) -> None:
     raise TokenizerServiceError(response.status_code, body if isinstance(body, dict) else None, retry_after(response))
 
 
-def batch_from_response(response: httpx.Response) -> TokenizedBatch:
+T = TypeVar("T")
+
+
+def _read_answer(response: httpx.Response, what: str, read: Callable[[wire.Frame | None, Any, str | None], T]) -> T:
+    """`read(frame, None, sha256)` for a binary answer, `read(None, document, sha256)` for JSON; any
+    missing or malformed part is a TokenizerProtocolError."""
     sha256 = response.headers.get(MODEL_SHA256_HEADER)
     content_type = response.headers.get("content-type", "")
     try:
         if content_type.startswith(wire.MEDIA_TYPE):
-            frame = wire.decode(response.content)
-            return TokenizedBatch(frame["ids"], frame["offsets"], frame.meta["model"], sha256)
-        document = loads(response.content)
-        rows = document["ids"]
-        lengths = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
-        flat = np.fromiter((i for row in rows for i in row), dtype=np.int32, count=int(lengths.sum()))
-        return TokenizedBatch(flat, wire.ragged_offsets(lengths), document["model"], sha256)
+            return read(wire.decode(response.content), None, sha256)
+        return read(None, loads(response.content), sha256)
     except (KeyError, TypeError, ValueError) as exc:
-        raise TokenizerProtocolError(f"unreadable tokenize answer ({content_type}): {exc}") from exc
+        raise TokenizerProtocolError(f"unreadable {what} answer ({content_type}): {exc}") from exc
+
+
+def _batch(frame: wire.Frame | None, document: Any, sha256: str | None) -> TokenizedBatch:
+    if frame is not None:
+        return TokenizedBatch(frame["ids"], frame["offsets"], frame.meta["model"], sha256)
+    rows = document["ids"]
+    lengths = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
+    flat = np.fromiter((i for row in rows for i in row), dtype=np.int32, count=int(lengths.sum()))
+    return TokenizedBatch(flat, wire.ragged_offsets(lengths), document["model"], sha256)
+
+
+_ROWS = ("input_ids", "labels", "position_ids")  # [rows, seq_len]; leftover and its starts are flat
+
+
+def _packed(frame: wire.Frame | None, document: Any, sha256: str | None) -> PackedBatch:
+    if frame is not None:
+        meta, array = frame.meta, frame.__getitem__
+        cu_seqlens = wire.split_ragged(frame["cu_seqlens"], frame["cu_seqlens_offsets"])
+    else:
+        meta = document
+
+        def array(name: str) -> np.ndarray:
+            values = np.asarray(document[name], dtype=np.int32)
+            return values.reshape(-1, document["seq_len"]) if name in _ROWS else values
+
+        cu_seqlens = [np.asarray(row, dtype=np.int32) for row in document["cu_seqlens"]]
+    return PackedBatch(
+        **{name: array(name) for name in (*_ROWS, "leftover", "leftover_document_starts")},
+        cu_seqlens=cu_seqlens,
+        stats=meta["stats"],
+        model=meta["model"],
+        seq_len=meta["seq_len"],
+        strategy=meta["strategy"],
+        model_sha256=sha256,
+    )
+
+
+def batch_from_response(response: httpx.Response) -> TokenizedBatch:
+    return _read_answer(response, "tokenize", _batch)
 
 
 def packed_from_response(response: httpx.Response) -> PackedBatch:
-    sha256 = response.headers.get(MODEL_SHA256_HEADER)
-    content_type = response.headers.get("content-type", "")
-    try:
-        if content_type.startswith(wire.MEDIA_TYPE):
-            frame = wire.decode(response.content)
-            meta = frame.meta
-            return PackedBatch(
-                input_ids=frame["input_ids"],
-                labels=frame["labels"],
-                position_ids=frame["position_ids"],
-                cu_seqlens=wire.split_ragged(frame["cu_seqlens"], frame["cu_seqlens_offsets"]),
-                leftover=frame["leftover"],
-                leftover_document_starts=frame["leftover_document_starts"],
-                stats=meta["stats"],
-                model=meta["model"],
-                seq_len=meta["seq_len"],
-                strategy=meta["strategy"],
-                model_sha256=sha256,
-            )
-        document = loads(response.content)
-        seq_len = document["seq_len"]
-
-        def matrix(name: str) -> np.ndarray:
-            return np.asarray(document[name], dtype=np.int32).reshape(-1, seq_len)
-
-        return PackedBatch(
-            input_ids=matrix("input_ids"),
-            labels=matrix("labels"),
-            position_ids=matrix("position_ids"),
-            cu_seqlens=[np.asarray(row, dtype=np.int32) for row in document["cu_seqlens"]],
-            leftover=np.asarray(document["leftover"], dtype=np.int32),
-            leftover_document_starts=np.asarray(document["leftover_document_starts"], dtype=np.int32),
-            stats=document["stats"],
-            model=document["model"],
-            seq_len=seq_len,
-            strategy=document["strategy"],
-            model_sha256=sha256,
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise TokenizerProtocolError(f"unreadable pack answer ({content_type}): {exc}") from exc
+    return _read_answer(response, "pack", _packed)
 
 
 class ModelFingerprints:
