@@ -14,7 +14,7 @@ import numpy as np
 
 from client._options import PrefetchOptions
 from client._packing import Block, ConcatPacker, Position, RowRegrouper
-from client._protocol import Batch, PackedBatch, TokenizedBatch
+from client._protocol import Batch, TokenizedBatch
 from client._resume import Resume, state_dict
 from client._texts import Window
 
@@ -57,9 +57,7 @@ class Assembler:
             self._packer.feed(np.asarray(answer.ids), np.asarray(answer.offsets), window.start)
             return self._drain(self._packer.take)
         assert self._regrouper is not None
-        self._regrouper.feed(
-            answer.input_ids, answer.labels, answer.position_ids, answer.cu_seqlens, window.start, window.stop
-        )
+        self._regrouper.feed(answer, window.start, window.stop)
         return self._drain(self._regrouper.take)
 
     def finish(self) -> list[Delivery]:
@@ -79,23 +77,9 @@ class Assembler:
         return deliveries
 
     def _packed(self, block: Block, leftover: np.ndarray) -> Delivery:
-        pack = self.options.pack
-        assert pack is not None
-        batch = PackedBatch(
-            input_ids=block.input_ids,
-            labels=block.labels,
-            position_ids=block.position_ids,
-            cu_seqlens=block.cu_seqlens,
-            leftover=leftover,
-            stats=block.stats,
-            model=self.model or "",
-            seq_len=pack.seq_len,
-            strategy=pack.strategy,
-            model_sha256=self.sha256,
-            index=self.batches,
-            start=block.start,
-        )
-        return self._deliver(batch, block.after, block.after.text - self.position.text, int(block.stats["tokens"]))
+        rows, after = block
+        batch = replace(rows, leftover=leftover, model=self.model or "", model_sha256=self.sha256, index=self.batches)
+        return self._deliver(batch, after, after.text - self.position.text, int(rows.stats["tokens"]))
 
     def _deliver(self, batch: Batch, after: Position, texts: int, tokens: int) -> Delivery:
         self.batches += 1

@@ -17,12 +17,13 @@ undelivered tokens (concat) or rows (best_fit), and how many of them were alread
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from client import wire
+from client._protocol import PackedBatch
 from client.packing import pack_concat
 
 
@@ -34,21 +35,11 @@ class Position:
     skip: int = 0
 
 
-@dataclass(frozen=True, eq=False)
-class Block:
-    """Rows of ``seq_len`` tokens ready to hand out, and the resume position after them."""
+_ROWS = ("input_ids", "labels", "position_ids")
 
-    input_ids: np.ndarray
-    labels: np.ndarray
-    position_ids: np.ndarray
-    cu_seqlens: list[np.ndarray]
-    start: int
-    after: Position
-    stats: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def rows(self) -> int:
-        return int(self.input_ids.shape[0])
+# A block: rows ready to hand out (a PackedBatch, model fields left for the caller to fill in), and
+# the position to resume from once they are delivered.
+Block = tuple[PackedBatch, Position]
 
 
 class StreamMismatch(ValueError):
@@ -141,72 +132,70 @@ class ConcatPacker:
             mask_document_start=self.mask_document_start,
         )
         documents = starts.size + (1 if continued else 0)
-        block = Block(
-            input_ids=packed.input_ids,
-            labels=packed.labels,
-            position_ids=packed.position_ids,
-            cu_seqlens=wire.split_ragged(packed.cu_seqlens, packed.cu_seqlens_offsets),
-            start=self.position_at(0).text,
-            after=self.position_at(used),
-            stats={"rows": rows, "tokens": used, "padding_tokens": 0, "padding_fraction": 0.0, "documents": documents},
+        batch = _rows(
+            packed.input_ids,
+            packed.labels,
+            packed.position_ids,
+            wire.split_ragged(packed.cu_seqlens, packed.cu_seqlens_offsets),
+            self.seq_len,
+            "concat",
+            self.position_at(0).text,
+            {"rows": rows, "tokens": used, "padding_tokens": 0, "padding_fraction": 0.0, "documents": documents},
         )
-        self._head = block.after
+        self._head = after = self.position_at(used)
         keep = self._doc_starts >= used
         self._doc_starts = self._doc_starts[keep] - used
         self._doc_texts = self._doc_texts[keep]
         self._tokens = self._tokens[used:].copy()
-        return block
+        return batch, after
 
 
-@dataclass
-class _Rows:
-    input_ids: np.ndarray
-    labels: np.ndarray
-    position_ids: np.ndarray
-    cu_seqlens: list[np.ndarray]
-    start: int  # stream index of the first text of the request these rows came from
-    first: int  # rows before this one are delivered
-
-    @property
-    def left(self) -> int:
-        return int(self.input_ids.shape[0]) - self.first
+def _rows(
+    input_ids: np.ndarray,
+    labels: np.ndarray,
+    position_ids: np.ndarray,
+    cu_seqlens: list[np.ndarray],
+    seq_len: int,
+    strategy: str,
+    start: int,
+    stats: dict[str, Any],
+) -> PackedBatch:
+    """Rows as a PackedBatch without the answer's model (the prefetcher fills it in) and no leftover."""
+    empty = np.empty(0, np.int32)
+    return PackedBatch(
+        input_ids, labels, position_ids, cu_seqlens, empty, stats, "", seq_len, strategy, None, start=start
+    )
 
 
 class RowRegrouper:
-    """Regroups the rows of best-fit packed windows into blocks of exactly ``rows`` rows, in order."""
+    """Regroups the rows of best-fit packed windows into blocks of exactly ``rows`` rows, in order.
+
+    Each window's answer waits in ``_parts`` with the number of its rows already handed out.
+    """
 
     def __init__(self, seq_len: int, rows: int, resume: Position) -> None:
         self.seq_len = seq_len
         self.rows = rows
-        self._parts: deque[_Rows] = deque()
+        self._parts: deque[tuple[PackedBatch, int]] = deque()
         self._fed = resume.text
         self._skip = resume.skip
 
     @property
     def buffered(self) -> int:
-        return sum(part.left for part in self._parts)
+        return sum(len(answer) - first for answer, first in self._parts)
 
-    def feed(
-        self,
-        input_ids: np.ndarray,
-        labels: np.ndarray,
-        position_ids: np.ndarray,
-        cu_seqlens: list[np.ndarray],
-        start: int,
-        stop: int,
-    ) -> None:
-        """Append the rows that texts ``[start, stop)`` packed into."""
+    def feed(self, answer: PackedBatch, start: int, stop: int) -> None:
+        """Append the rows that texts ``[start, stop)`` packed into (one /v1/pack answer)."""
         if start != self._fed:
             raise ValueError(f"windows must be fed in order: expected text {self._fed}, got {start}")
         first, self._skip = self._skip, 0
-        count = int(input_ids.shape[0])
-        if first > count:
+        if first > len(answer):
             raise StreamMismatch(
-                f"texts from {start} packed into {count} rows but the saved state had delivered {first}: "
+                f"texts from {start} packed into {len(answer)} rows but the saved state had delivered {first}: "
                 "the texts, the model or batch_size differ from the run the state came from"
             )
-        if first < count:
-            self._parts.append(_Rows(input_ids, labels, position_ids, cu_seqlens, start, first))
+        if first < len(answer):
+            self._parts.append((replace(answer, start=start), first))
         self._fed = stop
 
     def take(self) -> Block | None:
@@ -219,33 +208,32 @@ class RowRegrouper:
         return self._block(rows) if rows else None
 
     def _block(self, rows: int) -> Block:
-        pieces: list[tuple[_Rows, int, int]] = []
+        pieces: list[tuple[PackedBatch, int, int]] = []
         needed = rows
-        start = self._parts[0].start
+        start = self._parts[0][0].start
+        assert start is not None
         while needed:
-            part = self._parts[0]
-            count = min(needed, part.left)
-            pieces.append((part, part.first, part.first + count))
-            part.first += count
+            answer, first = self._parts.popleft()
+            count = min(needed, len(answer) - first)
+            pieces.append((answer, first, first + count))
             needed -= count
-            if not part.left:
-                self._parts.popleft()
-        input_ids = np.concatenate([part.input_ids[a:b] for part, a, b in pieces])
-        cu_seqlens = [row for part, a, b in pieces for row in part.cu_seqlens[a:b]]
+            if first + count < len(answer):
+                self._parts.appendleft((answer, first + count))
+        cu_seqlens = [row for answer, a, b in pieces for row in answer.cu_seqlens[a:b]]
         tokens = int(sum(int(row[-1]) for row in cu_seqlens))
         padding = rows * self.seq_len - tokens
-        after = Position(self._parts[0].start, self._parts[0].first) if self._parts else Position(self._fed, 0)
-        return Block(
-            input_ids=input_ids,
-            labels=np.concatenate([part.labels[a:b] for part, a, b in pieces]),
-            position_ids=np.concatenate([part.position_ids[a:b] for part, a, b in pieces]),
-            cu_seqlens=cu_seqlens,
-            start=start,
-            after=after,
-            stats={
+        after = Position(self._parts[0][0].start or 0, self._parts[0][1]) if self._parts else Position(self._fed, 0)
+        batch = _rows(
+            *(np.concatenate([getattr(answer, name)[a:b] for answer, a, b in pieces]) for name in _ROWS),
+            cu_seqlens,
+            self.seq_len,
+            "best_fit",
+            start,
+            {
                 "rows": rows,
                 "tokens": tokens,
                 "padding_tokens": padding,
                 "padding_fraction": padding / (rows * self.seq_len),
             },
         )
+        return batch, after
