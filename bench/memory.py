@@ -1,6 +1,6 @@
 """Peak memory of the server's process tree under maximum-size requests.
 
-    python bench/memory.py [--clients 8] [--body-mib 32] [--text-kib 8] [--emoji] [--seconds 15] [--workers 2]
+    python -m bench.memory [--clients 8] [--body-mib 32] [--text-kib 8] [--emoji] [--seconds 15] [--workers 2]
                            [server flags...]
 
 Starts a server (default flags unless given after the options) on a free loopback port, then keeps
@@ -13,20 +13,16 @@ peak, the statuses, and the memory left once the load is gone.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import psutil
 
+from bench.throughput import FALLBACK_CORPUS, SHARED_CORPUS, load_documents
+from tests.conftest import start_server, stop_server
+from tests.test_memory import body_of, peak_under_load, tree_rss
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from throughput import FALLBACK_CORPUS, SHARED_CORPUS, load_documents  # noqa: E402
-
-from tests.conftest import start_server, stop_server  # noqa: E402
-from tests.test_memory import body_of, peak_under_load, tree_rss  # noqa: E402
 
 
 def main() -> None:

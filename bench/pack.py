@@ -1,6 +1,6 @@
 """Packing through the service, and how much padding each packing strategy leaves.
 
-    python bench/pack.py [--corpus FILE] [--docs N] [--rounds R] [--model FILE] [--texts-per-request N]
+    python -m bench.pack [--corpus FILE] [--docs N] [--rounds R] [--model FILE] [--texts-per-request N]
 
 Two tables, on the same 1-2 KB documents (built from the corpus as in bench/throughput.py):
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -29,14 +28,11 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
+from bench.throughput import FALLBACK_CORPUS, SHARED_CORPUS, bench_model, load_documents, start_server
+from client import TokenizerClient
+from client.packing import first_fit_rows, pack_best_fit, split_pieces
+
 BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH.parent))
-sys.path.insert(0, str(BENCH))
-
-from throughput import FALLBACK_CORPUS, SHARED_CORPUS, bench_model, load_documents, start_server  # noqa: E402
-
-from client import TokenizerClient  # noqa: E402
-from client.packing import first_fit_rows, pack_best_fit, split_pieces  # noqa: E402
 
 SEQ_LENS = (2048, 8192)
 

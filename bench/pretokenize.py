@@ -1,7 +1,7 @@
 """Pre-tokenization throughput against in-process sentencepiece, measured in one run.
 
-    python bench/pretokenize.py [--corpus FILE] [--docs N] [--rounds R] [--model FILE]
-    python bench/pretokenize.py --ranks W [--docs N] [--rounds R]
+    python -m bench.pretokenize [--corpus FILE] [--docs N] [--rounds R] [--model FILE]
+    python -m bench.pretokenize --ranks W [--docs N] [--rounds R]
 
 The documents of bench/throughput.py (1-2 KB, from the Python docs corpus) are written to a .jsonl
 file once; then, in alternating rounds (the machine drifts; the median of per-round ratios is reported):
@@ -34,15 +34,12 @@ from pathlib import Path
 import orjson
 import sentencepiece as spm
 
+from app.pretokenize.ranks import merge
+from app.pretokenize.run import Options, run
+from bench.throughput import FALLBACK_CORPUS, SHARED_CORPUS, bench_model, load_documents, start_server
+from client.dataset import TokenDataset
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from throughput import FALLBACK_CORPUS, SHARED_CORPUS, bench_model, load_documents, start_server  # noqa: E402
-
-from app.pretokenize.ranks import merge  # noqa: E402
-from app.pretokenize.run import Options, run  # noqa: E402
-from client.dataset import TokenDataset  # noqa: E402
 
 TARGETS = {"pretokenize --local": 0.8, "pretokenize --local --seq-len 2048": 0.8, "pretokenize --url": 0.7}
 

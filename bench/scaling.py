@@ -1,6 +1,6 @@
 """How throughput scales with the number of workers, against in-process sentencepiece on as many threads.
 
-    python bench/scaling.py [--workers 1 2 4 8 15] [--docs 8192] [--in-flight 0] [--frontends 1] [--model FILE]
+    python -m bench.scaling [--workers 1 2 4 8 15] [--docs 8192] [--in-flight 0] [--frontends 1] [--model FILE]
 
 For each worker count N it starts a server with N workers, then measures in alternating rounds
   in-process   sp.encode(docs, num_threads=N, out_type="numpy")
@@ -16,21 +16,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import sentencepiece as spm
 
+from bench.serving import BATCH, Meter, in_flight
+from bench.throughput import FALLBACK_CORPUS, SHARED_CORPUS, bench_model, load_documents, start_server
+from client import TokenizerClient
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from serving import BATCH, Meter, in_flight  # noqa: E402
-from throughput import FALLBACK_CORPUS, SHARED_CORPUS, bench_model, load_documents, start_server  # noqa: E402
-
-from client import TokenizerClient  # noqa: E402
 
 
 def measure(model: Path, workers: int, frontends: int, depth: int, docs: list[str], rounds: int) -> dict[str, float]:

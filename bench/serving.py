@@ -1,6 +1,6 @@
 """Where the server's CPU goes, per request, against in-process sentencepiece measured in the same run.
 
-    python bench/serving.py [--workers 2 8] [--docs 4096] [--rounds 3] [--singles 3000] [--passes 12] [--model FILE]
+    python -m bench.serving [--workers 2 8] [--docs 4096] [--rounds 3] [--singles 3000] [--passes 12] [--model FILE]
 
 For each worker count it starts a server on a free loopback port and prints:
   serial ceiling   worker CPU / main-process CPU per 256-document request: how many busy workers
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,13 +31,10 @@ import numpy as np
 import psutil
 import sentencepiece as spm
 
+from bench.throughput import FALLBACK_CORPUS, SHARED_CORPUS, bench_model, load_documents, start_server
+from client import TokenizerClient
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from throughput import FALLBACK_CORPUS, SHARED_CORPUS, bench_model, load_documents, start_server  # noqa: E402
-
-from client import TokenizerClient  # noqa: E402
 
 BATCH = 256
 

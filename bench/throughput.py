@@ -1,6 +1,6 @@
 """Throughput of the service against in-process sentencepiece, measured in one run.
 
-    python bench/throughput.py [--corpus FILE] [--docs N] [--rounds R] [--model FILE]
+    python -m bench.throughput [--corpus FILE] [--docs N] [--rounds R] [--model FILE]
 
 Methods, on the same 1-2 KB documents, in alternating rounds (machines drift; the median ratio of
 each round is reported):
@@ -18,7 +18,6 @@ import argparse
 import os
 import statistics
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,11 +26,10 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from app.launcher import ServerProcess
+from client import TokenizerClient
 
-from app.launcher import ServerProcess  # noqa: E402
-from client import TokenizerClient  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 SHARED_CORPUS = ROOT.parent / "shared" / "corpus" / "python_docs.txt"
 FALLBACK_CORPUS = ROOT / "tests" / "data" / "botchan.txt"

@@ -1,6 +1,6 @@
 """A simulated training loop: how long does it wait for tokenized data? Measured in one run.
 
-    python bench/training_loop.py [--corpus FILE] [--docs N] [--batch B] [--steps S] [--load 0.7]
+    python -m bench.training_loop [--corpus FILE] [--docs N] [--batch B] [--steps S] [--load 0.7]
 
 Each step sleeps T ms (a GPU step leaves the CPU free) and consumes one batch: B texts, or one packed
 batch of rows x seq_len tokens holding about as many tokens. Strategies:
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -31,13 +30,10 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
+from bench.throughput import FALLBACK_CORPUS, SHARED_CORPUS, bench_model, load_documents, start_server
+from client import PackSpec, PrefetchStats, TokenizerClient
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from throughput import FALLBACK_CORPUS, SHARED_CORPUS, bench_model, load_documents, start_server  # noqa: E402
-
-from client import PackSpec, PrefetchStats, TokenizerClient  # noqa: E402
 
 TARGET_WAIT_FRACTION = 0.01
 
