@@ -2,7 +2,8 @@
 
 Exit status: 0 stopped (SIGTERM or Ctrl-C after the drain, as `docker compose down` and Kubernetes
 stop it), 2 cannot start as configured (one line per mistake on stderr; `--log-level debug` adds the
-traceback), 1 failed while serving.
+traceback), 3 the worker processes could not start (uvicorn's startup failure, with its log), 1 failed
+while serving.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ EPILOG = """\
 Every flag is also an environment variable: --max-texts N is TOKENIZER_MAX_TEXTS=N; repeatable flags
 take comma-separated values there (TOKENIZER_MODEL=a=a.model,b=b.model). A flag wins over its variable.
 With no --model and no --models-dir the bundled model is served as 'default'.
-Exit status: 0 stopped by SIGTERM or Ctrl-C, 1 failed while serving, 2 cannot start as configured.
+Exit status: 0 stopped by SIGTERM or Ctrl-C, 1 failed while serving, 2 cannot start as configured,
+3 the worker processes could not start.
 """
 
 
@@ -52,6 +54,7 @@ def _source(argv: list[str]) -> CliSettingsSource[Settings]:
         description="Serve SentencePiece tokenization over HTTP on a pool of worker processes.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # --work is not --workers: an error names the flag as written
     )
     return CliSettingsSource(Settings, root_parser=parser, add_argument_method=_add_argument)(args=argv)
 
@@ -65,24 +68,35 @@ ADDRESS_HINTS = {
 
 
 def check_address(host: str, port: int) -> str | None:
-    """Why the server could not listen on host:port, found before any worker starts; None if it can."""
+    """Why the server could not listen on host:port, found before any worker starts; None if it can.
+
+    Binds as asyncio's create_server (uvicorn) does: every address the host resolves to, IPv6 ones
+    v6-only, an empty host meaning every interface; it is enough that one of them binds.
+    """
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         return f"--host {host!r}: {exc.strerror}"
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    failure: OSError | None = None
+    for family, kind, proto, _, address in infos:
         try:
-            sock.bind(address)
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+                return None
         except OSError as exc:
-            hint = ADDRESS_HINTS.get(exc.errno or 0, "")
-            return f"cannot listen on {host}:{port}: {exc.strerror}" + (f"; {hint}" if hint else "")
-    return None
+            failure = failure or exc
+    assert failure is not None
+    hint = ADDRESS_HINTS.get(failure.errno or 0, "")
+    return f"cannot listen on {host}:{port}: {failure.strerror}" + (f"; {hint}" if hint else "")
 
 
 def _stopped(signum: int, frame: object) -> None:
-    """What uvicorn re-raises after draining: a stop asked for is a clean exit, not death by signal."""
+    """SIGTERM or Ctrl-C outside uvicorn's own handling: while starting, stop; after uvicorn has drained
+    (it re-raises the signal that stopped it), exit. A stop asked for is exit 0, not death by signal."""
+    raise SystemExit(0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,10 +50,12 @@ class EncodeOptions(_Body):
         return None if self.sample is None else self.sample.seed
 
 
-class TokenizeRequest(EncodeOptions):
+class _TextsAndModel(_Body):
     texts: list[StrictStr]
     model: StrictStr | None = None
 
+
+class TokenizeRequest(EncodeOptions, _TextsAndModel):  # texts and model first, as before EncodeOptions
     def options(self) -> EncodeOptions:
         """The options alone, without the texts (what each chunk of a split request carries)."""
         return EncodeOptions.model_construct(**{name: getattr(self, name) for name in EncodeOptions.model_fields})

@@ -188,7 +188,8 @@ class Settings(BaseSettings):
             if not paths and not self.model and self.empty_models_dir == "refuse":
                 raise ConfigError(
                     f"the models directory {self.models_dir} (--models-dir, TOKENIZER_MODELS_DIR) holds no *.model "
-                    "file; to serve the bundled model then, --empty-models-dir bundled"
+                    "file; to serve the bundled model then, --empty-models-dir bundled "
+                    "(TOKENIZER_EMPTY_MODELS_DIR=bundled)"
                 )
         for spec in self.model:
             name, _, file = spec.partition("=")

@@ -23,7 +23,6 @@ import logging
 import multiprocessing
 import os
 import select
-import signal
 import socket
 import sys
 import time
@@ -78,9 +77,10 @@ class Startup:
 def serve(connection: socket.socket, startup: Startup, progress: Any) -> None:
     """A worker process's whole life: load the models, then answer jobs until the socket closes."""
     paths = {info.name: str(info.path) for info in startup.models}
-    # SIGTERM to the whole process group (`timeout`, a terminal's session ending) must not kill workers
-    # ahead of the drain: the server stops them itself by closing their sockets, or kills them outright.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # A process group of its own: a signal to the server's group (`timeout`, `kill -- -PGID`, Ctrl-C)
+    # must not kill workers ahead of the drain; the server stops them after it, by closing their
+    # sockets or with SIGKILL, and a worker whose server is gone exits on its own (exit_with_parent).
+    os.setpgrp()
     try:
         worker_start.start(paths, {info.name: info.sha256 for info in startup.models})
     except (worker_start.ModelChanged, OSError, RuntimeError) as exc:

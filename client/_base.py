@@ -8,6 +8,7 @@ in how they wait (time.sleep, asyncio.sleep).
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, get_args
@@ -62,6 +63,10 @@ class Answer:
     seconds: float
 
 
+def _positive(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0  # False for nan too
+
+
 class BaseClient:
     """Replicas, retries, calls and answers; no I/O (see the module)."""
 
@@ -75,8 +80,8 @@ class BaseClient:
         replica_cooldown_s: float = 1.0,
     ) -> None:
         self.urls = parse_urls(url)
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
-            raise ValueError(f"timeout is in seconds, a number above 0; got {timeout!r}")
+        if not (timeout is None or isinstance(timeout, httpx.Timeout) or _positive(timeout)):
+            raise ValueError(f"timeout is in seconds, a number above 0 (or None, or an httpx.Timeout); got {timeout!r}")
         self.url = self.urls[0]
         self.timeout = timeout
         self.retry = retry

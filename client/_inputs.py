@@ -34,7 +34,9 @@ def texts_list(texts: Iterable[str]) -> list[str]:
 
 def id_rows(ids: Sequence[Sequence[int]] | Sequence[np.ndarray] | np.ndarray) -> list[list[int]]:
     """`ids` as a list of rows, one a text; a flat sequence of ids is a TypeError naming the fix."""
-    if isinstance(ids, np.ndarray):
+    if isinstance(ids, np.ndarray) and ids.dtype != object:
+        if ids.ndim == 1 and ids.size == 0:
+            return []
         if ids.ndim != 2:
             raise TypeError(f"ids must hold one sequence of ids per text; a {ids.ndim}-D array does not: {ONE_ROW}")
         rows: list[list[int]] = ids.tolist()
@@ -56,6 +58,10 @@ def id_rows(ids: Sequence[Sequence[int]] | Sequence[np.ndarray] | np.ndarray) ->
 
 def check_url(url: str) -> str:
     """`url` if it starts with http:// or https://; a ValueError that suggests the fix if not."""
-    if httpx.URL(url).scheme not in ("http", "https"):
+    try:
+        scheme = httpx.URL(url).scheme
+    except httpx.InvalidURL as exc:
+        raise ValueError(f"url {url!r} is not a URL: {exc}") from None
+    if scheme not in ("http", "https"):
         raise ValueError(f"url {url!r} has no http:// or https:// in front: did you mean 'http://{url}'?")
     return url

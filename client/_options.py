@@ -87,6 +87,13 @@ class PrefetchOptions:
             spec.seq_len, "best_fit", tokenize.model, tokenize.add_bos, tokenize.add_eos, spec.mask_document_start
         )
 
+    # The tokenize options as attributes of their own, as before they were gathered in `tokenize`.
+    model = property(lambda self: self.tokenize.model)
+    add_bos = property(lambda self: self.tokenize.add_bos)
+    add_eos = property(lambda self: self.tokenize.add_eos)
+    max_length = property(lambda self: self.tokenize.max_length)
+    sample = property(lambda self: self.tokenize.sample)
+
     @property
     def mode(self) -> str:
         return "ragged" if self.pack is None else self.pack.strategy

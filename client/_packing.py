@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from client import wire
-from client._protocol import PackedBatch
+from client._protocol import ROW_FIELDS, PackedBatch
 from client.packing import pack_concat
 
 
@@ -34,8 +34,6 @@ class Position:
     text: int
     skip: int = 0
 
-
-_ROWS = ("input_ids", "labels", "position_ids")
 
 # A block: rows ready to hand out (a PackedBatch, model fields left for the caller to fill in), and
 # the position to resume from once they are delivered.
@@ -224,7 +222,7 @@ class RowRegrouper:
         padding = rows * self.seq_len - tokens
         after = Position(self._parts[0][0].start or 0, self._parts[0][1]) if self._parts else Position(self._fed, 0)
         batch = _rows(
-            *(np.concatenate([getattr(answer, name)[a:b] for answer, a, b in pieces]) for name in _ROWS),
+            *(np.concatenate([getattr(answer, name)[a:b] for answer, a, b in pieces]) for name in ROW_FIELDS),
             cu_seqlens,
             self.seq_len,
             "best_fit",

@@ -201,9 +201,16 @@ class TokenizeOptions:
     def payload(self, texts: Iterable[str]) -> dict[str, Any]:
         """The request body; options at their defaults are left out."""
         payload: dict[str, Any] = {"texts": texts_list(texts)}
-        for name, value in vars(self).items():
-            if value is not None and value is not False:
-                payload[name] = value
+        if self.model is not None:
+            payload["model"] = self.model
+        if self.add_bos:
+            payload["add_bos"] = True
+        if self.add_eos:
+            payload["add_eos"] = True
+        if self.max_length is not None:
+            payload["max_length"] = self.max_length
+        if self.sample is not None:
+            payload["sample"] = self.sample
         return payload
 
 
@@ -308,7 +315,7 @@ def _batch(frame: wire.Frame | None, document: Any, sha256: str | None) -> Token
     return TokenizedBatch(flat, wire.ragged_offsets(lengths), document["model"], sha256)
 
 
-_ROWS = ("input_ids", "labels", "position_ids")  # [rows, seq_len]; leftover and its starts are flat
+ROW_FIELDS = ("input_ids", "labels", "position_ids")  # PackedBatch's [rows, seq_len] arrays
 
 
 def _packed(frame: wire.Frame | None, document: Any, sha256: str | None) -> PackedBatch:
@@ -320,11 +327,11 @@ def _packed(frame: wire.Frame | None, document: Any, sha256: str | None) -> Pack
 
         def array(name: str) -> np.ndarray:
             values = np.asarray(document[name], dtype=np.int32)
-            return values.reshape(-1, document["seq_len"]) if name in _ROWS else values
+            return values.reshape(-1, document["seq_len"]) if name in ROW_FIELDS else values
 
         cu_seqlens = [np.asarray(row, dtype=np.int32) for row in document["cu_seqlens"]]
     return PackedBatch(
-        **{name: array(name) for name in (*_ROWS, "leftover", "leftover_document_starts")},
+        **{name: array(name) for name in (*ROW_FIELDS, "leftover", "leftover_document_starts")},
         cu_seqlens=cu_seqlens,
         stats=meta["stats"],
         model=meta["model"],

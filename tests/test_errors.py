@@ -189,8 +189,14 @@ def test_the_async_client_refuses_the_same(call):
             "url 'localhost:8000' has no http:// or https:// in front: did you mean 'http://localhost:8000'?",
         ),
         ({"url": ["http://a:1", "b:2"]}, "url 'b:2' has no http://"),
-        ({"url": "http://127.0.0.1:8000", "timeout": "5"}, "timeout is in seconds, a number above 0; got '5'"),
-        ({"url": "http://127.0.0.1:8000", "timeout": 0}, "timeout is in seconds, a number above 0; got 0"),
+        (
+            {"url": "http://127.0.0.1:8000", "timeout": "5"},
+            "timeout is in seconds, a number above 0 (or None, or an httpx.Timeout); got '5'",
+        ),
+        (
+            {"url": "http://127.0.0.1:8000", "timeout": 0},
+            "timeout is in seconds, a number above 0 (or None, or an httpx.Timeout); got 0",
+        ),
     ],
 )
 def test_a_client_that_could_never_work_is_refused_when_made(arguments, message):

@@ -17,6 +17,7 @@ import pytest
 import sentencepiece as spm
 
 from app.pretokenize import main
+from app.pretokenize.ranks import merge
 from app.pretokenize.sources import DocumentReader, Source
 from app.settings import BUNDLED_MODELS_DIR
 from client.dataset import TokenDataset
@@ -201,23 +202,40 @@ def test_strict_stops_at_the_first_bad_record(
     assert not json.loads((tmp_path / "out" / "metadata.json").read_text())["complete"]
 
 
-@pytest.mark.parametrize("records", [3, 1500], ids=["all-bad", "first-1000-bad"])
 def test_a_wrong_text_field_stops_with_the_fix_and_leaves_no_output(
-    records: int, documents: list[str], model_files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    documents: list[str], model_files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     jsonl = tmp_path / "in.jsonl"
-    jsonl.write_text("".join(json.dumps({"content": documents[i % 20]}) + "\n" for i in range(records)))
+    jsonl.write_text("".join(json.dumps({"content": documents[i]}) + "\n" for i in range(30)))
     out = tmp_path / "out"
     assert pretokenize(jsonl, "--output", out, "--local", "--model", model_files["uni"], "-q") == 1
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith("tokenizer-pretokenize: ") and "is --text-field 'text' the field" in last, last
+    assert last.startswith("tokenizer-pretokenize: all 30 records are bad") and "is --text-field 'text' the" in last
     assert "(its fields: 'content'; choose one with --text-field)" in last
     assert not out.exists()
     code = pretokenize(
         jsonl, "--output", out, "--local", "--model", model_files["uni"], "-q", "--text-field", "content"
     )
     assert code == 0
-    assert len(TokenDataset(out)) == records
+    assert len(TokenDataset(out)) == 30
+
+
+def test_bad_records_first_and_a_rank_of_only_bad_records_still_finish(
+    documents: list[str], model_files: dict[str, Path], tmp_path: Path
+) -> None:
+    """Only a whole corpus with no good record fails: 1,200 bad records before good ones are skipped,
+    and a rank whose block holds only bad records writes an empty output for the merge."""
+    bad = tmp_path / "a-bad.jsonl"
+    bad.write_text("".join(json.dumps({"content": "x"}) + "\n" for _ in range(1200)))
+    good = tmp_path / "b-good.jsonl"
+    good.write_text("".join(json.dumps({"text": text}) + "\n" for text in documents[:20]))
+    common = ["--local", "--model", model_files["uni"], "-q"]
+    assert pretokenize(bad, good, "--output", tmp_path / "whole", *common) == 0
+    assert len(TokenDataset(tmp_path / "whole")) == 20
+    ranked = tmp_path / "ranked"
+    for rank in (0, 1):
+        assert pretokenize(bad, good, "--output", ranked, *common, "--rank", rank, "--world-size", 2) == 0
+    assert merge(ranked)["documents"] == 20
 
 
 @pytest.fixture(scope="module")

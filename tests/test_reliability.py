@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -578,3 +579,28 @@ def test_a_model_file_replaced_on_disk_is_never_served(tmp_path_factory, model_f
         check_answer(server, ["after the swap"], server.tokenize(["after the swap"]))
     finally:
         stop_server(server.process)
+
+
+def test_a_process_that_never_closes_its_pool_still_exits(tmp_path):
+    """multiprocessing's exit handler SIGTERMs daemon children and joins them: workers must not ignore it
+    (they keep out of a signal to the server's process group by having a group of their own instead)."""
+    program = tmp_path / "leave.py"
+    program.write_text(
+        "import asyncio\n"
+        "from app.jobs import Limits\n"
+        "from app.metrics import Metrics\n"
+        "from app.pool import WorkerPool\n"
+        "from app.registry import ModelRegistry\n"
+        "from app.settings import BUNDLED\n\n"
+        "async def main():\n"
+        "    registry = ModelRegistry.from_paths(dict(BUNDLED))\n"
+        "    limits = Limits(max_texts=8, max_seq_len=8, min_chunk_chars=8, max_request_bytes=1024)\n"
+        "    pool = WorkerPool(list(registry.models.values()), registry.default, 1, Metrics(), limits)\n"
+        "    await pool.start()\n"
+        "    print('started', flush=True)\n\n"
+        "if __name__ == '__main__':\n"
+        "    asyncio.run(main())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    result = subprocess.run([sys.executable, str(program)], capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 0 and result.stdout.strip() == "started", result.stderr

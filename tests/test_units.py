@@ -203,3 +203,54 @@ def test_client_modules_import_each_other_without_a_cycle():
     assert not graph["client._torch"], "client._torch knows arrays only"
     cycle = import_cycle(graph)
     assert cycle is None, " -> ".join(cycle)
+
+
+def test_request_bodies_send_flags_as_json_booleans_and_leave_defaults_out():
+    from client._protocol import PackOptions, TokenizeOptions
+
+    assert TokenizeOptions(add_bos=np.True_, add_eos=0).payload(("a",)) == {"texts": ["a"], "add_bos": True}
+    assert TokenizeOptions("m", max_length=0, sample={}).payload(["a"]) == {
+        "texts": ["a"],
+        "model": "m",
+        "max_length": 0,
+        "sample": {},
+    }
+    assert PackOptions(8).payload(["a"], carry=np.array([1, 2], np.int32)) == {
+        "texts": ["a"],
+        "seq_len": 8,
+        "strategy": "concat",
+        "add_bos": False,
+        "add_eos": True,
+        "mask_document_start": False,
+        "carry": [1, 2],
+    }
+
+
+def test_ids_for_detokenize_in_every_shape_a_caller_has_them():
+    from client._inputs import id_rows
+
+    ragged = np.empty(2, dtype=object)
+    ragged[0], ragged[1] = np.array([1, 2]), [3]
+    assert id_rows(ragged) == [[1, 2], [3]]
+    assert id_rows(np.array([[1, 2], [3, 4]])) == [[1, 2], [3, 4]]
+    assert id_rows([np.array([1]), (2, 3), [np.int64(4)]]) == [[1], [2, 3], [np.int64(4)]]
+    assert id_rows(np.empty(0, np.int32)) == []
+    assert id_rows(row for row in [[5]]) == [[5]]
+
+
+@pytest.mark.parametrize("timeout", [None, 30, 2.5, np.float32(1.0)])
+def test_every_timeout_httpx_takes_is_taken(timeout):
+    import httpx
+
+    from client import TokenizerClient
+
+    TokenizerClient("http://127.0.0.1:1", timeout=timeout).close()
+    TokenizerClient("http://127.0.0.1:1", timeout=httpx.Timeout(5.0)).close()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "", "::1"])
+def test_an_address_uvicorn_can_listen_on_passes_the_start_check(host):
+    from app.cli import check_address
+    from app.launcher import free_port
+
+    assert check_address(host, free_port()) is None

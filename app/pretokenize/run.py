@@ -27,8 +27,6 @@ from client.dataset import FORMAT_NAME, FORMAT_VERSION, id_dtype
 
 DEFAULT_SHARD_TOKENS = 1 << 24
 SERVICE_BATCH = 256
-# A run whose first this-many records are all bad reads the wrong field (or the wrong files): stop there.
-NOTHING_GOOD_LIMIT = 1000
 SERVICE_DEPTH = 4  # requests in flight per URL
 LOCAL_CHUNK_CHARS = (1 << 16, 1 << 20)  # a chunk for one worker: at least 64 KiB, at most 1 MiB of text
 
@@ -224,6 +222,7 @@ def run(
         model = resolve_service_model(urls, options.model) if urls else resolve_local_model(options.model)
         options = special_tokens(options, model)
         out = OutputDir(output)
+        created = not out.path.exists()
         wanted = new_metadata(model, sources, options)
         if rank is not None:
             wanted["rank"] = rank
@@ -236,22 +235,11 @@ def run(
         bad = documents = tokens = 0
         last_bad = ""
 
-        def nothing_to_tokenize(last: str) -> InputError:
-            if shards_before == 0:
-                out.discard()  # nothing of this run is worth keeping: the corrected command starts afresh
-            every = f"all {bad:,} records" if bad < NOTHING_GOOD_LIMIT else f"the first {bad:,} records"
-            return InputError(
-                f"{every} are bad, so nothing would be tokenized (the last: {last}); is --text-field "
-                f"{options.text_field!r} the field that holds the text?"
-            )
-
         def on_bad(message: str) -> None:
             nonlocal bad, last_bad
             if options.strict:
                 raise BadRecordError(message)
             bad, last_bad = bad + 1, message
-            if bad >= NOTHING_GOOD_LIMIT and documents == 0 and not positions:  # not one good record yet
-                raise nothing_to_tokenize(message)
             report_bad(message)
 
         reader = DocumentReader(sources, options.text_field, on_bad)
@@ -300,7 +288,14 @@ def run(
             tokens += batch.num_tokens
             if progress is not None:
                 progress(Progress(documents, tokens, reader.compressed_bytes_read(), initial_bytes, total_bytes))
-        if documents == 0 and bad and shards_before == 0:
-            raise nothing_to_tokenize(last_bad)
+        if documents == 0 and bad and shards_before == 0 and rank is None:
+            # Every record of a whole corpus bad: a wrong --text-field, or the wrong files. (A rank's
+            # block may hold only bad records; the merge sees the whole.) Nothing written is worth
+            # keeping, and leaving it would make the corrected command "another run's output".
+            out.discard(created)
+            raise InputError(
+                f"all {bad:,} records are bad, so nothing was tokenized (the last: {last_bad}); is --text-field "
+                f"{options.text_field!r} the field that holds the text?"
+            )
         sink.finish()
     return Summary(out.path, metadata, shards_before, documents, tokens, time.monotonic() - started)

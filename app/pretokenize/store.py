@@ -8,6 +8,7 @@ any point leaves either the previous metadata.json or the new one, never a half 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterator
@@ -81,13 +82,15 @@ class OutputDir:
             if (entry.name.endswith(TMP_SUFFIX) and _ours(entry.name)) or (shard is not None and shard >= shards_kept):
                 entry.unlink()
 
-    def discard(self) -> None:
-        """Remove what this tool wrote here (a run that produced nothing), and the directory once empty."""
+    def discard(self, created: bool) -> None:
+        """Remove what this tool wrote here (a run that produced nothing), and the directory if this run
+        `created` it and it is empty now."""
         for entry in self.path.iterdir():
             if _ours(entry.name):
                 entry.unlink()
-        if not any(self.path.iterdir()):
-            self.path.rmdir()
+        if created and not any(self.path.iterdir()):
+            with contextlib.suppress(OSError):  # a mount point, say: leaving it is harmless
+                self.path.rmdir()
 
     @contextmanager
     def writing(self, final: Path) -> Iterator[IO[bytes]]:
