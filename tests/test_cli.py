@@ -231,7 +231,7 @@ def test_a_port_in_use_or_an_address_not_here_is_one_line_before_any_worker_star
 
 
 def test_an_empty_models_dir_serves_the_bundled_model_only_when_asked(tmp_path):
-    """The container image sets TOKENIZER_EMPTY_MODELS_DIR=bundled: an empty mounted /models serves the bundled model."""
+    """The image sets TOKENIZER_EMPTY_MODELS_DIR=bundled: an empty mounted /models serves the bundled model."""
     (tmp_path / "models").mkdir()
     args = ["--models-dir", str(tmp_path / "models"), "--workers", "1"]
     assert _start(args, {}, tmp_path).returncode == 2
