@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:  # every model read once here, so a wrong path is one line and not a failed lifespan
         paths = settings.model_paths()
-        ModelRegistry.from_paths(paths, settings.default_model)
+        registry = ModelRegistry.from_paths(paths, settings.default_model)
     except (ConfigError, ModelLoadError) as exc:
         if settings.log_level in ("debug", "trace"):
             logging.getLogger("tokenizer").exception("cannot start")
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _stopped)
     signal.signal(signal.SIGINT, _stopped)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, **uvicorn_options(settings))
+    uvicorn.run(create_app(settings, registry), host=settings.host, port=settings.port, **uvicorn_options(settings))
     return 0
 
 

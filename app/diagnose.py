@@ -39,6 +39,7 @@ from app.pretokenize.sources import DocumentReader, InputError, Source
 from app.registry import inspect_model
 from app.settings import usable_cpus
 from client import TokenizerClient, TokenizerError
+from client._protocol import parse_urls
 from client.dataset import TokenDataset
 
 BATCH = 256
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--docs, --rounds and --workers must be positive")
     if args.url is not None:
         try:
-            TokenizerClient(args.url).close()
+            parse_urls(args.url)
         except ValueError as exc:
             parser.error(str(exc))
     try:

@@ -29,8 +29,11 @@ from app.state import Service
 logger = logging.getLogger("tokenizer")
 
 
-def create_app(settings: Settings | None = None) -> Any:
-    """The ASGI app uvicorn runs: Edge(FastAPI), in CORS when origins are configured."""
+def create_app(settings: Settings | None = None, registry: ModelRegistry | None = None) -> Any:
+    """The ASGI app uvicorn runs: Edge(FastAPI), in CORS when origins are configured.
+
+    `registry`: the models as tokenizer-server already read them to check its configuration; without
+    it the lifespan reads them."""
     settings = settings or Settings()
     metrics = Metrics()
     if settings.max_queued_texts is not None:
@@ -39,8 +42,8 @@ def create_app(settings: Settings | None = None) -> Any:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Service]]:
-        registry = ModelRegistry.from_paths(settings.model_paths(), settings.default_model)
-        for info in registry.models.values():
+        models = registry or ModelRegistry.from_paths(settings.model_paths(), settings.default_model)
+        for info in models.models.values():
             metrics.model_info.labels(info.name, info.sha256, str(info.vocab_size)).set(1)
         limits = Limits(
             max_texts=settings.max_texts,
@@ -48,11 +51,11 @@ def create_app(settings: Settings | None = None) -> Any:
             min_chunk_chars=settings.min_chunk_chars,
             max_request_bytes=settings.max_request_bytes,
         )
-        served = list(registry.models.values())
+        served = list(models.models.values())
         pool = WorkerPool(
-            served, registry.default, settings.workers, metrics, limits, stall_timeout=settings.stall_timeout
+            served, models.default, settings.workers, metrics, limits, stall_timeout=settings.stall_timeout
         )
-        service = Service(settings=settings, registry=registry, metrics=metrics, pool=pool)
+        service = Service(settings=settings, registry=models, metrics=metrics, pool=pool)
         started = time.perf_counter()
         await pool.start()
         edge.open(pool, served)
@@ -60,8 +63,8 @@ def create_app(settings: Settings | None = None) -> Any:
         metrics.ready.set(1)
         logger.info(
             "serving models %s (default %r) on %d workers, ready in %.2fs",
-            sorted(registry.models),
-            registry.default,
+            sorted(models.models),
+            models.default,
             settings.workers,
             time.perf_counter() - started,
         )

@@ -165,10 +165,12 @@ class Settings(BaseSettings):
     @field_validator("models_dir")
     @classmethod
     def _existing_directory(cls, value: Path | None) -> Path | None:
-        if value is not None and not value.expanduser().is_dir():
-            problem = "is not a directory" if value.expanduser().exists() else "does not exist"
-            raise ValueError(problem)
-        return value.expanduser() if value is not None else None
+        if value is None:
+            return None
+        path = value.expanduser()
+        if not path.is_dir():
+            raise ValueError("is not a directory" if path.exists() else "does not exist")
+        return path
 
     @field_validator("model")
     @classmethod

@@ -64,11 +64,11 @@ class Assembler:
         """The last, partial block at the end of the stream (packing), and the leftover tokens."""
         if self._packer is not None:
             block, self.leftover = self._packer.finish()
-            return [self._packed(block, self.leftover)] if block is not None else []
-        if self._regrouper is not None:
+        elif self._regrouper is not None:
             block = self._regrouper.finish()
-            return [self._packed(block, self.leftover)] if block is not None else []
-        return []
+        else:
+            return []
+        return [self._packed(block, self.leftover)] if block is not None else []
 
     def _drain(self, take: Callable[[], Block | None]) -> list[Delivery]:
         deliveries = []

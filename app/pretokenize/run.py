@@ -232,8 +232,7 @@ def run(
         shards_before = len(metadata["shards"])
         sources = [Source(**source) for source in metadata["sources"]]
 
-        bad = documents = tokens = 0
-        last_bad = ""
+        bad, last_bad = 0, ""
 
         def on_bad(message: str) -> None:
             nonlocal bad, last_bad
@@ -281,6 +280,7 @@ def run(
         initial_bytes = sum(
             source.size if source.done else 0 if source.compressed else source.read_bytes for source in sources
         )
+        documents = tokens = 0
         for batch in batches:
             count = len(batch)
             sink.add(batch.ids, batch.offsets, [positions.popleft() for _ in range(count)])
