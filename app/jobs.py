@@ -198,10 +198,11 @@ class Jobs:
         binary = bool(binary)
         if isinstance(request, PackRequest):
             context = pack_context(request, info, position, binary, self.limits.max_seq_len)
-            options = EncodeOptions(add_bos=request.add_bos, add_eos=context.add_eos)
+            # both already checked: request.add_bos by its schema, context.add_eos against the model
+            options: EncodeOptions = EncodeOptions.model_construct(add_bos=request.add_bos, add_eos=context.add_eos)
         else:
             context = None
-            options = request.options()
+            options = request  # a TokenizeRequest is its EncodeOptions, with the texts besides
             check_special_tokens(options.add_bos, options.add_eos, info)
         seeded = options.seed is not None
         texts = request.texts
@@ -210,9 +211,10 @@ class Jobs:
         bounds = chunk_bounds(sizes, parts, self.limits.min_chunk_chars)
         if seeded or len(bounds) > 1:
             # Seeded sampling reproduces ids only within one process: it runs on the seeded sampler.
+            carried = options.without_texts()
             chunks = [
-                Chunk(route, position, options, start, binary, texts=texts[start:end]) for start, end in bounds
-            ] or [Chunk(route, position, options, 0, binary, texts=[])]
+                Chunk(route, position, carried, start, binary, texts=texts[start:end]) for start, end in bounds
+            ] or [Chunk(route, position, carried, 0, binary, texts=[])]
             units = np.array([int(sizes[start:end].sum()) for start, end in bounds] or [0], dtype=np.int64)
             return channel.SPLIT, split_payload(position, route, len(texts), seeded, units, context, chunks)
         started = time.monotonic()

@@ -49,6 +49,10 @@ class EncodeOptions(_Body):
     def seed(self) -> int | None:
         return None if self.sample is None else self.sample.seed
 
+    def without_texts(self) -> EncodeOptions:
+        """The options alone (what each chunk of a split request carries): these are."""
+        return self
+
 
 class _TextsAndModel(_Body):
     texts: list[StrictStr]
@@ -56,7 +60,7 @@ class _TextsAndModel(_Body):
 
 
 class TokenizeRequest(EncodeOptions, _TextsAndModel):  # texts and model first, as before EncodeOptions
-    def options(self) -> EncodeOptions:
+    def without_texts(self) -> EncodeOptions:
         """The options alone, without the texts (what each chunk of a split request carries)."""
         return EncodeOptions.model_construct(**{name: getattr(self, name) for name in EncodeOptions.model_fields})
 
