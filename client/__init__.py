@@ -17,6 +17,7 @@ from client.prefetch import AsyncPrefetcher, PackSpec, Prefetcher, PrefetchStats
 __all__ = [
     "AsyncPrefetcher",
     "AsyncTokenizerClient",
+    "Mixture",
     "ModelMismatchError",
     "PackSpec",
     "PackedBatch",
@@ -24,6 +25,7 @@ __all__ = [
     "PrefetchStats",
     "Prefetcher",
     "RetryPolicy",
+    "TokenDataset",
     "TokenizedBatch",
     "TokenizerClient",
     "TokenizerConnectionError",
@@ -34,9 +36,17 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    """TokenizedIterableDataset on first use only: it imports torch."""
+    """TokenizedIterableDataset on first use only: it imports torch. Mixture and TokenDataset on first use too."""
     if name == "TokenizedIterableDataset":
         from client.torch_data import TokenizedIterableDataset
 
         return TokenizedIterableDataset
+    if name == "Mixture":
+        from client.mixture import Mixture
+
+        return Mixture
+    if name == "TokenDataset":
+        from client.dataset import TokenDataset
+
+        return TokenDataset
     raise AttributeError(f"module 'client' has no attribute {name!r}")

@@ -1,0 +1,809 @@
+"""Training data mixtures: weighted, deterministic, split over data-parallel ranks, resumable on any number of them.
+
+::
+
+    from client import Mixture, TokenDataset
+
+    mix = Mixture({"web": TokenDataset("web-shards"), "code": TokenDataset("code-shards")},
+                  weights={"web": 0.7, "code": 0.3}, seq_len=2048, seed=1234)
+    rows = mix.loader(rank=r, world_size=w, batch_size=8)   # this rank's micro-batches, in order
+    batch = next(rows)                                      # MixtureBatch: input_ids, labels, position_ids, ...
+    state = rows.state_dict()                               # into the checkpoint
+    rows = mix.loader(rank=r, world_size=w2, batch_size=8 * w // w2, state=state)
+
+**One global stream of rows.** Global row k is a pure function of the sources' fingerprints, the weights,
+``seq_len``, ``seed`` and k; nothing is replayed to find it, so resuming at row 10**9 costs what row 0 does.
+
+* The blend. Which source row k comes from is an earliest-deadline-first schedule of the exact weights
+  (Tijdeman's solution of the chairman assignment problem): after any n rows each source has given within
+  ``1 - 1/(2k - 2)`` rows of ``n * weight`` (k sources), so always within one row. Weights are exact
+  fractions ``p / D`` (0.7 is 7/10, 1/3 is 1/3; weights that need a denominator over 65,536 are rounded to
+  one of 65,536, ``Mixture.weights`` shows them). After D rows every source has given exactly p rows, so the
+  schedule repeats every D rows: one period is computed once (:class:`Blend`), and row k is period
+  ``k // D``, place ``k % D``.
+* A source's rows. A ragged dataset: its documents in a seeded permutation per epoch, end to end (each
+  keeps its EOS), epoch after epoch, cut every ``seq_len`` ids; row j is ids ``[j * seq_len, (j + 1) *
+  seq_len)`` of that endless stream, found by bisecting the cumulative lengths of the epoch's permutation.
+  Its fields are those of ``/v1/pack`` concat rows (:func:`cut_rows`): ``labels`` equal to the ids,
+  ``position_ids`` restarting at each document start and each row start, ``cu_seqlens`` those starts plus
+  ``seq_len``. A packed dataset (whose ``seq_len`` must be the mixture's): its rows in a seeded permutation
+  per epoch, with their stored ``cu_seqlens`` (``labels`` -100 on padding). A source never runs out.
+* Ranks. Global batch g is rows ``[g * G, (g + 1) * G)``, ``G = batch_size * world_size``; rank r reads
+  its contiguous ``batch_size`` rows of it. The state is the global position (rows consumed) and what the
+  stream is made of; any (world_size, batch_size) of the same G continues the same stream.
+
+The permutation and cumulative-length arrays a large ragged source needs (12-16 bytes a document an
+epoch) are built on first use and kept for the last two epochs; with ``cache_dir`` those of sources of at
+least ``CACHE_FROM_ITEMS`` documents (or rows) are written there once and memory-mapped afterwards (never
+inside a dataset directory, which may be read-only). Needs numpy
+only; :meth:`Mixture.torch` imports torch when called.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import functools
+import hashlib
+import heapq
+import json
+import math
+import operator
+import os
+import tempfile
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Union
+
+import numpy as np
+
+from client.dataset import LAYOUT_PACKED, LAYOUT_RAGGED, IndexHeader, Shard, TokenDataset, read_shard
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "CACHE_FROM_ITEMS",
+    "MAX_PERIOD",
+    "STATE_FORMAT",
+    "STATE_VERSION",
+    "Blend",
+    "Mixture",
+    "MixtureBatch",
+    "MixtureLoader",
+    "cut_rows",
+    "epoch_permutation",
+    "exact_weights",
+]
+
+MAX_PERIOD = 1 << 16
+"""Largest blend period D: weights are fractions p / D with D at most this."""
+CACHE_FROM_ITEMS = 1 << 16
+"""Sources with fewer items (documents or rows) build their index arrays in memory: it takes microseconds."""
+STATE_FORMAT = "tokenizer-mixture"
+STATE_VERSION = 1
+
+Weight = Union[int, float, Fraction, np.integer, np.floating]  # noqa: UP007 (a runtime alias on Python 3.10)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pure logic: weights, the blend, epoch permutations, cutting rows. No I/O.
+
+
+def exact_weights(weights: Sequence[Weight], max_period: int = MAX_PERIOD) -> tuple[int, ...]:
+    """Numerators p of the weights as fractions p / D, D = sum(p) at most `max_period`, each p at least 1.
+
+    A float is read as the shortest fraction that rounds to it (0.7 is 7/10, 1/3 is 1/3); weights are
+    relative (2 and 1 are 2/3 and 1/3). When the exact fractions need a denominator over `max_period`,
+    they are rounded to `max_period` parts (largest remainders), each source keeping at least one.
+    """
+    exact = [_fraction(weight) for weight in weights]
+    if not exact:
+        raise ValueError("a mixture needs at least one source")
+    total = sum(exact, Fraction(0))
+    shares = [weight / total for weight in exact]
+    period = math.lcm(*(share.denominator for share in shares))
+    if period <= max_period:
+        return tuple(int(share * period) for share in shares)
+    if len(shares) > max_period:
+        raise ValueError(f"{len(shares)} sources are more than the {max_period} rows of a blend period")
+    ideal = [share * max_period for share in shares]
+    parts = [max(1, math.floor(value)) for value in ideal]
+    order = sorted(range(len(parts)), key=lambda i: ideal[i] - parts[i], reverse=True)
+    for i in order[: max(0, max_period - sum(parts))]:
+        parts[i] += 1
+    while sum(parts) > max_period:  # sources lifted to 1 took rows: give them back from the largest
+        parts[max(range(len(parts)), key=lambda i: (parts[i] - ideal[i], parts[i]))] -= 1
+    common = math.gcd(*parts)
+    return tuple(part // common for part in parts)
+
+
+def _fraction(weight: Weight) -> Fraction:
+    if isinstance(weight, (bool, np.bool_)) or not isinstance(weight, (int, float, Fraction, np.integer, np.floating)):
+        raise ValueError(f"a weight must be a positive number, got {weight!r}")
+    if isinstance(weight, (float, np.floating)):
+        value = float(weight)
+        if not math.isfinite(value):
+            raise ValueError(f"a weight must be a positive number, got {weight!r}")
+        short = Fraction(value).limit_denominator(1_000_000)
+        fraction = short if float(short) == value else Fraction(repr(value))
+    else:
+        fraction = Fraction(int(weight)) if isinstance(weight, np.integer) else Fraction(weight)
+    if fraction <= 0:
+        raise ValueError(f"a weight must be a positive number, got {weight!r} (leave the source out instead)")
+    return fraction
+
+
+@functools.lru_cache(maxsize=16)
+def _blend_period(numerators: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """One period of the blend: the source of each row, and how many rows that source gave before it.
+
+    Earliest deadline first (Tijdeman 1980) over unit jobs: a source's j-th row of the period is released
+    at the first row n (counted from 1) where ``n * p / D - (j - 1) >= 1/M`` and is due by the first n where
+    leaving it out would put the source more than ``1 - 1/M`` behind, M = 2k - 2. Ties go to the first
+    source. The caller checks the bound on the result.
+    """
+    sources = len(numerators)
+    period = sum(numerators)
+    if sources == 1:
+        return np.zeros(period, np.int32), np.arange(period, dtype=np.int64)
+    m = 2 * sources - 2
+
+    def release(source: int, job: int) -> int:
+        return -(-period * ((job - 1) * m + 1) // (numerators[source] * m))
+
+    def deadline(source: int, job: int) -> int:
+        return period * (job * m - 1) // (numerators[source] * m) + 1
+
+    table = np.empty(period, np.int32)
+    local = np.empty(period, np.int64)
+    given = [0] * sources
+    waiting = [(release(source, 1), source) for source in range(sources)]
+    heapq.heapify(waiting)
+    ready: list[tuple[int, int]] = []
+    for row in range(1, period + 1):
+        while waiting and waiting[0][0] <= row:
+            _, source = heapq.heappop(waiting)
+            heapq.heappush(ready, (deadline(source, given[source] + 1), source))
+        _, source = heapq.heappop(ready)  # never empty: the deficits sum to 1, the largest is >= 1/k >= 1/M
+        table[row - 1] = source
+        local[row - 1] = given[source]
+        given[source] += 1
+        if given[source] < numerators[source]:
+            heapq.heappush(waiting, (release(source, given[source] + 1), source))
+    return table, local
+
+
+class Blend:
+    """Which source each global row comes from, and the row's number within that source.
+
+    ``Blend((7, 3))`` gives weights 7/10 and 3/10. After any n rows source s has given within ``1 - 1/(2k -
+    2)`` rows of ``n * p[s] / D``; every D rows the schedule repeats, so any row is found in O(1).
+    """
+
+    def __init__(self, numerators: Sequence[int]) -> None:
+        self.numerators = tuple(operator.index(p) for p in numerators)
+        if not self.numerators or min(self.numerators) < 1:
+            raise ValueError(f"numerators must be positive integers, got {numerators!r}")
+        self.period = sum(self.numerators)
+        self._table, self._local = _blend_period(self.numerators)
+        self._p = np.asarray(self.numerators, np.int64)
+        self._check()
+
+    def _check(self) -> None:
+        """The bound the schedule promises, on every prefix of the period (the schedule repeats after it)."""
+        sources = len(self.numerators)
+        bound = Fraction(1) - (Fraction(1, 2 * sources - 2) if sources > 1 else Fraction(0))
+        rows = np.arange(1, self.period + 1, dtype=np.int64)
+        for source, p in enumerate(self.numerators):
+            given = np.cumsum(self._table == source, dtype=np.int64)
+            worst = int(np.abs(given * self.period - rows * p).max())  # error times D, exact
+            if Fraction(worst, self.period) > bound or given[-1] != p:
+                raise RuntimeError(f"blend of {self.numerators}: source {source} is {worst}/{self.period} rows off")
+
+    def __call__(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Source (int32) and row within that source (int64) of global rows ``start`` to ``stop``."""
+        if not 0 <= start <= stop:
+            raise ValueError(f"rows [{start}, {stop}) are not a range of non-negative row numbers")
+        rows = np.arange(start, stop, dtype=np.int64)
+        turn, place = np.divmod(rows, self.period)
+        sources = self._table[place]
+        return sources, turn * self._p[sources] + self._local[place]
+
+    def given(self, rows: int) -> np.ndarray:
+        """How many rows each source has given after the first `rows` global rows."""
+        turn, place = divmod(operator.index(rows), self.period)
+        counts = np.bincount(self._table[:place], minlength=len(self.numerators)).astype(np.int64)
+        return turn * self._p + counts
+
+
+def _name_key(name: str) -> int:
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
+
+
+def epoch_permutation(count: int, seed: int, name: str, epoch: int) -> np.ndarray:
+    """The order of a source's `count` items (documents or rows) in `epoch`: a pure function of its arguments."""
+    generator = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, _name_key(name), epoch])))
+    order = generator.permutation(count)
+    return order.astype(np.int32) if count < 2**31 else order
+
+
+@dataclass(frozen=True, eq=False)
+class Rows:
+    """Rows of one source: [rows, seq_len] int32 arrays and each row's cu_seqlens."""
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+    position_ids: np.ndarray
+    cu_seqlens: list[np.ndarray]
+
+
+def cut_rows(ids: np.ndarray, document_starts: np.ndarray, seq_len: int) -> Rows:
+    """Cut a stream of ids (a multiple of `seq_len` long) into rows as ``/v1/pack`` concat does.
+
+    `document_starts` are the increasing positions in `ids` where documents begin. A segment starts at each
+    of them and at each row start; ``position_ids`` restart there; ``cu_seqlens`` of a row are its segment
+    starts and ``seq_len``; ``labels`` equal the ids (concat rows have no padding).
+    """
+    total = ids.size
+    rows = total // seq_len
+    if rows * seq_len != total:
+        raise ValueError(f"{total} ids are not whole rows of {seq_len}")
+    starts = np.union1d(np.arange(rows, dtype=np.int64) * seq_len, document_starts)
+    lengths = np.diff(np.append(starts, total))
+    positions = np.arange(total, dtype=np.int32) - np.repeat(starts, lengths).astype(np.int32)
+    input_ids = ids.astype(np.int32).reshape(rows, seq_len)
+    row_of = starts // seq_len
+    bounds = np.searchsorted(row_of, np.arange(rows + 1))
+    columns = (starts - row_of * seq_len).astype(np.int32)
+    end = np.array([seq_len], np.int32)
+    cu_seqlens = [np.concatenate([columns[bounds[r] : bounds[r + 1]], end]) for r in range(rows)]
+    return Rows(input_ids, input_ids.copy(), positions.reshape(rows, seq_len), cu_seqlens)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sources: a TokenDataset's endless stream of rows.
+
+
+def _open_limit() -> int:
+    """Shards a source keeps mapped at once (each holds 2 or 3 file descriptors)."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return 64
+    if soft == resource.RLIM_INFINITY:
+        return 1024
+    return max(64, min(1024, soft // 16))
+
+
+def fingerprint(dataset: TokenDataset) -> str:
+    """What a dataset holds, from its metadata.json: layout, model, counts per shard (not where it lies)."""
+    meta = dataset.metadata
+    what = {
+        "layout": meta["layout"],
+        "dtype": meta["dtype"],
+        "seq_len": meta["seq_len"],
+        "strategy": meta.get("strategy"),
+        "model": {key: meta["model"].get(key) for key in ("sha256", "vocab_size", "bos_id", "eos_id", "pad_id")},
+        "shards": [
+            [shard["name"], shard.get("documents"), shard.get("tokens"), shard.get("rows")] for shard in meta["shards"]
+        ],
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class _Source:
+    """One named dataset of a mixture: its rows j, j + 1, ... of the endless stream, read on demand."""
+
+    def __init__(self, name: str, dataset: TokenDataset, seq_len: int, seed: int, cache_dir: Path | None) -> None:
+        self.name = name
+        self.dataset = dataset
+        self.seq_len = seq_len
+        self.seed = seed
+        self.cache_dir = cache_dir
+        self.fingerprint = fingerprint(dataset)
+        self.packed = dataset.layout == "packed"
+        shards = dataset.metadata["shards"]
+        counts = [int(shard["rows"] if self.packed else shard["documents"]) for shard in shards]
+        sizes = [int(shard["rows"]) * seq_len if self.packed else int(shard["tokens"]) for shard in shards]
+        self._names = [shard["name"] for shard in shards]
+        self._counts = counts
+        self._id_starts = [0, *np.cumsum(sizes, dtype=np.int64).tolist()]
+        self._count_starts = [0, *np.cumsum(counts, dtype=np.int64).tolist()]
+        self.items = self._count_starts[-1]  # documents or rows
+        self.tokens = self._id_starts[-1]
+        if self.packed and dataset.seq_len != seq_len:
+            raise ValueError(f"source {name!r}: packed rows of {dataset.seq_len}, the mixture's seq_len is {seq_len}")
+        if self.items == 0 or self.tokens == 0:
+            raise ValueError(f"source {name!r} ({dataset.path}) holds no {'rows' if self.packed else 'ids'}")
+        self._maps: OrderedDict[int, Shard] = OrderedDict()
+        self._limit = _open_limit()
+        self._documents: np.ndarray | None = None  # ragged: where each document starts in all ids, and the end
+        self._epochs: OrderedDict[int, tuple[np.ndarray, np.ndarray | None]] = OrderedDict()
+
+    def shard(self, index: int) -> Shard:
+        shard = self._maps.get(index)
+        if shard is not None:
+            self._maps.move_to_end(index)
+            return shard
+        count = self._counts[index]
+        num_ids = self._id_starts[index + 1] - self._id_starts[index]
+        layout = LAYOUT_PACKED if self.packed else LAYOUT_RAGGED
+        expected = IndexHeader(layout, self.dataset.dtype.itemsize, self.seq_len if self.packed else 0, count, num_ids)
+        shard = read_shard(self.dataset.path / self._names[index], self.dataset.dtype, expected)
+        self._maps[index] = shard
+        if len(self._maps) > self._limit:
+            self._maps.popitem(last=False)
+        return shard
+
+    # index arrays, cached in memory (the last two epochs) and, with cache_dir, on disk
+
+    def _cached(self, what: str, build: Any) -> np.ndarray:
+        if self.cache_dir is None or self.items < CACHE_FROM_ITEMS:
+            array: np.ndarray = build()
+            return array
+        path = self.cache_dir / f"{self.name_tag}-{what}.npy"
+        try:
+            cached: np.ndarray = np.load(path, mmap_mode="r")
+            return cached
+        except FileNotFoundError:
+            pass
+        array = build()
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=self.cache_dir, suffix=".tmp", delete=False) as file:
+            np.save(file, array)
+        os.replace(file.name, path)
+        return array
+
+    @property
+    def name_tag(self) -> str:
+        return f"{self.fingerprint}-{_name_key(self.name):016x}-{self.seed}"
+
+    def documents(self) -> np.ndarray:
+        """Ragged: int64 start of each document in all ids end to end, then the total."""
+        if self._documents is None:
+
+            def build() -> np.ndarray:
+                parts = [self.shard(i).offsets[:-1] + self._id_starts[i] for i in range(len(self._names))]
+                return np.concatenate([*parts, np.array([self.tokens], np.int64)]).astype(np.int64)
+
+            self._documents = self._cached("documents", build)
+        return self._documents
+
+    def epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """The epoch's order of items and (ragged) the cumulative lengths in that order, starting at 0."""
+        found = self._epochs.get(epoch)
+        if found is not None:
+            return found
+        order = self._cached(f"epoch{epoch}-order", lambda: epoch_permutation(self.items, self.seed, self.name, epoch))
+        ends = None
+        if not self.packed:
+            documents = self.documents()
+
+            def build() -> np.ndarray:
+                lengths = np.diff(documents)[order]
+                return np.concatenate([np.zeros(1, np.int64), np.cumsum(lengths, dtype=np.int64)])
+
+            ends = self._cached(f"epoch{epoch}-ends", build)
+        self._epochs[epoch] = (order, ends)
+        if len(self._epochs) > 2:
+            self._epochs.popitem(last=False)
+        return order, ends
+
+    # rows
+
+    def rows(self, first: int, count: int) -> Rows:
+        """Rows ``first`` to ``first + count`` of this source's stream."""
+        return self._packed_rows(first, count) if self.packed else self._ragged_rows(first, count)
+
+    def _ragged_rows(self, first: int, count: int) -> Rows:
+        length = self.seq_len
+        start, stop = first * length, (first + count) * length
+        out = np.empty(stop - start, self.dataset.dtype)
+        document_starts = []
+        documents = self.documents()
+        id_starts = self._id_starts
+        position = start
+        while position < stop:
+            epoch, offset = divmod(position, self.tokens)
+            order, ends = self.epoch(epoch)
+            assert ends is not None
+            end = min(self.tokens, offset + stop - position)
+            low = int(np.searchsorted(ends, offset, "right")) - 1
+            high = int(np.searchsorted(ends, end, "left"))
+            begins = ends[low:high]
+            sizes = ends[low + 1 : high + 1] - begins
+            lows = np.maximum(begins, offset)
+            takes = np.minimum(begins + sizes, end) - lows
+            sources = documents[order[low:high]] + (lows - begins)
+            targets = lows - offset + (position - start)
+            document_starts.append(targets[(begins >= offset) & (sizes > 0)])
+            for source, target, take in zip(sources.tolist(), targets.tolist(), takes.tolist(), strict=True):
+                while take > 0:  # a document lies in one shard; the loop only guards against a shard edge
+                    shard = bisect.bisect_right(id_starts, source) - 1
+                    base = id_starts[shard]
+                    piece = min(take, id_starts[shard + 1] - source)
+                    out[target : target + piece] = self.shard(shard).ids[source - base : source - base + piece]
+                    source, target, take = source + piece, target + piece, take - piece
+            position += end - offset
+        return cut_rows(out, np.concatenate(document_starts), length)
+
+    def _packed_rows(self, first: int, count: int) -> Rows:
+        length = self.seq_len
+        input_ids = np.empty((count, length), np.int32)
+        labels = np.empty((count, length), np.int32)
+        positions = np.zeros((count, length), np.int32)
+        cu_seqlens = []
+        for i in range(count):
+            epoch, place = divmod(first + i, self.items)
+            order, _ = self.epoch(epoch)
+            row = int(order[place])
+            shard_index = bisect.bisect_right(self._count_starts, row) - 1
+            local = row - self._count_starts[shard_index]
+            shard = self.shard(shard_index)
+            assert shard.seg is not None
+            bounds = shard.seg[shard.offsets[local] : shard.offsets[local + 1]]
+            ids = shard.ids[local * length : (local + 1) * length]
+            used = int(bounds[-1])
+            input_ids[i] = ids
+            labels[i, :used] = ids[:used]
+            labels[i, used:] = -100
+            starts = bounds[:-1].astype(np.int64)
+            positions[i, :used] = np.arange(used) - np.repeat(starts, np.diff(bounds))
+            cu_seqlens.append(np.array(bounds, np.int32))
+        return Rows(input_ids, labels, positions, cu_seqlens)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The mixture, its batches, the loader and the state.
+
+
+@dataclass(frozen=True, eq=False)
+class MixtureBatch:
+    """Rows of a mixture: numpy arrays, or torch tensors from :meth:`Mixture.torch`.
+
+    ``index`` is the global batch number and ``state`` the state to resume after this batch (from a loader
+    or the torch dataset; None from :meth:`Mixture.rows`). ``sources`` are indexes into ``Mixture.names``.
+    """
+
+    input_ids: Any  # [rows, seq_len] int32
+    labels: Any  # [rows, seq_len] int32, -100 where no loss is taken (padding of packed best_fit rows)
+    position_ids: Any  # [rows, seq_len] int32, restarting at each segment
+    cu_seqlens: list[Any]  # per row: [0, end of segment 1, ..., end of last segment] int32
+    sources: Any  # [rows] int32
+    index: int | None = None
+    state: dict[str, Any] | None = None
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        """Ids in the rows that are not padding."""
+        return int(sum(int(row[-1]) for row in self.cu_seqlens))
+
+    def as_torch(self, pin_memory: bool = False) -> MixtureBatch:
+        """The same batch with int32 torch tensors in place of its arrays (imports torch)."""
+        from client._torch import tensors
+
+        input_ids, labels, position_ids, sources, *cu_seqlens = tensors(
+            [self.input_ids, self.labels, self.position_ids, self.sources, *self.cu_seqlens], pin_memory
+        )
+        return dataclasses.replace(
+            self, input_ids=input_ids, labels=labels, position_ids=position_ids, sources=sources, cu_seqlens=cu_seqlens
+        )
+
+    def pin_memory(self) -> MixtureBatch:
+        """The batch in pinned memory (what DataLoader(pin_memory=True) calls); needs an accelerator."""
+        return self.as_torch(pin_memory=True)
+
+
+def _positive(value: Any, name: str, minimum: int = 1) -> int:
+    if isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    if number < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {number}")
+    return number
+
+
+class Mixture:
+    """Weighted, shuffled, endless rows of several pre-tokenized datasets; see the module docstring.
+
+    ``sources`` maps a name to a :class:`~client.dataset.TokenDataset`; ``weights`` maps the same names to
+    positive numbers (relative; default: each source's ids, so every source runs its epochs at the same
+    pace). ``seed`` orders each source's epochs. ``cache_dir``, when given, keeps the index arrays of ragged
+    sources (and epoch orders) between runs; it must not lie inside a dataset.
+    """
+
+    def __init__(
+        self,
+        sources: Mapping[str, TokenDataset],
+        *,
+        weights: Mapping[str, Weight] | None = None,
+        seq_len: int,
+        seed: int = 0,
+        cache_dir: str | Path | None = None,
+    ) -> None:
+        if not isinstance(sources, Mapping) or not sources:
+            raise ValueError("sources must be a non-empty mapping of names to TokenDataset")
+        for name, dataset in sources.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"source names must be non-empty strings, got {name!r}")
+            if not isinstance(dataset, TokenDataset):
+                raise ValueError(f"source {name!r} must be a TokenDataset, got {type(dataset).__name__}")
+        self.names: tuple[str, ...] = tuple(sources)
+        self.seq_len = _positive(seq_len, "seq_len")
+        self.seed = _positive(seed, "seed", minimum=0)
+        self.cache_dir = None if cache_dir is None else Path(cache_dir).expanduser()
+        if self.cache_dir is not None:
+            where = self.cache_dir.resolve()
+            for name, dataset in sources.items():
+                if where.is_relative_to(dataset.path.resolve()):
+                    raise ValueError(f"cache_dir {self.cache_dir} is inside source {name!r}'s directory {dataset.path}")
+        self._sources = [_Source(name, sources[name], self.seq_len, self.seed, self.cache_dir) for name in self.names]
+        if weights is None:
+            weights = {source.name: source.tokens for source in self._sources}
+        if not isinstance(weights, Mapping):
+            raise ValueError(f"weights must map source names to numbers, got {type(weights).__name__}")
+        missing = [name for name in self.names if name not in weights]
+        extra = [name for name in weights if name not in sources]
+        if missing or extra:
+            raise ValueError(f"weights and sources differ: no weight for {missing}, weights for unknown {extra}")
+        for name in self.names:
+            try:
+                _fraction(weights[name])
+            except ValueError as exc:
+                raise ValueError(f"weight of {name!r}: {exc}") from None
+        self.blend = Blend(exact_weights([weights[name] for name in self.names]))
+        self._given_weights = dict(weights)
+        self._identity: dict[str, Any] = {
+            "seq_len": self.seq_len,
+            "seed": self.seed,
+            "sources": {source.name: source.fingerprint for source in self._sources},
+            "weights": {name: str(weight) for name, weight in self.weights.items()},
+        }
+
+    @property
+    def weights(self) -> dict[str, Fraction]:
+        """The exact weights used: each source gives ``weight`` of the rows, within one row at every prefix."""
+        return {name: Fraction(p, self.blend.period) for name, p in zip(self.names, self.blend.numerators, strict=True)}
+
+    def __repr__(self) -> str:
+        weights = ", ".join(f"{name}: {weight}" for name, weight in self.weights.items())
+        return f"Mixture({weights}; seq_len={self.seq_len}, seed={self.seed})"
+
+    # pickling by arguments: the datasets pickle by path, index arrays are built (or read) again
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "sources": {source.name: source.dataset for source in self._sources},
+            "weights": self._given_weights,
+            "seq_len": self.seq_len,
+            "seed": self.seed,
+            "cache_dir": self.cache_dir,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(  # type: ignore[misc]
+            state["sources"],
+            weights=state["weights"],
+            seq_len=state["seq_len"],
+            seed=state["seed"],
+            cache_dir=state["cache_dir"],
+        )
+
+    def rows(self, start: int, stop: int) -> MixtureBatch:
+        """Global rows ``start`` to ``stop`` (any, in any order of calls: nothing depends on what came before)."""
+        sources, local = self.blend(start, stop)
+        count = stop - start
+        shape = (count, self.seq_len)
+        input_ids = np.empty(shape, np.int32)
+        labels = np.empty(shape, np.int32)
+        positions = np.empty(shape, np.int32)
+        cu_seqlens: list[Any] = [None] * count
+        for source in np.unique(sources).tolist():
+            where = np.flatnonzero(sources == source)
+            part = self._sources[source].rows(int(local[where[0]]), where.size)  # a source's rows are consecutive
+            if where.size == count:
+                input_ids, labels, positions = part.input_ids, part.labels, part.position_ids
+            else:
+                input_ids[where] = part.input_ids
+                labels[where] = part.labels
+                positions[where] = part.position_ids
+            for i, row in zip(where.tolist(), part.cu_seqlens, strict=True):
+                cu_seqlens[i] = row
+        return MixtureBatch(input_ids, labels, positions, cu_seqlens, sources)
+
+    def state_dict(self, rows: int = 0, global_batch_size: int = 1) -> dict[str, Any]:
+        """The state of a reader of this mixture that has consumed `rows` global rows."""
+        return {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "rows": rows,
+            "global_batch_size": global_batch_size,
+            **self._identity,
+        }
+
+    def position(self, state: Mapping[str, Any] | None, global_batch_size: int) -> int:
+        """Global rows consumed according to `state` (0 for None); ValueError naming what differs from this one."""
+        if state is None:
+            return 0
+        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a mixture state (format {STATE_FORMAT!r}): {str(state)[:200]}")
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"mixture state version {state.get('version')}, this reader knows {STATE_VERSION}")
+        differences = []
+        sources, mine = dict(state.get("sources") or {}), self._identity["sources"]
+        if list(sources) != list(mine):
+            differences.append(f"sources {list(sources)} in the state, {list(mine)} here")
+        else:
+            differences += [
+                f"source {name!r} holds other data (fingerprint {sources[name]} in the state, {mine[name]} here)"
+                for name in mine
+                if sources[name] != mine[name]
+            ]
+            theirs, ours = dict(state.get("weights") or {}), self._identity["weights"]
+            differences += [
+                f"weight of {name!r} {theirs.get(name)} in the state, {ours[name]} here"
+                for name in ours
+                if theirs.get(name) != ours[name]
+            ]
+        for key in ("seq_len", "seed"):
+            if state.get(key) != self._identity[key]:
+                differences.append(f"{key} {state.get(key)} in the state, {self._identity[key]} here")
+        if state.get("global_batch_size") != global_batch_size:
+            differences.append(
+                f"global batch size (batch_size x world_size) {state.get('global_batch_size')} in the state, "
+                f"{global_batch_size} here"
+            )
+        if differences:
+            raise ValueError("cannot resume this mixture from the state: " + "; ".join(differences))
+        rows = state.get("rows")
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0 or rows % global_batch_size:
+            raise ValueError(f"state rows {rows!r} is not a whole number of global batches of {global_batch_size}")
+        return rows
+
+    def batch(self, index: int, *, rank: int, batch_size: int, world_size: int) -> MixtureBatch:
+        """Rank `rank`'s micro-batch of global batch `index`, with the state to resume after it."""
+        size = batch_size * world_size
+        start = index * size + rank * batch_size
+        rows = self.rows(start, start + batch_size)
+        return dataclasses.replace(rows, index=index, state=self.state_dict((index + 1) * size, size))
+
+    def loader(
+        self, *, rank: int = 0, world_size: int = 1, batch_size: int, state: Mapping[str, Any] | None = None
+    ) -> MixtureLoader:
+        """This rank's micro-batches, in order, from the start or from `state` (any world size of the same G)."""
+        return MixtureLoader(self, rank=rank, world_size=world_size, batch_size=batch_size, state=state)
+
+    def torch(
+        self, *, rank: int = 0, world_size: int = 1, batch_size: int, state: Mapping[str, Any] | None = None
+    ) -> torch.utils.data.IterableDataset[MixtureBatch]:
+        """A torch IterableDataset of this rank's micro-batches (imports torch now); see TorchMixture.
+
+        Use it with ``DataLoader(ds, batch_size=None, num_workers=k, pin_memory=True)``, or torchdata's
+        ``StatefulDataLoader`` for ``state_dict``/``load_state_dict``: any k gives the same batches in the same order.
+        """
+        dataset: torch.utils.data.IterableDataset[MixtureBatch] = _torch_class()(
+            self, rank=rank, world_size=world_size, batch_size=batch_size, state=state
+        )
+        return dataset
+
+
+def _ranks(rank: Any, world_size: Any, batch_size: Any) -> tuple[int, int, int]:
+    world_size = _positive(world_size, "world_size")
+    rank = _positive(rank, "rank", minimum=0)
+    if rank >= world_size:
+        raise ValueError(f"rank {rank} is not below world_size {world_size}")
+    return rank, world_size, _positive(batch_size, "batch_size")
+
+
+class MixtureLoader:
+    """One rank's micro-batches of a mixture, in order: an endless iterator with ``state_dict``.
+
+    Batch g of rank r is global rows ``[g * G + r * batch_size, g * G + (r + 1) * batch_size)``. The state
+    after a batch is the global position ``(g + 1) * G``, the same on every rank.
+    """
+
+    def __init__(
+        self,
+        mixture: Mixture,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        batch_size: int,
+        state: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.mixture = mixture
+        self.rank, self.world_size, self.batch_size = _ranks(rank, world_size, batch_size)
+        self.global_batch_size = self.world_size * self.batch_size
+        self._next = mixture.position(state, self.global_batch_size) // self.global_batch_size
+
+    def __iter__(self) -> MixtureLoader:
+        return self
+
+    def __next__(self) -> MixtureBatch:
+        batch = self.mixture.batch(self._next, rank=self.rank, batch_size=self.batch_size, world_size=self.world_size)
+        self._next += 1
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.mixture.state_dict(self._next * self.global_batch_size, self.global_batch_size)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._next = self.mixture.position(state, self.global_batch_size) // self.global_batch_size
+
+
+@functools.cache
+def _torch_class() -> type:
+    """Build the torch IterableDataset class on first use, so that importing this module never imports torch."""
+    from torch.utils.data import IterableDataset, get_worker_info
+
+    class TorchMixture(IterableDataset):  # type: ignore[type-arg]
+        """One rank's micro-batches of a mixture as torch tensors, for ``DataLoader(batch_size=None)``.
+
+        DataLoader worker w of k builds the batches g with ``(g - first) % k == w`` (``first``: the batch it
+        starts at); DataLoader takes batches from its workers in turn, so any k hands them out in the order
+        k = 0 does. ``state_dict``/``load_state_dict`` follow torchdata's Stateful protocol: in a worker the
+        state says which of its batches the loader has consumed, and ``StatefulDataLoader`` (same number of
+        workers) resumes each worker and the turn. The state of a batch (``batch.state``) resumes any loader.
+        """
+
+        def __init__(
+            self,
+            mixture: Mixture,
+            *,
+            rank: int = 0,
+            world_size: int = 1,
+            batch_size: int,
+            state: Mapping[str, Any] | None = None,
+        ) -> None:
+            super().__init__()
+            self.mixture = mixture
+            self.rank, self.world_size, self.batch_size = _ranks(rank, world_size, batch_size)
+            self.global_batch_size = self.world_size * self.batch_size
+            self._next = self._first = 0
+            self.load_state_dict(state)
+
+        def __iter__(self) -> Any:
+            info = get_worker_info()
+            worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+            index = self._next + (worker - (self._next - self._first)) % workers
+            while True:
+                batch = self.mixture.batch(
+                    index, rank=self.rank, batch_size=self.batch_size, world_size=self.world_size
+                ).as_torch()
+                self._next = index + 1
+                yield batch
+                index += workers
+
+        def state_dict(self) -> dict[str, Any]:
+            size = self.global_batch_size
+            return {**self.mixture.state_dict(self._next * size, size), "first": self._first * size}
+
+        def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
+            rows = self.mixture.position(state, self.global_batch_size)
+            first = (state or {}).get("first", rows)
+            if isinstance(first, bool) or not isinstance(first, int) or first % self.global_batch_size:
+                raise ValueError(f"state first {first!r} is not a whole number of global batches")
+            self._next = rows // self.global_batch_size
+            self._first = first // self.global_batch_size
+
+    TorchMixture.__module__ = __name__
+    TorchMixture.__qualname__ = "TorchMixture"
+    return TorchMixture
+
+
+def __getattr__(name: str) -> Any:
+    """``client.mixture.TorchMixture`` exists once asked for (pickle finds it by this name)."""
+    if name == "TorchMixture":
+        return _torch_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
