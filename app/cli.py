@@ -21,8 +21,9 @@ from pydantic import ValidationError
 from pydantic_settings import CliSettingsSource
 
 from app.connections import uvicorn_options
+from app.core.models import ModelLoadError
 from app.entry import USAGE_ERROR
-from app.registry import ModelLoadError, ModelRegistry
+from app.registry import ModelRegistry
 from app.settings import BUNDLED, ConfigError, Settings, describe_error
 
 PROG = "tokenizer-server"
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:  # every model read once here, so a wrong path is one line and not a failed lifespan
         paths = settings.model_paths()
-        registry = ModelRegistry.from_paths(paths, settings.default_model)
+        registry = ModelRegistry.from_paths(paths, settings.default_model, settings.encoder)
     except (ConfigError, ModelLoadError) as exc:
         if settings.log_level in ("debug", "trace"):
             logging.getLogger("tokenizer").exception("cannot start")

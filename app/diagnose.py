@@ -6,7 +6,8 @@ On the first N documents of the corpus (.jsonl/.txt, gzipped or not; read as tok
 reads it), measured in the same run, in alternating rounds, against the batched in-process call:
 
   per-sample loop     for text in docs: sp.encode(text)             (what a naive Dataset does)
-  batched             sp.encode(docs, num_threads=workers)          (the baseline)
+  batched             sp.encode(docs, num_threads=workers)          (the baseline; tok.encode_batch with
+                      as many Rayon threads, enc.encode_ordinary_batch for tokenizers and tiktoken models)
   service             TokenizerClient.tokenize_batch, one request at a time
   prefetch            TokenizerClient.prefetch: requests in flight while the consumer works
   pretokenize         tokenizer-pretokenize --local into shards (paid once per dataset)
@@ -31,8 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
-import sentencepiece as spm
 
+from app.core.models import find_model_files
+from app.core.reference import InProcess
 from app.launcher import ServerNotReady, ServerProcess
 from app.pretokenize.run import Options, run
 from app.pretokenize.sources import DocumentReader, InputError, Source
@@ -93,7 +95,7 @@ def given_server(url: str, sha256: str) -> Iterator[tuple[str, str]]:
 
 
 def methods(
-    sp: spm.SentencePieceProcessor,
+    reference: InProcess,
     docs: list[str],
     model: Path,
     workers: int,
@@ -123,12 +125,8 @@ def methods(
             return sum(batch.num_tokens for batch in stream)
 
     return [
-        Method("per-sample loop", "for text in docs: sp.encode(text)", lambda: sum(len(sp.encode(d)) for d in docs)),
-        Method(
-            BASELINE,
-            f"sp.encode(docs, num_threads={workers})",
-            lambda: sum(len(ids) for ids in sp.encode(docs, num_threads=workers)),
-        ),
+        Method("per-sample loop", reference.one_call, lambda: sum(len(reference.one(d)) for d in docs)),
+        Method(BASELINE, reference.batch_call, lambda: reference.tokens(docs)),
         Method(
             "service",
             f"client.tokenize_batch, {BATCH} a request, 1 in flight",
@@ -168,7 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tokenizer-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", type=Path, required=True, help="a SentencePiece .model file")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        required=True,
+        help="a SentencePiece .model, a tokenizer.json (or its directory) or a *.tiktoken file",
+    )
     parser.add_argument("--corpus", type=Path, required=True, help=".jsonl or .txt, optionally .gz")
     parser.add_argument("--docs", type=int, default=5000, help="documents to use (default: 5000)")
     parser.add_argument("--text-field", default="text", help="JSON field of the text (default: text)")
@@ -195,12 +198,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"tokenizer-bench: {exc}") from exc
     if not docs:
         raise SystemExit(f"tokenizer-bench: no documents in {args.corpus}")
-    sp = spm.SentencePieceProcessor(model_file=str(args.model))
+    reference = InProcess(find_model_files("bench", args.model), args.workers)
     chars = sum(len(doc) for doc in docs)
     print(
         f"{len(docs):,} documents from {args.corpus.name} (mean {chars / len(docs):,.0f} characters); "
-        f"model {args.model.name} ({info.type}, vocab {info.vocab_size:,}); {args.workers} workers; "
-        f"{args.rounds} rounds",
+        f"model {args.model.name} ({info.library} {info.type}, vocab {info.vocab_size:,}, served by {info.encoder}); "
+        f"{args.workers} workers; {args.rounds} rounds",
         flush=True,
     )
     service = local_server(args.model, args.workers) if args.url is None else given_server(args.url, info.sha256)
@@ -210,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             service as (url, name),
             TokenizerClient(url, timeout=300) as client,
         ):
-            candidates = methods(sp, docs, args.model, args.workers, client, name, Path(scratch))
+            candidates = methods(reference, docs, args.model, args.workers, client, name, Path(scratch))
             client.tokenize_batch(docs[:BATCH], model=name)  # connections and workers warm
             seconds, tokens = measure(candidates, args.rounds)
     except TokenizerError as exc:  # the --url server is down, or refuses
@@ -222,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         "docs/s and tokens/s: best round; vs batched: median over rounds of the per-round time ratio "
-        "(above 1 is faster than batched in-process sentencepiece). The service rows include HTTP and the "
+        f"(above 1 is faster than the batched in-process {info.library} call). The service rows include HTTP and the "
         "client's own CPU on this machine; pretokenize includes reading the file, starting its workers and "
         "writing shards."
     )

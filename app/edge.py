@@ -27,12 +27,12 @@ from app import memory
 from app.admission import Admission
 from app.answers import Answer
 from app.auth import OPEN_PATHS, ApiKeys, bearer_token, route_path
+from app.core.models import ModelInfo
 from app.errors import Overloaded, PayloadTooLarge, RequestTimeout, ServiceError, Unauthorized, Unavailable
 from app.http import CLIENT_CLOSED_REQUEST, send_error
 from app.jobs import ROUTES
 from app.metrics import Metrics
 from app.pool import WorkerPool
-from app.registry import ModelInfo
 from app.responses import MODEL_SHA256_HEADER, wants_binary
 from client import wire
 

@@ -30,8 +30,9 @@ import orjson
 from app import channel, worker
 from app.admission import PoisonMemory
 from app.bodies import parse_request
+from app.core.libraries import Library
+from app.core.models import ModelInfo
 from app.errors import InvalidField, ModelNotFound, PayloadTooLarge, PoisonInput, ServiceError
-from app.registry import ModelInfo
 from app.schemas import DetokenizeRequest, EncodeOptions, PackRequest, TokenizeRequest
 from client import wire
 from client.packing import PackedRows, pack_best_fit, pack_concat
@@ -57,10 +58,6 @@ POISON_HEAD = struct.Struct("<HQ")
 # SPLIT payload: model index, route, texts, seeded sampling; then blobs: chunk units (int64), the
 # context a FINISH job needs (may be empty), then each chunk.
 SPLIT_HEAD = struct.Struct("<HBIB")
-
-# Fewer texts than this are encoded one by one: sentencepiece starts a native thread for every
-# list it encodes, which costs more than a few texts take.
-LIST_ENCODE_MIN_TEXTS = 16
 
 
 @dataclass(frozen=True)
@@ -142,7 +139,7 @@ class Jobs:
         self.limits = limits
         self.progress = progress
         self.poison = PoisonMemory()
-        self.processors = [worker.processor(info.name) for info in self.models]
+        self.libraries = [worker.library(info.name) for info in self.models]
 
     # -- dispatch --------------------------------------------------------------------------------
 
@@ -158,7 +155,7 @@ class Jobs:
             if kind == channel.FINISH:
                 return channel.DONE, self.finish(payload).payload()
             if kind == channel.PING:
-                return channel.PONG, [struct.pack("<I", len(self.processors))]
+                return channel.PONG, [struct.pack("<I", len(self.libraries))]
         except ServiceError as error:
             return channel.FAILED, [orjson.dumps(error.as_dict())]
         raise ValueError(f"unknown job kind {kind}")
@@ -194,12 +191,15 @@ class Jobs:
                 field="texts",
                 index=known,
             )
-        check_expansion(request.texts, len(body), self.limits.max_request_bytes)
+        if self.libraries[position].normalizes:
+            check_expansion(request.texts, len(body), self.limits.max_request_bytes)
         binary = bool(binary)
         if isinstance(request, PackRequest):
             context = pack_context(request, info, position, binary, self.limits.max_seq_len)
             # both already checked: request.add_bos by its schema, context.add_eos against the model
-            options: EncodeOptions = EncodeOptions.model_construct(add_bos=request.add_bos, add_eos=context.add_eos)
+            options: EncodeOptions = EncodeOptions.model_construct(
+                add_bos=request.add_bos, add_eos=context.add_eos, parse_special_tokens=request.parse_special_tokens
+            )
         else:
             context = None
             options = request  # a TokenizeRequest is its EncodeOptions, with the texts besides
@@ -308,36 +308,35 @@ class Jobs:
     def encode(
         self, model: int, texts: list[str], options: EncodeOptions, first_index: int, careful: bool
     ) -> tuple[np.ndarray, np.ndarray, float]:
-        """(ids, offsets, seconds): exactly what `sp.encode(text, ...)` gives for each text, in order."""
+        """(ids, offsets, seconds): exactly what the model's library gives for each text in-process, in order."""
         started = time.monotonic()
-        processor = self.processors[model]
+        library = self.libraries[model]
         if careful:
-            pieces: list[np.ndarray] = []
+            id_parts, length_parts = [], []
             for position, text in enumerate(texts):
                 self.progress.mark(position + first_index)
-                encoded = worker.encode_texts(processor, [text], options, first_index + position, one_by_one=True)
-                pieces.extend(encoded)
+                one_ids, one_length = library.encode([text], options, first_index + position)
+                id_parts.append(one_ids)
+                length_parts.append(one_length)
             self.progress.mark(-1)
+            ids = np.concatenate(id_parts) if id_parts else np.zeros(0, dtype=np.int32)
+            lengths = np.concatenate(length_parts) if length_parts else np.zeros(0, dtype=np.int64)
         else:
-            pieces = worker.encode_texts(
-                processor, texts, options, first_index, one_by_one=len(texts) < LIST_ENCODE_MIN_TEXTS
-            )
-        lengths = np.fromiter((len(ids) for ids in pieces), dtype=np.int64, count=len(pieces))
-        ids = np.concatenate(pieces).astype(np.int32, copy=False) if pieces else np.zeros(0, dtype=np.int32)
+            ids, lengths = library.encode(texts, options, first_index)
         return ids, ragged_offsets(lengths), time.monotonic() - started
 
     def decode(
         self, model: int, ids: np.ndarray, offsets: np.ndarray, careful: bool, first_index: int = 0
     ) -> list[str]:
-        processor = self.processors[model]
+        library = self.libraries[model]
         bounds = offsets.tolist()
         rows = [ids[start:end].tolist() for start, end in itertools.pairwise(bounds)]
         if not careful:
-            return processor.decode(rows) if rows else []
+            return decode_rows(library, rows, first_index)
         texts = []
         for position, row in enumerate(rows):
             self.progress.mark(first_index + position)
-            texts.append(processor.decode(row))
+            texts.extend(decode_rows(library, [row], first_index + position))
         self.progress.mark(-1)
         return texts
 
@@ -366,12 +365,25 @@ class Jobs:
         return Result(context.model, context.binary, texts, int(offsets[-1]), started, seconds, padding, parts)
 
 
+def decode_rows(library: Library, rows: list[list[int]], first_index: int) -> list[str]:
+    """The library's decode of each row; a row it cannot decode is named by its index in the request."""
+    try:
+        return library.decode(rows)
+    except InvalidField as error:
+        if error.index is None:
+            raise
+        index = error.index + first_index
+        raise InvalidField(
+            error.message.replace(f"ids[{error.index}]", f"ids[{index}]", 1), field="ids", index=index
+        ) from None
+
+
 def check_special_tokens(add_bos: bool, add_eos: bool, info: ModelInfo) -> None:
     """A model without BOS (or EOS) cannot add one: say so, naming the field (sentencepiece would raise)."""
     if add_bos and info.bos_id < 0:
-        raise InvalidField(f"model {info.name!r} has no BOS piece (bos_id -1): add_bos cannot be true", field="add_bos")
+        raise InvalidField(f"model {info.name!r} has no BOS token (bos_id -1): add_bos cannot be true", field="add_bos")
     if add_eos and info.eos_id < 0:
-        raise InvalidField(f"model {info.name!r} has no EOS piece (eos_id -1): add_eos cannot be true", field="add_eos")
+        raise InvalidField(f"model {info.name!r} has no EOS token (eos_id -1): add_eos cannot be true", field="add_eos")
 
 
 EXPANSION_SLICE = 65536

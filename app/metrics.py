@@ -74,8 +74,8 @@ class Metrics:
         )
         self.model_info = Gauge(
             "tokenizer_model_info",
-            "Served models (value 1).",
-            ["model", "sha256", "vocab_size"],
+            "Served models (value 1), with the library that defines them and what encodes them.",
+            ["model", "sha256", "vocab_size", "library", "encoder"],
             registry=r,
             multiprocess_mode="livemax",
         )

@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel, Field, create_model
 
 from app.auth import OPEN_PATHS
-from app.registry import SERVER_ONLY, ModelInfo
+from app.core.models import SERVER_ONLY, ModelInfo
 from app.responses import MODEL_SHA256_HEADER
 from client.packing import PackStats
 from client.wire import MEDIA_TYPE as BINARY_MEDIA_TYPE

@@ -26,10 +26,10 @@ import orjson
 from app import channel
 from app.admission import text_digest
 from app.answers import Answer, Part, join_detokenize, join_tokenize, read_done, read_part
+from app.core.models import ModelInfo
 from app.errors import PoisonInput, ServiceError, Unavailable
 from app.jobs import CHUNK_HEAD, DETOKENIZE, PACK, POISON_HEAD, REQUEST_HEAD, SPLIT_HEAD, Chunk, Limits
 from app.metrics import Metrics
-from app.registry import ModelInfo
 from app.workers import Lane, Startup, WorkerCrashed
 
 logger = logging.getLogger("tokenizer.pool")

@@ -1,81 +1,40 @@
-"""SentencePiece model files: what each one is, read once at startup in the server process."""
+"""The models a server serves: each model file read once at startup, in the server process, and described.
+
+What a model file is (its three kinds, recognized by content) is app.core.models; loading it in its
+library, app.core.libraries. Reading a model here also runs the fast encoder's check (the workers run it
+again when they load the model), so /v1/models says which encoder serves it.
+"""
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
 
-import sentencepiece as spm
+from app.core import libraries
+from app.core.models import ModelInfo, ModelLoadError, find_model_files
 
-
-class ModelLoadError(RuntimeError):
-    """A configured model file is missing or is not a SentencePiece model."""
+__all__ = ["ModelRegistry", "inspect_model"]
 
 
-SERVER_ONLY = frozenset({"path"})  # ModelInfo's fields that /v1/models and metadata.json leave out
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str
-    path: Path
-    type: str
-    vocab_size: int
-    bos_id: int
-    eos_id: int
-    pad_id: int
-    unk_id: int
-    sha256: str
-
-    @property
-    def padding_id(self) -> int:
-        """The pad id, else EOS, else 0: what best-fit packing pads with (padding is masked out of the labels)."""
-        for candidate in (self.pad_id, self.eos_id):
-            if candidate >= 0:
-                return candidate
-        return 0
-
-    @classmethod
-    def from_dict(cls, described: dict[str, Any], path: Path) -> ModelInfo:
-        """The inverse of `as_dict` (a /v1/models entry, a metadata.json model), with `path` for the file."""
-        described = {field.name: described[field.name] for field in fields(cls) if field.name not in SERVER_ONLY}
-        return cls(path=path, **described)
-
-    def as_dict(self) -> dict[str, str | int]:
-        """What /v1/models and metadata.json say of the model: every field but the server's own path."""
-        return {field.name: getattr(self, field.name) for field in fields(self) if field.name not in SERVER_ONLY}
-
-
-def _model_type(serialized: bytes) -> str:
-    from sentencepiece import sentencepiece_model_pb2
-
-    proto = sentencepiece_model_pb2.ModelProto()
-    proto.ParseFromString(serialized)
-    return sentencepiece_model_pb2.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type).lower()
-
-
-def inspect_model(name: str, path: Path) -> ModelInfo:
+def inspect_model(name: str, path: Path, encoder: str = libraries.FAST) -> ModelInfo:
+    """What the model at `path` is (any of the three kinds); ModelLoadError in one line when it is none."""
+    files = find_model_files(name, path)
     try:
-        serialized = path.read_bytes()
-    except OSError as exc:
-        raise ModelLoadError(f"model {name!r}: cannot read {path}: {exc.strerror}") from exc
-    processor = spm.SentencePieceProcessor()
-    try:
-        processor.LoadFromSerializedProto(serialized)
-    except (RuntimeError, OSError) as exc:
-        raise ModelLoadError(f"model {name!r}: {path} is not a SentencePiece model file") from exc
+        library = libraries.load(files, encoder)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"model {name!r}: {exc}") from None
     return ModelInfo(
         name=name,
-        path=path.resolve(),
-        type=_model_type(serialized),
-        vocab_size=processor.vocab_size(),
-        bos_id=processor.bos_id(),
-        eos_id=processor.eos_id(),
-        pad_id=processor.pad_id(),
-        unk_id=processor.unk_id(),
-        sha256=hashlib.sha256(serialized).hexdigest(),
+        path=files.path,
+        library=files.library,
+        encoder=library.encoder,
+        type=library.type,
+        vocab_size=library.vocab_size,
+        bos_id=library.bos_id,
+        eos_id=library.eos_id,
+        pad_id=library.pad_id,
+        unk_id=library.unk_id,
+        sha256=files.sha256,
+        files=files.files,
     )
 
 
@@ -89,10 +48,12 @@ class ModelRegistry:
         self.default = default
 
     @classmethod
-    def from_paths(cls, paths: dict[str, Path], default: str | None = None) -> ModelRegistry:
+    def from_paths(
+        cls, paths: dict[str, Path], default: str | None = None, encoder: str = libraries.FAST
+    ) -> ModelRegistry:
         if not paths:
             raise ModelLoadError("no model to serve")
-        models = {name: inspect_model(name, path) for name, path in paths.items()}
+        models = {name: inspect_model(name, path, encoder) for name, path in paths.items()}
         return cls(models, default or ("default" if "default" in models else next(iter(models))))
 
     def get(self, name: str | None) -> ModelInfo | None:

@@ -44,6 +44,7 @@ class EncodeOptions(_Body):
     add_eos: StrictBool = False
     max_length: Annotated[StrictInt, Field(ge=0)] | None = None
     sample: SampleOptions | None = None
+    parse_special_tokens: StrictBool = False  # special-token strings in the text become their ids
 
     @property
     def seed(self) -> int | None:
@@ -90,3 +91,4 @@ class PackRequest(_Body):
     carry: list[StrictInt] | None = None
     carry_document_starts: list[StrictInt] | None = None
     mask_document_start: StrictBool = False
+    parse_special_tokens: StrictBool = False

@@ -64,12 +64,23 @@ class Settings(BaseSettings):
         "a model to serve as NAME=PATH; repeat the flag, or comma-separate in the environment",
         default_factory=list,
     )
-    models_dir: Path | None = option("DIR", "serve every *.model in this directory under its file stem", None)
+    models_dir: Path | None = option(
+        "DIR",
+        "serve every *.model and *.tiktoken in this directory under its file stem, and every subdirectory "
+        "holding a tokenizer.json under its name",
+        None,
+    )
     empty_models_dir: Literal["refuse", "bundled"] = option(
         "{refuse,bundled}",
-        "a --models-dir with no *.model in it: refuse to start, or serve the bundled model (what the container "
+        "a --models-dir with no model in it: refuse to start, or serve the bundled model (what the container "
         "image does, so that an empty mounted directory serves it)",
         "refuse",
+    )
+    encoder: Literal["fast", "reference"] = option(
+        "{fast,reference}",
+        "fast: encode tokenizer.json and tiktoken models with fastokens where it reproduces the reference "
+        "library's ids on the built-in check set (else the library); reference: always the library itself",
+        "fast",
     )
     default_model: str | None = option("NAME", "model used when a request names none", None)
     max_request_bytes: int = option("BYTES", "largest request body accepted (413 above)", 32 * 1024 * 1024, ge=1)
@@ -185,18 +196,36 @@ class Settings(BaseSettings):
         """Configured models by name: --models-dir first, then each --model; the bundled one if none."""
         paths: dict[str, Path] = {}
         if self.models_dir is not None:
-            for path in sorted(self.models_dir.glob("*.model")):
-                paths[path.stem] = path
+            paths.update(models_in(self.models_dir))
             if not paths and not self.model and self.empty_models_dir == "refuse":
                 raise ConfigError(
-                    f"the models directory {self.models_dir} (--models-dir, TOKENIZER_MODELS_DIR) holds no *.model "
-                    "file; to serve the bundled model then, --empty-models-dir bundled "
-                    "(TOKENIZER_EMPTY_MODELS_DIR=bundled)"
+                    f"the models directory {self.models_dir} (--models-dir, TOKENIZER_MODELS_DIR) holds no model "
+                    "(*.model, *.tiktoken, or a subdirectory with a tokenizer.json); to serve the bundled model "
+                    "then, --empty-models-dir bundled (TOKENIZER_EMPTY_MODELS_DIR=bundled)"
                 )
         for spec in self.model:
             name, _, file = spec.partition("=")
             paths[name.strip()] = Path(file.strip()).expanduser()
         return paths or dict(BUNDLED)
+
+
+def models_in(directory: Path) -> dict[str, Path]:
+    """A models directory's models by name: each *.model and *.tiktoken under its stem, each subdirectory
+    holding a tokenizer.json (a Hub snapshot) under the subdirectory's name; sorted by name."""
+    found: dict[str, Path] = {}
+    for path in sorted(directory.iterdir()):
+        if path.is_file() and path.suffix in (".model", ".tiktoken"):
+            name = path.stem
+        elif path.is_dir() and (path / "tokenizer.json").is_file():
+            name = path.name
+        else:
+            continue
+        if name in found:
+            raise ConfigError(
+                f"the models directory {directory} holds two models named {name!r}: {found[name]} and {path}"
+            )
+        found[name] = path
+    return dict(sorted(found.items()))
 
 
 def describe_error(error: Any, argv: Sequence[str] = ()) -> str:

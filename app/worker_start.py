@@ -15,29 +15,14 @@ start on a file whose sha256 changed (the pool then answers 503 until the server
 
 from __future__ import annotations
 
-import hashlib
 import multiprocessing
 import os
 import signal
 import threading
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Sequence
 
 from app import worker
-
-
-class ModelChanged(RuntimeError):
-    """A model file no longer holds the bytes the server announced at startup."""
-
-
-def check_models(paths: dict[str, str], sha256: dict[str, str]) -> None:
-    for name, expected in sha256.items():
-        actual = hashlib.sha256(Path(paths[name]).read_bytes()).hexdigest()
-        if actual != expected:
-            raise ModelChanged(
-                f"model {name!r}: {paths[name]} changed since the server started (sha256 {actual}, "
-                f"announced {expected}); restart the server to serve the new file"
-            )
+from app.core.models import ModelInfo
 
 
 def _exit_now() -> None:
@@ -57,10 +42,8 @@ def exit_with_parent(leave: Callable[[], None] = _exit_now) -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
-def start(paths: dict[str, str], sha256: dict[str, str] | None = None) -> None:
+def start(models: Sequence[ModelInfo]) -> None:
     """Pool initializer, for the server's pools and the pre-tokenizer's."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     exit_with_parent()
-    if sha256:
-        check_models(paths, sha256)
-    worker.load_models(paths)
+    worker.load_models(models)

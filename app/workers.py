@@ -36,10 +36,10 @@ import orjson
 
 from app import channel, memory, worker_start
 from app.admission import POISON_MEMORY
+from app.core.models import ModelInfo
 from app.errors import Unavailable
 from app.jobs import RESULT_HEAD, Jobs, Limits, Progress
 from app.metrics import Metrics
-from app.registry import ModelInfo
 from app.settings import usable_cpus
 
 logger = logging.getLogger("tokenizer.pool")
@@ -76,14 +76,13 @@ class Startup:
 
 def serve(connection: socket.socket, startup: Startup, progress: Any) -> None:
     """A worker process's whole life: load the models, then answer jobs until the socket closes."""
-    paths = {info.name: str(info.path) for info in startup.models}
     # A process group of its own: a signal to the server's group (`timeout`, `kill -- -PGID`, Ctrl-C)
     # must not kill workers ahead of the drain; the server stops them after it, by closing their
     # sockets or with SIGKILL, and a worker whose server is gone exits on its own (exit_with_parent).
     os.setpgrp()
     try:
-        worker_start.start(paths, {info.name: info.sha256 for info in startup.models})
-    except (worker_start.ModelChanged, OSError, RuntimeError) as exc:
+        worker_start.start(startup.models)
+    except (OSError, RuntimeError) as exc:  # ModelChanged, ModelLoadError among them
         logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         logger.error("worker %d cannot start: %s", os.getpid(), exc)
         sys.exit(1)

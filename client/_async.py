@@ -136,10 +136,11 @@ class AsyncTokenizerClient(BaseClient):
         add_eos: bool = False,
         max_length: int | None = None,
         sample: dict[str, Any] | None = None,
+        parse_special_tokens: bool = False,
         format: Format = "binary",
     ) -> TokenizedBatch:
         """Tokenize into one flat ids array plus offsets (the cheapest form to consume)."""
-        options = TokenizeOptions(model, add_bos, add_eos, max_length, sample)
+        options = TokenizeOptions(model, add_bos, add_eos, max_length, sample, parse_special_tokens)
         return (await self._tokenize_answer(texts, options, format))[0]
 
     async def tokenize(
@@ -151,10 +152,11 @@ class AsyncTokenizerClient(BaseClient):
         add_eos: bool = False,
         max_length: int | None = None,
         sample: dict[str, Any] | None = None,
+        parse_special_tokens: bool = False,
         format: Format = "binary",
     ) -> list[np.ndarray]:
-        """Token ids of each text (int32 arrays), exactly as sentencepiece's encode gives them."""
-        options = TokenizeOptions(model, add_bos, add_eos, max_length, sample)
+        """Token ids of each text (int32 arrays), exactly as the model's library encodes them in-process."""
+        options = TokenizeOptions(model, add_bos, add_eos, max_length, sample, parse_special_tokens)
         return (await self._tokenize_answer(texts, options, format))[0].to_list()
 
     async def pack(
@@ -169,10 +171,11 @@ class AsyncTokenizerClient(BaseClient):
         carry: Sequence[int] | np.ndarray | None = None,
         carry_document_starts: Sequence[int] | np.ndarray | None = None,
         mask_document_start: bool = False,
+        parse_special_tokens: bool = False,
         format: Format = "binary",
     ) -> PackedBatch:
         """Tokenize and pack texts into rows of exactly `seq_len` tokens (see /v1/pack)."""
-        options = PackOptions(seq_len, strategy, model, add_bos, add_eos, mask_document_start)
+        options = PackOptions(seq_len, strategy, model, add_bos, add_eos, mask_document_start, parse_special_tokens)
         return (await self._pack_answer(texts, options, carry, carry_document_starts, format))[0]
 
     async def pack_stream(
@@ -227,6 +230,7 @@ class AsyncTokenizerClient(BaseClient):
         add_eos: bool = False,
         max_length: int | None = None,
         sample: dict[str, Any] | None = None,
+        parse_special_tokens: bool = False,
         pack: PackSpec | None = None,
         state: dict[str, Any] | None = None,
         as_torch: bool = False,
@@ -241,7 +245,7 @@ class AsyncTokenizerClient(BaseClient):
         options = PrefetchOptions.build(
             batch_size=batch_size,
             depth=depth,
-            tokenize=TokenizeOptions(model, add_bos, add_eos, max_length, sample),
+            tokenize=TokenizeOptions(model, add_bos, add_eos, max_length, sample, parse_special_tokens),
             pack=pack,
             as_torch=as_torch,
             pin_memory=pin_memory,

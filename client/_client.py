@@ -126,10 +126,11 @@ class TokenizerClient(BaseClient):
         add_eos: bool = False,
         max_length: int | None = None,
         sample: dict[str, Any] | None = None,
+        parse_special_tokens: bool = False,
         format: Format = "binary",
     ) -> TokenizedBatch:
         """Tokenize into one flat ids array plus offsets (the cheapest form to consume)."""
-        options = TokenizeOptions(model, add_bos, add_eos, max_length, sample)
+        options = TokenizeOptions(model, add_bos, add_eos, max_length, sample, parse_special_tokens)
         return self._read_tokenize(self._request(self._post("/v1/tokenize", options.payload(texts), format)), model)
 
     def tokenize(
@@ -141,11 +142,20 @@ class TokenizerClient(BaseClient):
         add_eos: bool = False,
         max_length: int | None = None,
         sample: dict[str, Any] | None = None,
+        parse_special_tokens: bool = False,
         format: Format = "binary",
     ) -> list[np.ndarray]:
-        """Token ids of each text (int32 arrays), exactly as sentencepiece's encode gives them."""
+        """Token ids of each text (int32 arrays), exactly as the model's library encodes them in-process."""
         batch = self.tokenize_batch(
-            texts, model=model, add_bos=add_bos, add_eos=add_eos, max_length=max_length, sample=sample, format=format
+            texts,
+            model=model,
+            add_bos=add_bos,
+            add_eos=add_eos,
+            max_length=max_length,
+            sample=sample,
+            parse_special_tokens=parse_special_tokens,
+            format=format,
+
         )
         return batch.to_list()
 
@@ -161,10 +171,11 @@ class TokenizerClient(BaseClient):
         carry: Sequence[int] | np.ndarray | None = None,
         carry_document_starts: Sequence[int] | np.ndarray | None = None,
         mask_document_start: bool = False,
+        parse_special_tokens: bool = False,
         format: Format = "binary",
     ) -> PackedBatch:
         """Tokenize and pack texts into rows of exactly `seq_len` tokens (see /v1/pack)."""
-        options = PackOptions(seq_len, strategy, model, add_bos, add_eos, mask_document_start)
+        options = PackOptions(seq_len, strategy, model, add_bos, add_eos, mask_document_start, parse_special_tokens)
         call = self._post("/v1/pack", options.payload(texts, carry, carry_document_starts), format)
         return self._read_pack(self._request(call), model)
 
@@ -242,6 +253,7 @@ class TokenizerClient(BaseClient):
         add_eos: bool = False,
         max_length: int | None = None,
         sample: dict[str, Any] | None = None,
+        parse_special_tokens: bool = False,
         pack: PackSpec | None = None,
         state: dict[str, Any] | None = None,
         as_torch: bool = False,
@@ -258,7 +270,7 @@ class TokenizerClient(BaseClient):
         options = PrefetchOptions.build(
             batch_size=batch_size,
             depth=depth,
-            tokenize=TokenizeOptions(model, add_bos, add_eos, max_length, sample),
+            tokenize=TokenizeOptions(model, add_bos, add_eos, max_length, sample, parse_special_tokens),
             pack=pack,
             as_torch=as_torch,
             pin_memory=pin_memory,

@@ -68,7 +68,7 @@ class PrefetchOptions:
         if pack is not None and not isinstance(pack, PackSpec):
             raise TypeError(f"pack takes a PackSpec(seq_len=..., rows=...), not {type(pack).__name__} {pack!r}")
         if pack is not None:
-            if tokenize != TokenizeOptions(tokenize.model):
+            if tokenize != TokenizeOptions(tokenize.model, parse_special_tokens=tokenize.parse_special_tokens):
                 raise ValueError(
                     "with pack=, set add_bos/add_eos on the PackSpec; max_length and sample do not apply to packing"
                 )
@@ -84,7 +84,13 @@ class PrefetchOptions:
         assert self.pack is not None
         spec, tokenize = self.pack, self.tokenize
         return PackOptions(
-            spec.seq_len, "best_fit", tokenize.model, tokenize.add_bos, tokenize.add_eos, spec.mask_document_start
+            spec.seq_len,
+            "best_fit",
+            tokenize.model,
+            tokenize.add_bos,
+            tokenize.add_eos,
+            spec.mask_document_start,
+            tokenize.parse_special_tokens,
         )
 
     # The tokenize options as attributes of their own, as before they were gathered in `tokenize`.

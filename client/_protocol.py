@@ -197,6 +197,7 @@ class TokenizeOptions:
     add_eos: bool = False
     max_length: int | None = None
     sample: dict[str, Any] | None = None
+    parse_special_tokens: bool = False
 
     def payload(self, texts: Iterable[str]) -> dict[str, Any]:
         """The request body; options at their defaults are left out."""
@@ -211,6 +212,8 @@ class TokenizeOptions:
             payload["max_length"] = self.max_length
         if self.sample is not None:
             payload["sample"] = self.sample
+        if self.parse_special_tokens:
+            payload["parse_special_tokens"] = True
         return payload
 
 
@@ -224,6 +227,7 @@ class PackOptions:
     add_bos: bool = False
     add_eos: bool = True
     mask_document_start: bool = False
+    parse_special_tokens: bool = False
 
     def payload(
         self,
@@ -234,6 +238,8 @@ class PackOptions:
         payload: dict[str, Any] = {"texts": texts_list(texts), **vars(self)}
         if self.model is None:
             del payload["model"]
+        if not self.parse_special_tokens:  # its default: a server from before it stays usable
+            del payload["parse_special_tokens"]
         for name, ids in (("carry", carry), ("carry_document_starts", carry_document_starts)):
             if ids is not None:
                 payload[name] = ids.tolist() if isinstance(ids, np.ndarray) else list(ids)

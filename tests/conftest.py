@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import orjson
 import pytest
 import sentencepiece as spm
 
@@ -39,6 +40,12 @@ EDGE_CASES = [
     "Ω≈ç√∫ ÅÍÎÏ",
     "x" * 5000,
 ]
+
+
+def read_multilingual() -> list[str]:
+    """Real web-like text in ten languages (tests/data/multilingual.jsonl: 92 of 120 not NFKC-normalized)."""
+    with (DATA / "multilingual.jsonl").open("rb") as file:
+        return [orjson.loads(line)["text"] for line in file]
 
 
 def read_documents() -> list[str]:
@@ -91,6 +98,19 @@ def model_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def documents() -> list[str]:
     return read_documents()
+
+
+@pytest.fixture(scope="session")
+def multilingual() -> list[str]:
+    return read_multilingual()
+
+
+@pytest.fixture(scope="session")
+def library_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """tokenizer.json (a BPE snapshot, unigram, WordPiece) and tiktoken models trained here (tokenizer_models.py)."""
+    from tests.tokenizer_models import write_all
+
+    return write_all(tmp_path_factory.mktemp("library-models"), read_documents(), read_multilingual())
 
 
 @pytest.fixture(scope="session")

@@ -110,6 +110,21 @@ def _models(tmp_path, kind: str) -> dict[str, str]:
         (tmp_path / "empty").mkdir()
     elif kind == "not-a-model":
         (tmp_path / "notes.model").write_text("not a model\n")
+    elif kind == "no-sidecar":
+        (tmp_path / "qwen.tiktoken").write_text("IQ== 0\nIg== 1\n")
+    elif kind == "other-json":
+        (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "vocab": {}}')
+    elif kind == "empty-snapshot":
+        (tmp_path / "snapshot").mkdir()
+    elif kind == "config-token":
+        from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel()
+        tokenizer.train_from_iterator(["a few words of text"] * 10, trainers.BpeTrainer(vocab_size=300))
+        (tmp_path / "snapshot").mkdir()
+        tokenizer.save(str(tmp_path / "snapshot" / "tokenizer.json"))
+        (tmp_path / "snapshot" / "tokenizer_config.json").write_text('{"eos_token": {"content": "<|eot|>"}}')
     return {}
 
 
@@ -121,12 +136,33 @@ def _models(tmp_path, kind: str) -> dict[str, str]:
             ["--models-dir", "empty"],
             {},
             "empty",
-            "the models directory empty (--models-dir, TOKENIZER_MODELS_DIR) holds no *.model file",
+            "the models directory empty (--models-dir, TOKENIZER_MODELS_DIR) holds no model (*.model, *.tiktoken, "
+            "or a subdirectory with a tokenizer.json)",
         ),
         ([], {"TOKENIZER_MODELS_DIR": ""}, None, "TOKENIZER_MODELS_DIR='': is set but empty"),
         ([], {"TOKENIZER_MODELS_DIR": "nodir"}, None, "TOKENIZER_MODELS_DIR='nodir': does not exist"),
         (["--model", "foo=nope.model"], {}, None, "model 'foo': cannot read nope.model: No such file or directory"),
-        (["--model", "foo=notes.model"], {}, "not-a-model", "notes.model is not a SentencePiece model file"),
+        (
+            ["--model", "foo=notes.model"],
+            {},
+            "not-a-model",
+            "model 'foo': notes.model is not a model file; a model is a SentencePiece .model, a Hugging Face "
+            "tokenizer.json (or a directory holding one), or tiktoken BPE ranks (*.tiktoken)",
+        ),
+        (
+            ["--model", "qwen=qwen.tiktoken"],
+            {},
+            "no-sidecar",
+            "qwen.tiktoken is tiktoken ranks of an encoding tiktoken does not know: add ",
+        ),
+        (["--model", "x=tokenizer.json"], {}, "other-json", "model 'x': tokenizer.json is not a model file; a model"),
+        (["--model", "x=snapshot"], {}, "empty-snapshot", "model 'x': the directory snapshot holds no tokenizer.json"),
+        (
+            ["--model", "x=snapshot"],
+            {},
+            "config-token",
+            "tokenizer_config.json names eos_token '<|eot|>', which ",
+        ),
         (
             ["--model", "tok.model"],
             {},
@@ -145,6 +181,10 @@ def _models(tmp_path, kind: str) -> dict[str, str]:
         "missing-dir-env",
         "missing-file",
         "not-a-model",
+        "tiktoken-without-sidecar",
+        "json-not-a-tokenizer",
+        "directory-without-tokenizer-json",
+        "config-names-a-missing-token",
         "no-name",
         "workers-env",
         "workers-flag",

@@ -64,8 +64,8 @@ def test_blobs_round_trip():
 
 @pytest.fixture(scope="module")
 def jobs() -> Jobs:
-    worker.load_models({"default": str(MODEL)})
     info = inspect_model("default", MODEL)
+    worker.load_models([info])
     return Jobs([info], "default", Limits(max_texts=8192, max_seq_len=131072, min_chunk_chars=2000), Progress(None))
 
 

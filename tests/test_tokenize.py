@@ -168,6 +168,8 @@ def test_models_lists_each_model(client, server, model_files):
         sp = server.processor(name)
         assert entry == {
             "name": name,
+            "library": "sentencepiece",
+            "encoder": "sentencepiece",
             "type": {"uni": "unigram", "bpe": "bpe", "default": "unigram"}[name],
             "vocab_size": sp.vocab_size(),
             "bos_id": sp.bos_id(),

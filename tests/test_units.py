@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from app.core.libraries import frame, ragged_offsets, truncate
 from app.jobs import chunk_bounds
 from app.settings import BUNDLED_MODELS_DIR, Settings
-from app.worker import truncate
 from client import wire
 
 
@@ -79,10 +79,35 @@ def test_chunks_cover_the_request_in_order(sizes, max_chunks, minimum):
 
 def test_truncate_keeps_eos_last():
     ids = np.array([1, 10, 11, 12, 2], dtype=np.int32)
-    assert truncate(ids, 3, eos_id=2).tolist() == [1, 10, 2]
-    assert truncate(ids, 3, eos_id=None).tolist() == [1, 10, 11]
-    assert truncate(ids, 0, eos_id=2).tolist() == []
-    assert truncate(ids, 9, eos_id=2).tolist() == ids.tolist()
+    one = np.array([5], dtype=np.int64)
+    assert truncate(ids, one, 3, eos=2)[0].tolist() == [1, 10, 2]
+    assert truncate(ids, one, 3, eos=None)[0].tolist() == [1, 10, 11]
+    assert truncate(ids, one, 0, eos=2)[0].tolist() == []
+    assert truncate(ids, one, 9, eos=2)[0].tolist() == ids.tolist()
+
+
+@given(
+    rows=st.lists(st.lists(st.integers(3, 1000), max_size=12), max_size=20),
+    bos=st.sampled_from([None, 1]),
+    eos=st.sampled_from([None, 2]),
+    max_length=st.one_of(st.none(), st.integers(0, 14)),
+)
+def test_flat_framing_equals_framing_each_text(rows, bos, eos, max_length):
+    """BOS/EOS and max_length on a flat batch give what adding them to each text on its own gives."""
+    lengths = np.array([len(row) for row in rows], dtype=np.int64)
+    ids = np.array([token for row in rows for token in row], dtype=np.int32)
+    ids, lengths = frame(ids, lengths, bos, eos)
+    if max_length is not None:
+        ids, lengths = truncate(ids, lengths, max_length, eos)
+    expected = []
+    for row in rows:
+        row = ([bos] if bos is not None else []) + row + ([eos] if eos is not None else [])
+        if max_length is not None and len(row) > max_length:
+            row = [*row[: max_length - 1], eos] if eos is not None and max_length > 0 else row[:max_length]
+        expected.append(row)
+    offsets = ragged_offsets(lengths)
+    assert [ids[offsets[i] : offsets[i + 1]].tolist() for i in range(len(rows))] == expected
+    assert ids.dtype == np.int32 and lengths.dtype == np.int64
 
 
 def test_settings_from_flags_and_environment(monkeypatch, tmp_path):

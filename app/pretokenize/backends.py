@@ -16,6 +16,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from typing import TypeVar
 
 from app import worker, worker_start
+from app.core.models import SENTENCEPIECE, ModelInfo
 from app.schemas import EncodeOptions
 from client import TokenizedBatch, TokenizerClient
 
@@ -40,22 +41,24 @@ def chunks(texts: Iterable[str], max_chars: int, max_texts: int) -> Iterator[lis
         yield chunk
 
 
-def start_method() -> str:
-    """fork where it is safe (Linux, no other thread yet): a forked worker starts in milliseconds with
-    sentencepiece already imported, where a spawned one spends about half a second importing it again."""
-    if sys.platform == "linux" and threading.active_count() == 1:
+def start_method(model: ModelInfo) -> str:
+    """fork where it is safe (Linux, no other thread yet, a SentencePiece model): a forked worker starts in
+    milliseconds with sentencepiece already imported, where a spawned one spends about half a second
+    importing it again. Rust libraries (tokenizers, fastokens) may have started threads that a fork
+    does not copy: their models get fresh processes."""
+    if sys.platform == "linux" and threading.active_count() == 1 and model.library == SENTENCEPIECE:
         return "fork"
     return "spawn"
 
 
-def local_pool(model_name: str, model_path: str, workers: int) -> ProcessPoolExecutor:
+def local_pool(model: ModelInfo, workers: int) -> ProcessPoolExecutor:
     """Start every worker now, with SIGINT ignored from birth: Ctrl-C reaches the whole process group,
     and a worker still starting up would otherwise die with a traceback instead of finishing its chunk."""
     pool = ProcessPoolExecutor(
         max_workers=workers,
-        mp_context=multiprocessing.get_context(start_method()),
+        mp_context=multiprocessing.get_context(start_method(model)),
         initializer=worker_start.start,
-        initargs=({model_name: model_path},),
+        initargs=((model,),),
     )
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -88,11 +91,12 @@ def tokenize_locally(
     *,
     add_bos: bool,
     add_eos: bool,
+    parse_special_tokens: bool = False,
     chunk_chars: int,
     depth: int,
 ) -> Iterator[TokenizedBatch]:
     """Tokenize on the pool in chunks of about `chunk_chars` characters, `depth` chunks in flight."""
-    options = EncodeOptions(add_bos=add_bos, add_eos=add_eos)
+    options = EncodeOptions(add_bos=add_bos, add_eos=add_eos, parse_special_tokens=parse_special_tokens)
     submitted = (
         pool.submit(worker.encode_chunk, model, chunk, options) for chunk in chunks(texts, chunk_chars, 1 << 16)
     )
@@ -107,6 +111,7 @@ def tokenize_via_service(
     sha256: str,
     add_bos: bool,
     add_eos: bool,
+    parse_special_tokens: bool = False,
     batch_size: int,
     depth: int,
 ) -> Iterator[TokenizedBatch]:
@@ -116,7 +121,13 @@ def tokenize_via_service(
     Every answer must come from the model file the output was started with (its sha256).
     """
     with client.prefetch(
-        texts, batch_size=batch_size, depth=depth, model=model, add_bos=add_bos, add_eos=add_eos
+        texts,
+        batch_size=batch_size,
+        depth=depth,
+        model=model,
+        add_bos=add_bos,
+        add_eos=add_eos,
+        parse_special_tokens=parse_special_tokens,
     ) as batches:
         for batch in batches:
             if not isinstance(batch, TokenizedBatch):  # only with pack=, which is not asked for here

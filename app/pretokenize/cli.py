@@ -15,12 +15,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from app.core.models import ModelLoadError
 from app.pretokenize.backends import ServiceError
 from app.pretokenize.ranks import RankError, rank_from_environment
 from app.pretokenize.run import DEFAULT_SHARD_TOKENS, Options, Progress, Summary, run
 from app.pretokenize.sources import KINDS, BadRecordError, InputError
 from app.pretokenize.store import OutputError
-from app.registry import ModelLoadError
 from app.settings import usable_cpus
 from client.errors import TokenizerError
 
@@ -81,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="end each document with EOS (default: when the model has an EOS piece)",
+    )
+    parser.add_argument(
+        "--parse-special-tokens",
+        action="store_true",
+        help="special-token strings in the text become their ids (chat-formatted data); by default they are "
+        "ordinary text, so that training data cannot inject control tokens",
     )
     parser.add_argument(
         "--rank",
@@ -226,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             strict=args.strict,
             add_bos=args.add_bos,
             add_eos=args.add_eos,
+            parse_special_tokens=args.parse_special_tokens,
             rank=rank,
             world_size=world_size,
         )

@@ -14,12 +14,13 @@ from typing import Any
 import numpy as np
 from pydantic import ValidationError
 
+from app.core.models import ModelInfo, ModelLoadError
 from app.pretokenize.backends import local_pool, tokenize_locally, tokenize_via_service
 from app.pretokenize.ranks import blocks, rank_directory
 from app.pretokenize.shards import BestFitShards, ConcatShards, RaggedShards, ShardSink
 from app.pretokenize.sources import BadRecordError, DocumentReader, InputError, Position, Source, expand_inputs
 from app.pretokenize.store import OutputDir, OutputError, differences
-from app.registry import ModelInfo, ModelLoadError, inspect_model
+from app.registry import inspect_model
 from app.settings import ConfigError, Settings, describe_error, usable_cpus
 from client import TokenizerClient
 from client._protocol import parse_urls
@@ -45,6 +46,7 @@ class Options:
     strict: bool = False
     add_bos: bool = False
     add_eos: bool | None = None  # EOS after each document when the model has one
+    parse_special_tokens: bool = False
     rank: int | None = None  # with world_size: this run is rank `rank` of `world_size` (app.pretokenize.ranks)
     world_size: int | None = None
 
@@ -85,7 +87,7 @@ class Summary:
 
 def resolve_local_model(name_or_path: str | None) -> ModelInfo:
     """A model file's path, or a model name as the server's options (TOKENIZER_* / bundled) resolve it."""
-    if name_or_path is not None and Path(name_or_path).expanduser().is_file():
+    if name_or_path is not None and Path(name_or_path).expanduser().exists():
         path = Path(name_or_path).expanduser()
         return inspect_model(path.stem, path)
     try:
@@ -141,6 +143,8 @@ def new_metadata(model: ModelInfo, sources: list[Source], options: Options) -> d
             "seq_len": options.seq_len,
             "strategy": strategy,
             "shard_tokens": options.shard_tokens,
+            # only when set: outputs from before the option resume with the same options
+            **({"parse_special_tokens": True} if options.parse_special_tokens else {}),
         },
         "documents": 0,
         "tokens": 0,
@@ -257,11 +261,12 @@ def run(
                 sha256=model.sha256,
                 add_bos=options.add_bos,
                 add_eos=options.add_eos,
+                parse_special_tokens=options.parse_special_tokens,
                 batch_size=SERVICE_BATCH,
                 depth=SERVICE_DEPTH * len(urls),
             )
         else:
-            pool = stack.enter_context(local_pool(model.name, str(model.path), options.workers))
+            pool = stack.enter_context(local_pool(model, options.workers))
             stack.callback(pool.shutdown, wait=True, cancel_futures=True)  # also on Ctrl-C: first, cancel the rest
             remaining = sum(source.size for source in sources if not source.done)
             chunk_chars = int(np.clip(remaining // (8 * options.workers), *LOCAL_CHUNK_CHARS))
@@ -271,6 +276,7 @@ def run(
                 texts(),
                 add_bos=options.add_bos,
                 add_eos=options.add_eos,
+                parse_special_tokens=options.parse_special_tokens,
                 chunk_chars=chunk_chars,
                 depth=2 * options.workers,
             )

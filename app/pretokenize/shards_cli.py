@@ -17,15 +17,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import sentencepiece as spm
 from tqdm import tqdm
 
+from app.core import libraries
+from app.core.models import ModelLoadError, find_model_files
 from app.pretokenize.cli import describe_os_error
 from app.pretokenize.export import DEFAULT_LLMC_SHARD_TOKENS, FORMATS, ExportError, export
 from app.pretokenize.ranks import RankError, merge
 from app.pretokenize.run import resolve_local_model
 from app.pretokenize.sources import DocumentReader, InputError, Source
-from app.registry import ModelLoadError
+from app.schemas import EncodeOptions
 from client.dataset import TokenDataset
 
 EXPORTS = """\
@@ -114,8 +115,14 @@ def verify(dataset: TokenDataset, sample: int, model: str | None, seed: int) -> 
         raise ValueError(
             f"model {info.path} has sha256 {info.sha256}, the output was made with {dataset.model['sha256']}"
         )
-    processor = spm.SentencePieceProcessor(model_file=str(info.path))
+    # always the reference library, never the fast encoder whose ids are being checked
+    library = libraries.load(find_model_files(info.name, info.path), libraries.REFERENCE)
     options: dict[str, Any] = dataset.metadata["options"]
+    encode_options = EncodeOptions(
+        add_bos=options["add_bos"],
+        add_eos=options["add_eos"],
+        parse_special_tokens=options.get("parse_special_tokens", False),
+    )
     picks = set(random.Random(seed).sample(range(len(dataset)), min(sample, len(dataset))))
     sources = [
         Source(**{**source, "read_bytes": 0, "lines": 0, "documents": 0, "bad_records": 0, "done": False})
@@ -125,8 +132,8 @@ def verify(dataset: TokenDataset, sample: int, model: str | None, seed: int) -> 
     found = 0
     for number, (text, _) in enumerate(reader):
         if number in picks:
-            ids = processor.encode(text, add_bos=options["add_bos"], add_eos=options["add_eos"])
-            if dataset[number].tolist() != ids:
+            ids, _ = library.encode([text], encode_options)
+            if dataset[number].tolist() != ids.tolist():
                 raise ValueError(f"document {number} differs from what {info.name} makes of its text now")
             found += 1
             if found == len(picks):

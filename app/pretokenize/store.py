@@ -137,9 +137,10 @@ def differences(existing: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
     lines = []
     for key in new:
         if key == "options":
-            for option, value in new["options"].items():
-                if old["options"].get(option) != value:
-                    lines.append(f"option {option}: output has {old['options'].get(option)!r}, this run {value!r}")
+            for option in {**old["options"], **new["options"]}:  # an option is only written when set
+                before, now = old["options"].get(option), new["options"].get(option)
+                if before != now:
+                    lines.append(f"option {option}: output has {before!r}, this run {now!r}")
         elif old[key] != new[key]:
             lines.append(f"{key}: output has {old[key]!r}, this run {new[key]!r}")
     return lines

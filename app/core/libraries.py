@@ -1,0 +1,474 @@
+"""The tokenizer libraries behind one interface: a batch of texts to flat ids, ids back to texts, special ids.
+
+Each model is encoded exactly as its own library encodes it in-process, then BOS first and EOS last:
+
+- sentencepiece: ``sp.encode(text, add_bos=..., add_eos=...)``;
+- tokenizers: ``tok.encode(text, add_special_tokens=False).ids`` with special-token strings in the text
+  encoded as ordinary text (``tok.encode_special_tokens = True``) unless ``parse_special_tokens``;
+- tiktoken: ``enc.encode_ordinary(text)``, or ``enc.encode(text, allowed_special="all")`` when
+  ``parse_special_tokens``.
+
+A ``tokenizer.json``'s own truncation and padding settings are inference settings and are not applied
+(``max_length`` truncates, /v1/pack packs). Decoding is always the reference library's.
+
+**The fast path.** `tokenizer.json` and tiktoken models may be encoded by fastokens, an exact
+reimplementation in Rust, 10-50x cheaper per token than `tokenizers` here. It is trusted only behind a
+gate: when a process loads a model, fastokens must give the reference library's ids for every text of
+the built-in check set (app.core.checkset) in both special-token modes; otherwise that model is encoded
+by the reference library, logged once, and its `encoder` says so. ``encoder="reference"`` skips it.
+
+Every library runs single-threaded in a worker (`single_threaded`): one process per core already.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+
+from app.core import checkset
+from app.core.models import (
+    KINDS,
+    SENTENCEPIECE,
+    TIKTOKEN,
+    TOKENIZERS,
+    ModelFiles,
+    ModelLoadError,
+    hf_model_type,
+    tiktoken_ranks,
+    tiktoken_spec,
+)
+from app.errors import InvalidField
+
+logger = logging.getLogger("tokenizer")
+
+FAST, REFERENCE = "fast", "reference"
+ENCODER_CHOICES = (FAST, REFERENCE)
+FASTOKENS = "fastokens"
+
+Encoded = tuple[np.ndarray, np.ndarray]  # flat int32 ids, int64 lengths (one per text)
+
+
+def single_threaded() -> None:
+    """Every library on the calling thread only (set before a library first encodes in this process):
+    Rayon (tokenizers, fastokens), fastokens' own BPE threads, tokenizers' batch parallelism."""
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    os.environ["FASTOKENS_BPE_THREADS"] = "1"
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+def ragged_offsets(lengths: np.ndarray) -> np.ndarray:
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return offsets
+
+
+def flatten(rows: Sequence[Sequence[int] | np.ndarray]) -> Encoded:
+    """Flat int32 ids and int64 lengths of ragged rows."""
+    lengths = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
+    if not rows or not lengths.sum():
+        return np.zeros(0, dtype=np.int32), lengths
+    return np.concatenate([np.asarray(row, dtype=np.int32) for row in rows]), lengths
+
+
+def frame(ids: np.ndarray, lengths: np.ndarray, bos: int | None, eos: int | None) -> Encoded:
+    """BOS before and EOS after every text of a flat batch, without a Python loop over the texts."""
+    extra = (bos is not None) + (eos is not None)
+    if not extra or not len(lengths):
+        return ids, lengths
+    framed_lengths = lengths + extra
+    starts = ragged_offsets(framed_lengths)[:-1]
+    out = np.empty(len(ids) + extra * len(lengths), dtype=np.int32)
+    shift = starts + (bos is not None) - ragged_offsets(lengths)[:-1]
+    out[np.arange(len(ids), dtype=np.int64) + np.repeat(shift, lengths)] = ids
+    if bos is not None:
+        out[starts] = bos
+    if eos is not None:
+        out[starts + framed_lengths - 1] = eos
+    return out, framed_lengths
+
+
+def truncate(ids: np.ndarray, lengths: np.ndarray, max_length: int, eos: int | None) -> Encoded:
+    """Keep each text's first `max_length` ids; when it ended in EOS (`eos` given), EOS stays last."""
+    if not len(lengths) or int(lengths.max()) <= max_length:
+        return ids, lengths
+    kept = np.minimum(lengths, max_length)
+    within = np.arange(len(ids), dtype=np.int64) - np.repeat(ragged_offsets(lengths)[:-1], lengths)
+    out = ids[within < np.repeat(kept, lengths)]
+    if eos is not None and max_length > 0:
+        out[ragged_offsets(kept)[1:][lengths > max_length] - 1] = eos
+    return out, kept
+
+
+class Library(ABC):
+    """One model in one library: what a worker encodes and decodes with."""
+
+    library: ClassVar[str]
+    encoder: str  # what encodes: the library, or fastokens
+    type: str
+    vocab_size: int
+    bos_id: int
+    eos_id: int
+    pad_id: int
+    unk_id: int
+    normalizes: bool  # may grow a text under Unicode normalization (the expansion bound applies)
+
+    def encode(self, texts: list[str], options: Any, first_index: int = 0) -> Encoded:
+        """Ids of each text exactly as the library gives them in-process, then BOS and EOS, then max_length."""
+        if options.sample is not None:
+            raise InvalidField(
+                f"sample (subword regularization) is SentencePiece's; this model is a {self.library} model",
+                field="sample",
+            )
+        ids, lengths = self.encode_plain(texts, bool(options.parse_special_tokens))
+        ids, lengths = frame(
+            ids, lengths, self.bos_id if options.add_bos else None, self.eos_id if options.add_eos else None
+        )
+        if options.max_length is not None:
+            ids, lengths = truncate(ids, lengths, options.max_length, self.eos_id if options.add_eos else None)
+        return ids, lengths
+
+    @abstractmethod
+    def encode_plain(self, texts: list[str], parse_special: bool) -> Encoded:
+        """The library's ids of each text, nothing added."""
+
+    @abstractmethod
+    def decode(self, rows: list[list[int]]) -> list[str]:
+        """The library's decode of each row (ids already checked to lie in the vocabulary)."""
+
+    def special_ids(self) -> dict[str, int]:
+        return {"bos": self.bos_id, "eos": self.eos_id, "pad": self.pad_id, "unk": self.unk_id}
+
+
+# -- sentencepiece --------------------------------------------------------------------------------------
+
+# Fewer texts than this are encoded one by one: sentencepiece starts a native thread for every list it
+# encodes, which costs more than a few texts take.
+LIST_ENCODE_MIN_TEXTS = 16
+
+
+class SentencePiece(Library):
+    library = SENTENCEPIECE
+
+    def __init__(self, files: ModelFiles, encoder: str = FAST) -> None:
+        import sentencepiece as spm
+
+        self.processor = spm.SentencePieceProcessor()
+        try:
+            self.processor.LoadFromSerializedProto(files.contents[0])
+        except (RuntimeError, OSError) as exc:
+            raise ModelLoadError(f"{files.path} is not a model file; a model is {KINDS}") from exc
+        self.encoder = SENTENCEPIECE
+        self.type = _sentencepiece_type(files.contents[0])
+        processor = self.processor
+        self.vocab_size = processor.vocab_size()
+        self.bos_id, self.eos_id = processor.bos_id(), processor.eos_id()
+        self.pad_id, self.unk_id = processor.pad_id(), processor.unk_id()
+        self.normalizes = True
+
+    def encode(self, texts: list[str], options: Any, first_index: int = 0) -> Encoded:
+        """`sp.encode(text, add_bos=..., add_eos=...)` for each text; sampled with `options.sample`."""
+        processor = self.processor
+        common = {"add_bos": options.add_bos, "add_eos": options.add_eos, "out_type": "numpy"}
+        sample = options.sample
+        if sample is not None:
+            sampling = {
+                **common,
+                "enable_sampling": True,
+                "alpha": float(sample.alpha),
+                "nbest_size": sample.nbest_size,
+            }
+            entropy = random.SystemRandom()
+            pieces = [
+                sample_in_fresh_thread(
+                    processor,
+                    text,
+                    entropy.getrandbits(32)
+                    if sample.seed is None
+                    else sample_seed(sample.seed, first_index + position),
+                    sampling,
+                )
+                for position, text in enumerate(texts)
+            ]
+        elif len(texts) < LIST_ENCODE_MIN_TEXTS:
+            pieces = [processor.encode(text, **common) for text in texts]
+        else:
+            pieces = processor.encode(texts, num_threads=1, **common)
+        ids, lengths = flatten(pieces)
+        if options.max_length is not None:
+            ids, lengths = truncate(ids, lengths, options.max_length, self.eos_id if options.add_eos else None)
+        return ids, lengths
+
+    def encode_plain(self, texts: list[str], parse_special: bool) -> Encoded:
+        return flatten(self.processor.encode(texts, num_threads=1, out_type="numpy"))
+
+    def decode(self, rows: list[list[int]]) -> list[str]:
+        return self.processor.decode(rows) if rows else []
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """Seed for text `index` of a request: reproducible whichever worker and chunk the text lands in."""
+    return (seed + index) % (1 << 32)
+
+
+def sample_in_fresh_thread(processor: Any, text: str, seed: int, options: dict[str, Any]) -> np.ndarray:
+    """Sample one text reproducibly: a new thread's generator is seeded from the seed set in it."""
+    import sentencepiece as spm
+
+    result: list[np.ndarray] = []
+
+    def run() -> None:
+        spm.set_random_generator_seed(seed)
+        result.append(processor.encode(text, **options))
+
+    thread = threading.Thread(target=run, name="tokenizer-sample")
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+def _sentencepiece_type(serialized: bytes) -> str:
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(serialized)
+    return sentencepiece_model_pb2.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type).lower()
+
+
+# -- the gate in front of a fast encoder ----------------------------------------------------------------
+
+
+def gate(
+    name: str,
+    reference: Callable[[list[str], bool], list[list[int]]],
+    fast: Callable[[list[str], bool], list[list[int]]],
+    texts: list[str],
+) -> str | None:
+    """None when `fast` gives `reference`'s ids for every text in both special-token modes, else what differed."""
+    for parse_special in (False, True):
+        expected = reference(texts, parse_special)
+        try:
+            got = fast(texts, parse_special)
+        except Exception as exc:  # a fast encoder that cannot encode the check set is not used
+            return f"fastokens failed on the check set: {exc!r}"
+        for index, (want, have) in enumerate(zip(expected, got, strict=True)):
+            if list(want) != list(have):
+                mode = "parsing special tokens" if parse_special else "special tokens as text"
+                return f"check text {index} ({texts[index][:40]!r}, {mode}): {list(have)[:8]} != {list(want)[:8]}"
+    return None
+
+
+def _fastokens() -> Any | None:
+    try:
+        import fastokens
+    except ImportError:
+        return None
+    return fastokens
+
+
+# -- Hugging Face tokenizers ------------------------------------------------------------------------------
+
+
+class HuggingFace(Library):
+    library = TOKENIZERS
+
+    def __init__(self, files: ModelFiles, encoder: str = FAST) -> None:
+        self.files = files
+        self.json = files.contents[0].decode("utf-8")
+        self.type = hf_model_type(files)
+        reference = self._load_reference()
+        vocab = reference.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values(), default=-1) + 1
+        ids = {}
+        for role, token in files.special_tokens().items():
+            if token is None:
+                ids[role] = -1
+                continue
+            found = reference.token_to_id(token)
+            if found is None:
+                raise ModelLoadError(
+                    f"{files.files[-1]} names {role}_token {token!r}, which {files.main} does not have"
+                )
+            ids[role] = found
+        self.bos_id, self.eos_id, self.pad_id, self.unk_id = ids["bos"], ids["eos"], ids["pad"], ids["unk"]
+        import json
+
+        self.normalizes = json.loads(self.json).get("normalizer") is not None
+        self.special = [added.content for added in reference.get_added_tokens_decoder().values()]
+        self._reference: Any | None = reference
+        self.fast: Any | None = None
+        self.encoder = TOKENIZERS
+        if encoder == FAST:
+            self._try_fast(files)
+
+    def _load_reference(self) -> Any:
+        import tokenizers
+
+        try:
+            reference = tokenizers.Tokenizer.from_str(self.json)
+        except Exception as exc:  # the library's own parse error, whatever its type
+            raise ModelLoadError(f"{self.files.main} is not a tokenizer.json that tokenizers can load: {exc}") from exc
+        reference.no_truncation()
+        reference.no_padding()
+        return reference
+
+    @property
+    def reference(self) -> Any:
+        if self._reference is None:  # dropped after the gate passed: loaded again for a detokenize
+            self._reference = self._load_reference()
+        return self._reference
+
+    def _try_fast(self, files: ModelFiles) -> None:
+        fastokens = _fastokens()
+        if fastokens is None:
+            logger.warning("%s: fastokens is not installed; encoding with tokenizers", files.path)
+            return
+        try:
+            fast = fastokens.Tokenizer.from_json_str(self.json)
+            fast.no_truncation()
+            fast.no_padding()
+        except Exception as exc:  # a tokenizer fastokens does not support: the reference serves it
+            logger.warning("%s: fastokens cannot load it (%s); encoding with tokenizers", files.path, exc)
+            return
+        differs = gate(str(files.path), self._reference_rows, _fast_rows(fast), checkset.texts(self.special))
+        if differs is not None:
+            logger.warning("%s: fastokens differs from tokenizers (%s); encoding with tokenizers", files.path, differs)
+            return
+        self.fast, self.encoder, self._reference = fast, FASTOKENS, None
+
+    def _reference_rows(self, texts: list[str], parse_special: bool) -> list[list[int]]:
+        reference = self.reference
+        reference.encode_special_tokens = not parse_special
+        return [encoding.ids for encoding in reference.encode_batch(texts, add_special_tokens=False)]
+
+    def encode_plain(self, texts: list[str], parse_special: bool) -> Encoded:
+        if self.fast is not None:
+            return _fast_flat(self.fast, texts, parse_special)
+        return flatten(self._reference_rows(texts, parse_special))
+
+    def decode(self, rows: list[list[int]]) -> list[str]:
+        return list(self.reference.decode_batch(rows, skip_special_tokens=False)) if rows else []
+
+
+def _fast_rows(fast: Any) -> Callable[[list[str], bool], list[list[int]]]:
+    def rows(texts: list[str], parse_special: bool) -> list[list[int]]:
+        ids, lengths = _fast_flat(fast, texts, parse_special)
+        offsets = ragged_offsets(lengths)
+        return [ids[offsets[i] : offsets[i + 1]].tolist() for i in range(len(texts))]
+
+    return rows
+
+
+def _fast_flat(fast: Any, texts: list[str], parse_special: bool) -> Encoded:
+    if not texts:
+        return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64)
+    ids, offsets = fast.encode_batch_flat(texts, add_special_tokens=False, split_special_tokens=not parse_special)
+    lengths = np.diff(np.frombuffer(offsets, dtype="<u8")).astype(np.int64)
+    return np.frombuffer(ids, dtype="<u4").view(np.int32), lengths  # ids < 2**31: the same bytes
+
+
+# -- tiktoken ---------------------------------------------------------------------------------------------
+
+
+class Tiktoken(Library):
+    library = TIKTOKEN
+
+    def __init__(self, files: ModelFiles, encoder: str = FAST) -> None:
+        self.files = files
+        self.spec = tiktoken_spec(files)
+        self.type = "bpe"
+        reference = self._load_reference()
+        self.vocab_size = reference.n_vocab
+        ids = {"unk": -1}
+        for role, token in self.spec.tokens.items():
+            if token is None:
+                ids[role] = -1
+            elif token in self.spec.special_tokens:
+                ids[role] = self.spec.special_tokens[token]
+            else:
+                raise ModelLoadError(
+                    f"{files.path}: {role}_token {token!r} is not among its special tokens "
+                    f"({', '.join(sorted(self.spec.special_tokens)) or 'none'})"
+                )
+        self.bos_id, self.eos_id, self.pad_id, self.unk_id = ids["bos"], ids["eos"], ids["pad"], ids["unk"]
+        self.normalizes = False
+        self._reference: Any | None = reference
+        self.fast: Any | None = None
+        self.encoder = TIKTOKEN
+        if encoder == FAST:
+            self._try_fast(files)
+
+    def _load_reference(self) -> Any:
+        import tiktoken
+
+        try:
+            return tiktoken.Encoding(
+                self.spec.encoding or self.files.main.stem,
+                pat_str=self.spec.pat_str,
+                mergeable_ranks=tiktoken_ranks(self.files.contents[0], self.files.main),
+                special_tokens=self.spec.special_tokens,
+            )
+        except ValueError as exc:  # a bad pattern, ranks and special tokens that overlap
+            raise ModelLoadError(f"{self.files.path}: tiktoken cannot load it: {exc}") from exc
+
+    @property
+    def reference(self) -> Any:
+        if self._reference is None:
+            self._reference = self._load_reference()
+        return self._reference
+
+    def _try_fast(self, files: ModelFiles) -> None:
+        fastokens = _fastokens()
+        if fastokens is None:
+            logger.warning("%s: fastokens is not installed; encoding with tiktoken", files.path)
+            return
+        try:
+            fast = fastokens.Tokenizer.from_tiktoken(
+                str(files.main), pattern=self.spec.pat_str, special_tokens=self.spec.special_tokens
+            )
+        except Exception as exc:  # a pattern fastokens does not support: the reference serves it
+            logger.warning("%s: fastokens cannot load it (%s); encoding with tiktoken", files.path, exc)
+            return
+        special = list(self.spec.special_tokens)
+        differs = gate(str(files.path), self._reference_rows, _fast_rows(fast), checkset.texts(special))
+        if differs is not None:
+            logger.warning("%s: fastokens differs from tiktoken (%s); encoding with tiktoken", files.path, differs)
+            return
+        self.fast, self.encoder, self._reference = fast, FASTOKENS, None
+
+    def _reference_rows(self, texts: list[str], parse_special: bool) -> list[list[int]]:
+        reference = self.reference
+        if parse_special:
+            return [reference.encode(text, allowed_special="all") for text in texts]
+        return [reference.encode_ordinary(text) for text in texts]
+
+    def encode_plain(self, texts: list[str], parse_special: bool) -> Encoded:
+        if self.fast is not None:
+            return _fast_flat(self.fast, texts, parse_special)
+        return flatten(self._reference_rows(texts, parse_special))
+
+    def decode(self, rows: list[list[int]]) -> list[str]:
+        reference = self.reference
+        texts = []
+        for index, row in enumerate(rows):
+            try:
+                texts.append(reference.decode(row))
+            except KeyError as exc:  # an id in a gap of the ranks: no token has it
+                raise InvalidField(
+                    f"ids[{index}] holds {exc.args[0]}, which no token has", field="ids", index=index
+                ) from None
+        return texts
+
+
+LIBRARIES: dict[str, type[Library]] = {SENTENCEPIECE: SentencePiece, TOKENIZERS: HuggingFace, TIKTOKEN: Tiktoken}
+
+
+def load(files: ModelFiles, encoder: str = FAST) -> Library:
+    """The model in its library, with fastokens in front when `encoder` is fast and it passes the gate."""
+    return LIBRARIES[files.library](files, encoder)

@@ -1,0 +1,316 @@
+"""What a model file is: recognized by content, one of three libraries' formats, and what it says of itself.
+
+The three kinds, and the files each one reads (their bytes, in this order, make the model's sha256):
+
+==============  =========================================  ===============================================
+library         PATH (``--model NAME=PATH``)                files hashed, in order
+==============  =========================================  ===============================================
+sentencepiece   a ``.model`` (serialized ModelProto)        the ``.model``
+tokenizers      a Hugging Face ``tokenizer.json``, or a     ``tokenizer.json``, then ``tokenizer_config.json``
+                directory holding one (a Hub snapshot)      when it is beside it (BOS/EOS/PAD/UNK come from it)
+tiktoken        BPE ranks (``*.tiktoken``: a line           the ranks, then ``<file>.json`` when it is beside
+                ``base64-token rank`` per token)            it (its pattern, special tokens, BOS/EOS/PAD)
+==============  =========================================  ===============================================
+
+A tiktoken file of one of OpenAI's encodings that the installed ``tiktoken`` knows (cl100k_base,
+o200k_base, ...) is recognized by its sha256 and gets that encoding's pattern and special tokens, with
+``<|endoftext|>`` as EOS; any other needs the ``<file>.json`` sidecar::
+
+    {"pat_str": "...", "special_tokens": {"<|endoftext|>": 100257}, "bos_token": null,
+     "eos_token": "<|endoftext|>", "pad_token": null}
+
+Nothing here loads a tokenizer library: this module reads files and says what they are
+(`find_model_files`); app.core.libraries loads them.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+SENTENCEPIECE, TOKENIZERS, TIKTOKEN = "sentencepiece", "tokenizers", "tiktoken"
+LIBRARIES = (SENTENCEPIECE, TOKENIZERS, TIKTOKEN)
+KINDS = (
+    "a SentencePiece .model, a Hugging Face tokenizer.json (or a directory holding one), "
+    "or tiktoken BPE ranks (*.tiktoken)"
+)
+HF_FILE, HF_CONFIG = "tokenizer.json", "tokenizer_config.json"
+SPECIAL_ROLES = ("bos", "eos", "pad", "unk")
+
+_TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/]*={0,2} [0-9]+$")
+
+
+class ModelLoadError(RuntimeError):
+    """A configured model file is missing, unreadable, or none of the kinds this service serves."""
+
+
+SERVER_ONLY = frozenset({"path", "files"})  # ModelInfo's fields that /v1/models and metadata.json leave out
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A model as the server announces it (/v1/models, metadata.json) and as workers load it."""
+
+    name: str
+    path: Path
+    library: str  # sentencepiece | tokenizers | tiktoken
+    encoder: str  # what encodes it in the workers: the library itself, or fastokens behind its check
+    type: str  # the algorithm: unigram, bpe, wordpiece, wordlevel, char, word
+    vocab_size: int  # the largest id + 1, special tokens included
+    bos_id: int  # -1: the model has none
+    eos_id: int
+    pad_id: int
+    unk_id: int
+    sha256: str
+    files: tuple[Path, ...] = field(default=(), compare=False)  # what sha256 covers, in order
+
+    @property
+    def padding_id(self) -> int:
+        """The pad id, else EOS, else 0: what best-fit packing pads with (padding is masked out of the labels)."""
+        for candidate in (self.pad_id, self.eos_id):
+            if candidate >= 0:
+                return candidate
+        return 0
+
+    @classmethod
+    def from_dict(cls, described: dict[str, Any], path: Path) -> ModelInfo:
+        """The inverse of `as_dict` (a /v1/models entry, a metadata.json model), with `path` for the file.
+
+        Outputs and servers from before tokenizers and tiktoken were served describe SentencePiece models
+        without `library` and `encoder`."""
+        described = {
+            "library": SENTENCEPIECE,
+            "encoder": described.get("library", SENTENCEPIECE),
+            **described,
+        }
+        kept = {f.name: described[f.name] for f in fields(cls) if f.name not in SERVER_ONLY}
+        return cls(path=path, **kept)
+
+    def as_dict(self) -> dict[str, str | int]:
+        """What /v1/models and metadata.json say of the model: every field but the server's own paths."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in SERVER_ONLY}
+
+
+@dataclass(frozen=True)
+class TiktokenSpec:
+    """What a ranks file needs besides its ranks: the split pattern, special tokens, and their roles."""
+
+    encoding: str | None  # OpenAI's encoding name when tiktoken knows the file, else None
+    pat_str: str
+    special_tokens: dict[str, int]
+    tokens: dict[str, str | None]  # role (bos, eos, pad) -> special token string
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """A model file recognized by content: its library, and every file that changes its ids, in hash order."""
+
+    library: str
+    path: Path  # what was configured (a tokenizer.json's directory stays the directory)
+    files: tuple[Path, ...]
+    contents: tuple[bytes, ...]
+
+    @property
+    def main(self) -> Path:
+        return self.files[0]
+
+    @property
+    def sha256(self) -> str:
+        return files_sha256(self.contents)
+
+    def special_tokens(self) -> dict[str, str | None]:
+        """role (bos, eos, pad, unk) -> token string, from tokenizer_config.json or the tiktoken spec."""
+        if self.library == TOKENIZERS:
+            return hf_special_tokens(self)
+        if self.library == TIKTOKEN:
+            return {**tiktoken_spec(self).tokens, "unk": None}
+        return {}
+
+
+def files_sha256(contents: tuple[bytes, ...] | list[bytes]) -> str:
+    """sha256 over the files' bytes end to end, in their order (one file: that file's sha256)."""
+    digest = hashlib.sha256()
+    for content in contents:
+        digest.update(content)
+    return digest.hexdigest()
+
+
+def _read(name: str, path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise ModelLoadError(f"model {name!r}: cannot read {path}: {exc.strerror}") from exc
+
+
+def find_model_files(name: str, path: Path) -> ModelFiles:
+    """Recognize the model at `path` by its content (not its name), with every file that changes its ids."""
+    path = path.expanduser()
+    main = path / HF_FILE if path.is_dir() else path
+    if path.is_dir() and not main.is_file():
+        raise ModelLoadError(f"model {name!r}: the directory {path} holds no {HF_FILE}; a model is {KINDS}")
+    content = _read(name, main)
+    library = sniff(content)
+    if library is None:
+        raise ModelLoadError(f"model {name!r}: {path} is not a model file; a model is {KINDS}")
+    files, contents = [main.resolve()], [content]
+    beside = {
+        TOKENIZERS: main.parent / HF_CONFIG,
+        TIKTOKEN: main.with_name(main.name + ".json"),
+    }.get(library)
+    if beside is not None and beside.is_file():
+        files.append(beside.resolve())
+        contents.append(_read(name, beside))
+    found = ModelFiles(library, path.resolve(), tuple(files), tuple(contents))
+    if library == TIKTOKEN:
+        tiktoken_spec(found, name)  # refuse a file without its pattern now, in one line
+    return found
+
+
+def sniff(content: bytes) -> str | None:
+    """Which library's format these bytes are in, or None. SentencePiece is only a candidate: loading decides."""
+    if content[:4096].lstrip().startswith(b"{"):
+        try:
+            document = json.loads(content)
+        except ValueError:
+            document = None
+        model = document.get("model") if isinstance(document, dict) else None
+        if isinstance(model, dict) and "type" in model:
+            return TOKENIZERS
+        if document is not None:
+            return None  # JSON, but not a tokenizer.json
+    if _TIKTOKEN_LINE.match(content[:4096].split(b"\n", 1)[0].rstrip(b"\r")):
+        return TIKTOKEN
+    if content[:1] == b"\n":  # a serialized ModelProto starts with field 1 (pieces), length-delimited
+        return SENTENCEPIECE
+    return None
+
+
+# -- Hugging Face tokenizer.json -----------------------------------------------------------------------
+
+
+def hf_special_tokens(files: ModelFiles) -> dict[str, str | None]:
+    """BOS, EOS, PAD and UNK as tokenizer_config.json names them (a string or an AddedToken object)."""
+    roles: dict[str, str | None] = dict.fromkeys(SPECIAL_ROLES)
+    if len(files.files) < 2:
+        return roles
+    try:
+        config = json.loads(files.contents[1])
+    except ValueError as exc:
+        raise ModelLoadError(f"{files.files[1]} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{files.files[1]} is not a JSON object")
+    for role in SPECIAL_ROLES:
+        value = config.get(f"{role}_token")
+        if isinstance(value, dict):
+            value = value.get("content")
+        if value is not None and not isinstance(value, str):
+            raise ModelLoadError(f"{files.files[1]}: {role}_token is neither a string nor an AddedToken object")
+        roles[role] = value
+    return roles
+
+
+def hf_model_type(files: ModelFiles) -> str:
+    document = json.loads(files.contents[0])
+    return str(document["model"]["type"]).lower()
+
+
+# -- tiktoken ranks ------------------------------------------------------------------------------------
+
+
+def tiktoken_ranks(content: bytes, path: Path) -> dict[bytes, int]:
+    """The ranks of a `.tiktoken` file, parsed as tiktoken's own loader does.
+
+    Not `tiktoken.load.load_tiktoken_bpe`: it keeps a copy of every file it reads in a cache keyed by the
+    file's *path*, so a file replaced at the same path would load its old ranks (the cache is only
+    checked against a hash that a local file does not have)."""
+    ranks: dict[bytes, int] = {}
+    for number, line in enumerate(content.splitlines(), 1):
+        if not line:
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except (ValueError, binascii.Error) as exc:
+            raise ModelLoadError(f"{path}:{number}: not a tiktoken ranks line ('base64-token rank')") from exc
+    return ranks
+
+
+def known_encoding(sha256: str) -> tuple[str, str, dict[str, int]] | None:
+    """(name, pat_str, special tokens) of the OpenAI encoding whose ranks file has this sha256, if tiktoken knows it.
+
+    tiktoken's constructors name each file's sha256 as they load it: each is run with a loader that
+    answers only for this file (and loads nothing), which yields its pattern and special tokens offline.
+    """
+    try:
+        from tiktoken_ext import openai_public
+    except ImportError:
+        return None
+
+    class NotThisOne(Exception):
+        pass
+
+    def loader(_url: str, expected_hash: str | None = None) -> dict[bytes, int]:
+        if expected_hash == sha256:
+            return {}
+        raise NotThisOne
+
+    def never(*_args: Any, **_kwargs: Any) -> dict[bytes, int]:
+        raise NotThisOne
+
+    saved = openai_public.load_tiktoken_bpe, openai_public.data_gym_to_mergeable_bpe_ranks
+    openai_public.load_tiktoken_bpe, openai_public.data_gym_to_mergeable_bpe_ranks = loader, never
+    try:
+        for name, constructor in openai_public.ENCODING_CONSTRUCTORS.items():
+            try:
+                spec = constructor()
+            except NotThisOne:
+                continue
+            return name, spec["pat_str"], dict(spec["special_tokens"])
+    finally:
+        openai_public.load_tiktoken_bpe, openai_public.data_gym_to_mergeable_bpe_ranks = saved
+    return None
+
+
+def tiktoken_spec(files: ModelFiles, name: str | None = None) -> TiktokenSpec:
+    """The pattern and special tokens of a ranks file: from tiktoken when it knows the file, else its sidecar."""
+    known = known_encoding(files_sha256(files.contents[:1]))
+    sidecar: dict[str, Any] = {}
+    sidecar_path = files.main.with_name(files.main.name + ".json")
+    if len(files.files) > 1:
+        try:
+            sidecar = json.loads(files.contents[1])
+        except ValueError as exc:
+            raise ModelLoadError(f"{sidecar_path} is not valid JSON: {exc}") from exc
+        if not isinstance(sidecar, dict):
+            raise ModelLoadError(f"{sidecar_path} is not a JSON object")
+    if known is None and "pat_str" not in sidecar:
+        what = f"model {name!r}: " if name else ""
+        raise ModelLoadError(
+            f"{what}{files.main} is tiktoken ranks of an encoding tiktoken does not know: add {sidecar_path} with "
+            '{"pat_str": ..., "special_tokens": {...}, "bos_token": ..., "eos_token": ..., "pad_token": ...}'
+        )
+    encoding, pat_str, special_tokens = known if known is not None else (None, "", {})
+    pat_str = sidecar.get("pat_str", pat_str)
+    special_tokens = sidecar.get("special_tokens", special_tokens)
+    if not isinstance(pat_str, str) or not pat_str:
+        raise ModelLoadError(f"{sidecar_path}: pat_str must be a non-empty string (the split pattern)")
+    if not isinstance(special_tokens, dict) or not all(
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in special_tokens.items()
+    ):
+        raise ModelLoadError(f"{sidecar_path}: special_tokens must map token strings to integer ids")
+    default_eos = "<|endoftext|>" if known is not None and "<|endoftext|>" in special_tokens else None
+    tokens: dict[str, str | None] = {
+        "bos": sidecar.get("bos_token"),
+        "eos": sidecar.get("eos_token", default_eos),
+        "pad": sidecar.get("pad_token"),
+    }
+    for role, token in tokens.items():
+        if token is not None and not isinstance(token, str):
+            raise ModelLoadError(f"{sidecar_path}: {role}_token must be a string or null")
+    return TiktokenSpec(encoding, pat_str, dict(special_tokens), tokens)

