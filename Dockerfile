@@ -1,10 +1,11 @@
-# tokenizer-server in a container: FastAPI on a pool of SentencePiece worker processes.
+# tokenizer-server in a container: FastAPI on a pool of tokenizer worker processes.
 #
 #   docker build -t tokenizer-service .
 #   docker run -p 8000:8000 -v "$PWD/models:/models:ro" tokenizer-service
 #
-# Every *.model in /models is served under its file stem; with /models empty the bundled default
-# model is served. Flags after the image name go to tokenizer-server (e.g. `--workers 4`).
+# Every *.model (SentencePiece) and *.tiktoken in /models is served under its file stem, and every
+# subdirectory holding a tokenizer.json (a Hugging Face Hub snapshot) under its name; with /models
+# empty the bundled default model is served. Flags after the image name go to tokenizer-server (e.g. `--workers 4`).
 # BASE_IMAGE lets CI build from a stand-in image where no registry is reachable; its python must be 3.10+.
 # EXTRAS picks the project's extras: `--build-arg EXTRAS=server,corpora` adds tokenizer-pretokenize and
 # tokenizer-shards with Parquet and zstandard inputs (the image deploy/k8s/pretokenize-job.yaml runs).

@@ -185,3 +185,49 @@ def test_refusals_are_one_line_and_exit_2(outputs, tmp_path, capsys):
     check_exportable({**metadata, "dtype": "<u4"}, "megatron")  # int32 ids there
     with pytest.raises(ExportError, match="incomplete"):
         check_exportable({**metadata, "complete": False}, "litdata")
+
+
+@pytest.mark.readers
+def test_a_tokenizer_json_model_end_to_end_with_int32_ids(documents, multilingual, tmp_path):
+    """A tokenizer.json with a vocabulary over 65,536: pre-tokenized (parsing nothing), verified against
+    tokenizers itself, exported to Megatron as int32 and read back by megatron-core; nanoGPT refuses it."""
+    from tokenizers import Tokenizer
+
+    from tests.tokenizer_models import BPE_SPECIAL, WIDE_EXTRA, write_wide
+
+    snapshot = write_wide(tmp_path / "wide", documents + multilingual)
+    texts = [
+        *multilingual[:40],
+        *(f"{doc} <extra_{WIDE_EXTRA - 1 - i}> {BPE_SPECIAL[1]}" for i, doc in enumerate(documents[:60])),
+    ]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    output = tmp_path / "shards"
+    args = [
+        source,
+        "--local",
+        "--model",
+        snapshot,
+        "--workers",
+        "1",
+        "-q",
+        "--output",
+        output,
+        "--shard-tokens",
+        "5000",
+    ]
+    assert pretokenize([str(a) for a in args]) == 0
+    dataset = TokenDataset(output)
+    assert dataset.metadata["dtype"] == "<u4" and dataset.model["library"] == "tokenizers"
+    tokenizer = Tokenizer.from_file(str(snapshot / "tokenizer.json"))
+    tokenizer.encode_special_tokens = True
+    eos = tokenizer.token_to_id(BPE_SPECIAL[1])
+    expected = [[*tokenizer.encode(text, add_special_tokens=False).ids, eos] for text in texts]
+    assert documents_of(output) == expected
+    assert max(max(ids) for ids in expected) > 1 << 16  # ids that need the int32 path
+    assert shards(["verify", str(output), "--sample", "30"]) == 0
+    refused = shards(["export", str(output), "--to", "nanogpt", "--output", str(tmp_path / "nano"), "-q"])
+    assert refused == 2
+    prefix = tmp_path / "megatron" / "wide"
+    assert shards(["export", str(output), "--to", "megatron", "--output", str(prefix), "-q"]) == 0
+    assert run_reader("megatron", MEGATRON_READ, str(prefix))["sequences"] == expected

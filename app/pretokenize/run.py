@@ -135,7 +135,8 @@ def new_metadata(model: ModelInfo, sources: list[Source], options: Options) -> d
         "dtype": id_dtype(model.vocab_size).str,
         "seq_len": options.seq_len,
         "strategy": strategy,
-        "model": model.as_dict(),
+        # where a local run read the model (what `tokenizer-shards verify` looks for, checked by sha256)
+        "model": {**model.as_dict(), **({} if options.urls else {"path": str(model.path)})},
         "options": {
             "text_field": options.text_field,
             "add_bos": options.add_bos,

@@ -20,12 +20,13 @@ from typing import Any
 from tqdm import tqdm
 
 from app.core import libraries
-from app.core.models import ModelLoadError, find_model_files
+from app.core.models import ModelInfo, ModelLoadError, find_model_files
 from app.pretokenize.cli import describe_os_error
 from app.pretokenize.export import DEFAULT_LLMC_SHARD_TOKENS, FORMATS, ExportError, export
 from app.pretokenize.ranks import RankError, merge
 from app.pretokenize.run import resolve_local_model
 from app.pretokenize.sources import DocumentReader, InputError, Source
+from app.registry import inspect_model
 from app.schemas import EncodeOptions
 from client.dataset import TokenDataset
 
@@ -98,6 +99,36 @@ def describe(dataset: TokenDataset) -> str:
     return "\n".join(lines)
 
 
+def model_of(dataset: TokenDataset, given: str | None) -> ModelInfo:
+    """The model the output was made with: --model when given, else the file metadata.json records (a local
+    run), else the model of that name in the server's options; each checked by sha256."""
+    wanted = dataset.model["sha256"]
+    if given is not None:
+        info = resolve_local_model(given)
+        if info.sha256 != wanted:
+            raise ValueError(f"model {info.path} has sha256 {info.sha256}, the output was made with {wanted}")
+        return info
+    recorded = dataset.model.get("path")
+    candidates = []
+    if recorded and Path(recorded).exists():
+        candidates.append(lambda: inspect_model(dataset.model["name"], Path(recorded), libraries.REFERENCE))
+    candidates.append(lambda: resolve_local_model(dataset.model["name"]))
+    for candidate in candidates:
+        try:
+            info = candidate()
+        except ModelLoadError:
+            continue
+        if info.sha256 == wanted:
+            return info
+    where = ""
+    if recorded:
+        now = "other bytes" if Path(recorded).exists() else "nothing"
+        where = f" (it was read from {recorded}, which holds {now} now)"
+    raise ValueError(
+        f"cannot find the model this output was made with{where}: pass --model FILE, the model with sha256 {wanted}"
+    )
+
+
 def verify(dataset: TokenDataset, sample: int, model: str | None, seed: int) -> str:
     """Every shard against its header and metadata.json; then `sample` documents re-tokenized."""
     tokens = 0
@@ -110,11 +141,7 @@ def verify(dataset: TokenDataset, sample: int, model: str | None, seed: int) -> 
         return checked
     if dataset.layout != "ragged":
         raise ValueError("--sample re-tokenizes documents: it needs a ragged output")
-    info = resolve_local_model(model or dataset.model["name"])
-    if info.sha256 != dataset.model["sha256"]:
-        raise ValueError(
-            f"model {info.path} has sha256 {info.sha256}, the output was made with {dataset.model['sha256']}"
-        )
+    info = model_of(dataset, model)
     # always the reference library, never the fast encoder whose ids are being checked
     library = libraries.load(find_model_files(info.name, info.path), libraries.REFERENCE)
     options: dict[str, Any] = dataset.metadata["options"]

