@@ -188,7 +188,7 @@ def test_refusals_are_one_line_and_exit_2(outputs, tmp_path, capsys):
 
 
 @pytest.mark.readers
-def test_a_tokenizer_json_model_end_to_end_with_int32_ids(documents, multilingual, tmp_path):
+def test_a_tokenizer_json_model_end_to_end_with_int32_ids(documents, multilingual, tmp_path, capsys):
     """A tokenizer.json with a vocabulary over 65,536: pre-tokenized (parsing nothing), verified against
     tokenizers itself, exported to Megatron as int32 and read back by megatron-core; nanoGPT refuses it."""
     from tokenizers import Tokenizer
@@ -225,6 +225,8 @@ def test_a_tokenizer_json_model_end_to_end_with_int32_ids(documents, multilingua
     expected = [[*tokenizer.encode(text, add_special_tokens=False).ids, eos] for text in texts]
     assert documents_of(output) == expected
     assert max(max(ids) for ids in expected) > 1 << 16  # ids that need the int32 path
+    assert shards(["info", str(output)]) == 0
+    assert f"model wide (tokenizers bpe, encoded by fastokens, vocab {WIDE_EXTRA + 1000:,}" in capsys.readouterr().out
     assert shards(["verify", str(output), "--sample", "30"]) == 0
     refused = shards(["export", str(output), "--to", "nanogpt", "--output", str(tmp_path / "nano"), "-q"])
     assert refused == 2

@@ -92,7 +92,9 @@ def describe(dataset: TokenDataset) -> str:
         f"{dataset.path}: {state}",
         f"  {meta['documents']:,} documents, {meta['tokens']:,} tokens, {layout}",
         f"  {dataset.num_shards} shards, dtype {meta['dtype']}, {meta['bad_records']:,} bad records skipped",
-        f"  model {model['name']} (sha256 {model['sha256']}, vocab {model['vocab_size']:,})",
+        f"  model {model['name']} ({model.get('library', 'sentencepiece')} {model.get('type', '')}, encoded by "
+        f"{model.get('encoder', model.get('library', 'sentencepiece'))}, vocab {model['vocab_size']:,}, "
+        f"sha256 {model['sha256']})",
         f"  options: {options}",
         f"  inputs: {len(meta['sources'])} files",
     ]
