@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
-from client.dataset import LAYOUT_PACKED, LAYOUT_RAGGED, IndexHeader, Shard, TokenDataset, read_shard
+from client.dataset import IGNORE_INDEX, LAYOUT_PACKED, LAYOUT_RAGGED, IndexHeader, Shard, TokenDataset, read_shard
 
 if TYPE_CHECKING:
     import torch
@@ -77,6 +77,7 @@ __all__ = [
     "cut_rows",
     "epoch_permutation",
     "exact_weights",
+    "row_fields",
 ]
 
 MAX_PERIOD = 1 << 16
@@ -252,16 +253,34 @@ def cut_rows(ids: np.ndarray, document_starts: np.ndarray, seq_len: int) -> Rows
     rows = total // seq_len
     if rows * seq_len != total:
         raise ValueError(f"{total} ids are not whole rows of {seq_len}")
-    starts = np.union1d(np.arange(rows, dtype=np.int64) * seq_len, document_starts)
-    lengths = np.diff(np.append(starts, total))
-    positions = np.arange(total, dtype=np.int32) - np.repeat(starts, lengths).astype(np.int32)
-    input_ids = ids.astype(np.int32).reshape(rows, seq_len)
-    row_of = starts // seq_len
-    bounds = np.searchsorted(row_of, np.arange(rows + 1))
-    columns = (starts - row_of * seq_len).astype(np.int32)
-    end = np.array([seq_len], np.int32)
-    cu_seqlens = [np.concatenate([columns[bounds[r] : bounds[r + 1]], end]) for r in range(rows)]
-    return Rows(input_ids, input_ids.copy(), positions.reshape(rows, seq_len), cu_seqlens)
+    starts = np.union1d(np.arange(0, total, seq_len, dtype=np.int64), np.asarray(document_starts, np.int64))
+    return row_fields(ids.reshape(rows, seq_len), starts, np.full(rows, seq_len, np.int64))
+
+
+def row_fields(ids: np.ndarray, segment_starts: np.ndarray, used: np.ndarray) -> Rows:
+    """The ``/v1/pack`` fields of rows of ids: [rows, seq_len] `ids`, the increasing flat positions where
+    segments start (every row's start among them) and the ids each row uses (the rest is padding, where
+    ``labels`` are -100 and ``position_ids`` 0)."""
+    rows, seq_len = ids.shape
+    total = rows * seq_len
+    lengths = np.diff(np.append(segment_starts, total))
+    positions = np.arange(total, dtype=np.int32) - np.repeat(segment_starts.astype(np.int32), lengths)
+    input_ids = ids.astype(np.int32, copy=False)
+    labels = input_ids.copy()
+    positions = positions.reshape(rows, seq_len)
+    if (used < seq_len).any():
+        padding = np.arange(seq_len) >= used[:, None]
+        labels[padding] = IGNORE_INDEX
+        positions[padding] = 0
+    # each row's cu_seqlens (its segment starts, then the ids it uses), all rows' in one flat array
+    row_of = segment_starts // seq_len
+    bounds = np.zeros(rows + 1, np.int64)
+    np.cumsum(np.bincount(row_of, minlength=rows) + 1, out=bounds[1:])
+    flat = np.empty(int(bounds[-1]), np.int32)
+    flat[np.arange(segment_starts.size) + row_of] = segment_starts - row_of * seq_len  # the i-th, after r ends
+    flat[bounds[1:] - 1] = used
+    ends = bounds.tolist()
+    return Rows(input_ids, labels, positions, [flat[ends[r] : ends[r + 1]] for r in range(rows)])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -314,6 +333,7 @@ class _Source:
         self._names = [shard["name"] for shard in shards]
         self._counts = counts
         self._id_starts = [0, *np.cumsum(sizes, dtype=np.int64).tolist()]
+        self._id_starts_array = np.asarray(self._id_starts, np.int64)
         self._count_starts = [0, *np.cumsum(counts, dtype=np.int64).tolist()]
         self.items = self._count_starts[-1]  # documents or rows
         self.tokens = self._id_starts[-1]
@@ -399,15 +419,22 @@ class _Source:
 
     def rows(self, first: int, count: int) -> Rows:
         """Rows ``first`` to ``first + count`` of this source's stream."""
-        return self._packed_rows(first, count) if self.packed else self._ragged_rows(first, count)
+        if self.packed:
+            ids = np.empty((count, self.seq_len), np.int32)
+            bounds = self.packed_rows(first, count, ids)
+            starts = np.concatenate([b[:-1] + r * self.seq_len for r, b in enumerate(bounds)]).astype(np.int64)
+            return row_fields(ids, starts, np.array([b[-1] for b in bounds], np.int64))
+        ids, document_starts = self.ragged_ids(first, count)
+        return cut_rows(ids, document_starts, self.seq_len)
 
-    def _ragged_rows(self, first: int, count: int) -> Rows:
+    def ragged_ids(self, first: int, count: int, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Ids of rows ``first`` to ``first + count`` end to end (into `out`, int32), and where documents start."""
         length = self.seq_len
         start, stop = first * length, (first + count) * length
-        out = np.empty(stop - start, self.dataset.dtype)
+        if out is None:
+            out = np.empty(stop - start, np.int32)
         document_starts = []
         documents = self.documents()
-        id_starts = self._id_starts
         position = start
         while position < stop:
             epoch, offset = divmod(position, self.tokens)
@@ -418,26 +445,37 @@ class _Source:
             high = int(np.searchsorted(ends, end, "left"))
             begins = ends[low:high]
             sizes = ends[low + 1 : high + 1] - begins
-            lows = np.maximum(begins, offset)
-            takes = np.minimum(begins + sizes, end) - lows
-            sources = documents[order[low:high]] + (lows - begins)
-            targets = lows - offset + (position - start)
-            document_starts.append(targets[(begins >= offset) & (sizes > 0)])
-            for source, target, take in zip(sources.tolist(), targets.tolist(), takes.tolist(), strict=True):
-                while take > 0:  # a document lies in one shard; the loop only guards against a shard edge
-                    shard = bisect.bisect_right(id_starts, source) - 1
-                    base = id_starts[shard]
-                    piece = min(take, id_starts[shard + 1] - source)
-                    out[target : target + piece] = self.shard(shard).ids[source - base : source - base + piece]
-                    source, target, take = source + piece, target + piece, take - piece
+            document_starts.append(begins[(begins >= offset) & (sizes > 0)] - offset + (position - start))
+            # the pieces of documents in [offset, end): where each lies in all ids, how many ids of it
+            skip = np.maximum(offset - begins, 0)
+            takes = np.minimum(begins + sizes, end) - begins - skip
+            self._gather(
+                out[position - start : position - start + end - offset], documents[order[low:high]] + skip, takes
+            )
             position += end - offset
-        return cut_rows(out, np.concatenate(document_starts), length)
+        return out, np.concatenate(document_starts)
 
-    def _packed_rows(self, first: int, count: int) -> Rows:
+    def _gather(self, out: np.ndarray, sources: np.ndarray, takes: np.ndarray) -> None:
+        """Fill `out` with the pieces ``ids[sources[i] : sources[i] + takes[i]]`` of all ids, end to end."""
+        keep = takes > 0  # an empty document may start where the last shard ends
+        sources, takes = sources[keep], takes[keep]
+        id_starts = self._id_starts_array
+        shards = np.searchsorted(id_starts, sources, "right") - 1
+        local = sources - id_starts[shards]
+        if shards[0] == shards[-1] and (shards.size < 3 or (shards == shards[0]).all()):
+            # one shard (the usual case): one gather. A document never spans two shards.
+            ids = self.shard(int(shards[0])).ids
+            out[:] = ids[np.repeat(local - (np.cumsum(takes) - takes), takes) + np.arange(out.size)]
+            return
+        targets = (np.cumsum(takes) - takes).tolist()
+        for shard, source, target, take in zip(shards.tolist(), local.tolist(), targets, takes.tolist(), strict=True):
+            out[target : target + take] = self.shard(shard).ids[source : source + take]
+
+    def packed_rows(self, first: int, count: int, out: np.ndarray | None = None) -> list[np.ndarray]:
+        """Rows ``first`` to ``first + count``: their ids into `out` ([count, seq_len] int32), their cu_seqlens."""
         length = self.seq_len
-        input_ids = np.empty((count, length), np.int32)
-        labels = np.empty((count, length), np.int32)
-        positions = np.zeros((count, length), np.int32)
+        if out is None:
+            out = np.empty((count, length), np.int32)
         cu_seqlens = []
         for i in range(count):
             epoch, place = divmod(first + i, self.items)
@@ -447,16 +485,9 @@ class _Source:
             local = row - self._count_starts[shard_index]
             shard = self.shard(shard_index)
             assert shard.seg is not None
-            bounds = shard.seg[shard.offsets[local] : shard.offsets[local + 1]]
-            ids = shard.ids[local * length : (local + 1) * length]
-            used = int(bounds[-1])
-            input_ids[i] = ids
-            labels[i, :used] = ids[:used]
-            labels[i, used:] = -100
-            starts = bounds[:-1].astype(np.int64)
-            positions[i, :used] = np.arange(used) - np.repeat(starts, np.diff(bounds))
-            cu_seqlens.append(np.array(bounds, np.int32))
-        return Rows(input_ids, labels, positions, cu_seqlens)
+            out[i] = shard.ids[local * length : (local + 1) * length]
+            cu_seqlens.append(shard.seg[shard.offsets[local] : shard.offsets[local + 1]])
+        return cu_seqlens
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -603,24 +634,31 @@ class Mixture:
     def rows(self, start: int, stop: int) -> MixtureBatch:
         """Global rows ``start`` to ``stop`` (any, in any order of calls: nothing depends on what came before)."""
         sources, local = self.blend(start, stop)
-        count = stop - start
-        shape = (count, self.seq_len)
-        input_ids = np.empty(shape, np.int32)
-        labels = np.empty(shape, np.int32)
-        positions = np.empty(shape, np.int32)
-        cu_seqlens: list[Any] = [None] * count
+        count, length = stop - start, self.seq_len
+        ids = np.empty((count, length), np.int32)
+        used = np.full(count, length, np.int64)
+        segment_starts = []  # flat positions in the batch; ragged rows: row starts and document starts
         for source in np.unique(sources).tolist():
-            where = np.flatnonzero(sources == source)
-            part = self._sources[source].rows(int(local[where[0]]), where.size)  # a source's rows are consecutive
-            if where.size == count:
-                input_ids, labels, positions = part.input_ids, part.labels, part.position_ids
-            else:
-                input_ids[where] = part.input_ids
-                labels[where] = part.labels
-                positions[where] = part.position_ids
-            for i, row in zip(where.tolist(), part.cu_seqlens, strict=True):
-                cu_seqlens[i] = row
-        return MixtureBatch(input_ids, labels, positions, cu_seqlens, sources)
+            where = np.flatnonzero(sources == source)  # a source's rows in a batch are consecutive rows of it
+            first, reader = int(local[where[0]]), self._sources[source]
+            together = where[-1] - where[0] + 1 == where.size
+            if reader.packed:
+                out = ids[where[0] : where[-1] + 1] if together else np.empty((where.size, length), np.int32)
+                bounds = reader.packed_rows(first, where.size, out)
+                if not together:
+                    ids[where] = out
+                used[where] = [int(b[-1]) for b in bounds]
+                segment_starts += [b[:-1] + row * length for b, row in zip(bounds, where.tolist(), strict=True)]
+                continue
+            flat = ids[where[0] : where[-1] + 1].reshape(-1) if together else None
+            got, starts = reader.ragged_ids(first, where.size, flat)
+            if not together:
+                ids[where] = got.reshape(-1, length)
+            row = starts // length
+            segment_starts += [where * length, where[row] * length + (starts - row * length)]
+        starts = np.unique(np.concatenate(segment_starts).astype(np.int64))
+        rows = row_fields(ids, starts, used)
+        return MixtureBatch(rows.input_ids, rows.labels, rows.position_ids, rows.cu_seqlens, sources)
 
     def state_dict(self, rows: int = 0, global_batch_size: int = 1) -> dict[str, Any]:
         """The state of a reader of this mixture that has consumed `rows` global rows."""
@@ -676,7 +714,8 @@ class Mixture:
         size = batch_size * world_size
         start = index * size + rank * batch_size
         rows = self.rows(start, start + batch_size)
-        return dataclasses.replace(rows, index=index, state=self.state_dict((index + 1) * size, size))
+        rows.__dict__.update(index=index, state=self.state_dict((index + 1) * size, size))  # frozen, made here
+        return rows
 
     def loader(
         self, *, rank: int = 0, world_size: int = 1, batch_size: int, state: Mapping[str, Any] | None = None
