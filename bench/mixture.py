@@ -56,7 +56,7 @@ def write_dataset(path: Path, sizes: np.ndarray, rng: np.random.Generator, seq_l
         ids = rng.integers(3, 32000, int(offsets[-1]), dtype=np.int32)
         ids[offsets[1:] - 1] = 2
         name = shard_name(len(shards))
-        entry = {"name": name, "documents": int(chunk.size), "tokens": int(ids.size)}
+        entry: dict[str, int | str] = {"name": name, "documents": int(chunk.size), "tokens": int(ids.size)}
         if seq_len is None:
             write_shard(path / name, ids, offsets, dtype=dtype)
         else:
