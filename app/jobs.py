@@ -387,6 +387,36 @@ def check_special_tokens(add_bos: bool, add_eos: bool, info: ModelInfo) -> None:
 
 
 EXPANSION_SLICE = 65536
+# Unicode compatibility normalization grows a character's UTF-8 at most 11-fold (U+FDFA: 3 bytes -> 33),
+# and no character above U+2FA1D decomposes (Unicode 15; checked by tests/test_units.py).
+NFKC_MAX_GROWTH = 11
+DECOMPOSING_BELOW = 0x30000
+_growth_table: np.ndarray | None = None
+
+
+def growth_table() -> np.ndarray:
+    """Bytes each code point below U+30000 can add under NFKD (>= what NFKC adds): built once, 0.2 s."""
+    global _growth_table
+    if _growth_table is None:
+        table = np.zeros(DECOMPOSING_BELOW, dtype=np.int8)
+        for point in range(DECOMPOSING_BELOW):
+            char = chr(point)
+            if (unicodedata.decomposition(char) or 0xAC00 <= point <= 0xD7A3) and not 0xD800 <= point <= 0xDFFF:
+                table[point] = max(0, len(unicodedata.normalize("NFKD", char).encode()) - len(char.encode()))
+        _growth_table = table
+    return _growth_table
+
+
+def growth_bound(text: str) -> int:
+    """At most how many bytes NFKC can add to `text`: each character's own NFKD growth, summed with numpy.
+
+    Decomposition is per character and composition only shortens, so the sum bounds the whole text."""
+    table = growth_table()
+    total = 0
+    for start in range(0, len(text), 1 << 20):  # a bounded buffer however long the text
+        points = np.frombuffer(text[start : start + (1 << 20)].encode("utf-32-le", "surrogatepass"), dtype="<u4")
+        total += int(table[np.minimum(points, DECOMPOSING_BELOW - 1)].sum(dtype=np.int64))
+    return total
 
 
 def check_expansion(texts: list[str], body_bytes: int, limit: int) -> None:
@@ -394,10 +424,16 @@ def check_expansion(texts: list[str], body_bytes: int, limit: int) -> None:
 
     SentencePiece normalizes (NFKC) before it tokenizes, and some characters expand many times
     (U+FDFA becomes 18 characters): 8 MiB of them took a worker to 2.7 GiB. A request may produce at
-    most as many normalized bytes as a body may have, which ordinary text (already NFKC, where the
-    check costs a fast scan) never comes near. An expanding text is measured in slices, so the check
-    stops as soon as the request is over the limit, without building the whole expansion.
+    most as many normalized bytes as a body may have. Three steps, each only when the one before cannot
+    clear the request, so ordinary text pays nothing measurable: a body that could not pass the limit
+    even if every byte grew 11-fold (NFKC's worst) is not looked at; then a per-character bound
+    (a table lookup over the code points); only then is an expanding text normalized, in slices, so the
+    check stops as soon as the request is over the limit, without building the whole expansion.
     """
+    if body_bytes * NFKC_MAX_GROWTH <= limit:
+        return
+    if body_bytes + sum(growth_bound(text) for text in texts) <= limit:
+        return
     total = body_bytes
     for index, text in enumerate(texts):
         if unicodedata.is_normalized("NFKC", text):

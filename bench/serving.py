@@ -1,26 +1,32 @@
-"""Where the server's CPU goes, per request, against in-process sentencepiece measured in the same run.
+"""Where the server's CPU goes, per request, against the same encoding in-process, measured in the same run.
 
-    python -m bench.serving [--workers 2 8] [--docs 4096] [--rounds 3] [--singles 3000] [--passes 12] [--model FILE]
+    python -m bench.serving [--workers 2 8] [--docs 4096] [--rounds 3] [--singles 3000] [--passes 12]
+                            [--corpus FILE.txt|FILE.jsonl] [--model FILE]
 
 For each worker count it starts a server on a free loopback port and prints:
   serial ceiling   worker CPU / main-process CPU per 256-document request: how many busy workers
                    one server process can feed before its own core is the bottleneck (with
                    --frontends N: per front-end, each of which feeds its own workers)
-  CPU efficiency   in-process sp.encode(chunk, num_threads=1, out_type="numpy") CPU for the same
-                   documents / (main + workers) CPU
+  CPU efficiency   in-process CPU of the workers' own encode for the same documents (for SentencePiece
+                   sp.encode(chunk, num_threads=1, out_type="numpy"); for tokenizer.json and tiktoken
+                   the encoder the workers use, fastokens where it passed its check) / (main + workers)
+                   CPU; with 2 requests in flight, and one request at a time
   single text      p50/p99 latency of one 1-2 KB text through TokenizerClient, and main-process CPU each
   client CPU       this process's CPU per 256-document binary request (TokenizerClient)
-  throughput       binary and JSON, 2 requests in flight, against sp.encode(list, num_threads=cores)
-                   and the numpy floor sp.encode(list, num_threads=cores, out_type="numpy"), rounds
-                   alternating (the median of per-round ratios is reported)
+  throughput       binary and JSON, 2 requests in flight, against the library's batch call on all cores
+                   (sp.encode(list, num_threads=cores), tok.encode_batch, enc.encode_ordinary_batch) and,
+                   for SentencePiece, the numpy floor sp.encode(list, num_threads=cores,
+                   out_type="numpy"), rounds alternating (the median of per-round ratios is reported)
 CPU times come from psutil (the server's main process; the sum over its worker processes), which
 holds up on a shared machine where wall time does not. Without --model it trains a 16k unigram
-model on the corpus (cached under bench/results/).
+model on the corpus (cached under bench/results/). The corpus defaults to the shared multilingual one
+(71% of its documents not NFKC-normalized, like web text); the share is printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
@@ -29,9 +35,12 @@ from pathlib import Path
 
 import numpy as np
 import psutil
-import sentencepiece as spm
 
-from bench.throughput import FALLBACK_CORPUS, SHARED_CORPUS, bench_model, load_documents, start_server
+from app.core import libraries
+from app.core.models import SENTENCEPIECE, find_model_files
+from app.core.reference import InProcess
+from app.schemas import EncodeOptions
+from bench.throughput import bench_model, default_corpus, load_documents, not_nfkc, start_server
 from client import TokenizerClient
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,13 +98,26 @@ def measure(
     rounds: int,
     singles: int,
     passes: int,
-    sp: spm.SentencePieceProcessor,
+    reference: InProcess,
 ) -> dict[str, float]:
     cores = len(os.sched_getaffinity(0))
     batches = [docs[i : i + BATCH] for i in range(0, len(docs), BATCH)]
-    # In-process single-thread numpy encode CPU of the same batches: the work itself.
+    # In-process single-thread CPU of the workers' own encode of the same batches: the work itself.
+    work = libraries.load(find_model_files("bench", model))
+    options = EncodeOptions()
+    if work.library == SENTENCEPIECE:
+        processor = reference.processor
+
+        def encode(batch: list[str]) -> int:
+            return int(sum(len(ids) for ids in processor.encode(batch, num_threads=1, out_type="numpy")))
+    else:
+
+        def encode(batch: list[str]) -> int:
+            return len(work.encode(batch, options)[0])
+
+    encode(batches[0])  # caches warm, as the workers' are
     started = time.process_time()
-    expected = sum(int(sum(len(ids) for ids in sp.encode(batch, num_threads=1, out_type="numpy"))) for batch in batches)
+    expected = sum(encode(batch) for batch in batches)
     inproc_cpu = time.process_time() - started
     url, process = start_server(model, workers, "--frontends", str(frontends))
     server = psutil.Process(process.pid)
@@ -118,12 +140,15 @@ def measure(
             result["client_ms"] = meter.client / requests * 1e3
             result["ceiling"] = meter.worker / meter.main
             result["efficiency"] = inproc_cpu / (meter.main + meter.worker)
-            # The client alone: one request at a time (no thread pool in the measure).
+            # One request at a time: the client alone, and the server's efficiency when requests come singly
+            # (a lone large request is split over the idle workers).
             started = time.process_time()
-            for _ in range(passes):
-                for batch in batches:
-                    client.tokenize_batch(batch, model="bench")
+            with Meter(server, frontends) as meter:
+                for _ in range(passes):
+                    for batch in batches:
+                        client.tokenize_batch(batch, model="bench")
             result["client_serial_ms"] = (time.process_time() - started) / requests * 1e3
+            result["efficiency_serial"] = inproc_cpu / (meter.main + meter.worker)
             # Single texts, one at a time.
             latencies = []
             with Meter(server, frontends) as meter:
@@ -139,11 +164,12 @@ def measure(
             ratios: dict[str, list[float]] = {"binary/list": [], "binary/floor": [], "json/list": [], "json/floor": []}
             for _ in range(rounds):
                 began = time.perf_counter()
-                sp.encode(docs, num_threads=cores)
+                reference.batch(docs)
                 listed = time.perf_counter() - began
                 began = time.perf_counter()
-                sp.encode(docs, num_threads=cores, out_type="numpy")
-                floor = time.perf_counter() - began
+                if reference.library == SENTENCEPIECE:
+                    reference.processor.encode(docs, num_threads=cores, out_type="numpy")
+                floor = time.perf_counter() - began if reference.library == SENTENCEPIECE else math.nan
                 began = time.perf_counter()
                 in_flight(client, batches, 2, "binary")
                 binary = time.perf_counter() - began
@@ -168,23 +194,24 @@ ROWS = [
     ("serial ceiling (worker CPU / main CPU, 256-doc request)", "ceiling", "{:.1f}"),
     ("main-process CPU per 256-doc request (ms)", "main_ms", "{:.2f}"),
     ("worker CPU per 256-doc request (ms)", "worker_ms", "{:.2f}"),
-    ("CPU efficiency (in-process numpy CPU / server CPU)", "efficiency", "{:.2f}"),
+    ("CPU efficiency, 2 in flight (in-process encode CPU / server CPU)", "efficiency", "{:.2f}"),
+    ("CPU efficiency, one request at a time", "efficiency_serial", "{:.2f}"),
     ("single text p50 (ms)", "single_p50_ms", "{:.2f}"),
     ("single text p99 (ms)", "single_p99_ms", "{:.2f}"),
     ("main-process CPU per single text (ms)", "single_main_ms", "{:.3f}"),
     ("worker CPU per single text (ms)", "single_worker_ms", "{:.3f}"),
     ("client CPU per 256-doc binary request, 1 in flight (ms)", "client_serial_ms", "{:.2f}"),
     ("client CPU per 256-doc binary request, 2 in flight (ms)", "client_ms", "{:.2f}"),
-    ("binary, 2 in flight / sp.encode(list)", "binary/list", "{:.2f}"),
-    ("binary, 2 in flight / numpy floor", "binary/floor", "{:.2f}"),
-    ("JSON, 2 in flight / sp.encode(list)", "json/list", "{:.2f}"),
-    ("JSON, 2 in flight / numpy floor", "json/floor", "{:.2f}"),
+    ("binary, 2 in flight / the library's batch call", "binary/list", "{:.2f}"),
+    ("binary, 2 in flight / numpy floor (SentencePiece)", "binary/floor", "{:.2f}"),
+    ("JSON, 2 in flight / the library's batch call", "json/list", "{:.2f}"),
+    ("JSON, 2 in flight / numpy floor (SentencePiece)", "json/floor", "{:.2f}"),
 ]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--corpus", type=Path, default=SHARED_CORPUS if SHARED_CORPUS.exists() else FALLBACK_CORPUS)
+    parser.add_argument("--corpus", type=Path, default=default_corpus(), help=".txt or .jsonl (default: multilingual)")
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 8])
     parser.add_argument("--docs", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=3)
@@ -192,22 +219,28 @@ def main() -> None:
     parser.add_argument("--singles", type=int, default=3000)
     parser.add_argument("--passes", type=int, default=12, help="times the documents are sent for the CPU figures")
     parser.add_argument(
-        "--model", type=Path, help="a SentencePiece model (default: a 16k unigram trained on the corpus)"
+        "--model",
+        type=Path,
+        help="a .model, tokenizer.json (or its directory) or .tiktoken (default: a 16k unigram trained on the corpus)",
     )
     args = parser.parse_args()
 
     docs = load_documents(args.corpus, args.docs)
     model = args.model or bench_model(args.corpus, vocab_size=16000)
-    sp = spm.SentencePieceProcessor(model_file=str(model))
+    cores = len(os.sched_getaffinity(0))
+    reference = InProcess(find_model_files("bench", model), cores)
     print(
-        f"corpus {args.corpus.name}: {len(docs)} documents, mean {sum(map(len, docs)) / len(docs):.0f} chars; "
-        f"model {model.name} (vocab {sp.vocab_size()}); {len(os.sched_getaffinity(0))} cores",
+        f"corpus {args.corpus.name}: {len(docs)} documents, mean {sum(map(len, docs)) / len(docs):.0f} chars, "
+        f"{not_nfkc(docs):.0%} not NFKC-normalized; model {model.name} ({reference.library}, vocab "
+        f"{reference.model.vocab_size}); {cores} cores",
         flush=True,
     )
     results = {}
     for workers in args.workers:
         print(f"measuring --workers {workers} --frontends {args.frontends} ...", flush=True)
-        results[workers] = measure(model, workers, args.frontends, docs, args.rounds, args.singles, args.passes, sp)
+        results[workers] = measure(
+            model, workers, args.frontends, docs, args.rounds, args.singles, args.passes, reference
+        )
     print()
     print("| measure | " + " | ".join(f"--workers {w}" for w in results) + " |")
     print("|---|" + "---:|" * len(results))

@@ -1,6 +1,6 @@
 """Throughput of the service against in-process sentencepiece, measured in one run.
 
-    python -m bench.throughput [--corpus FILE] [--docs N] [--rounds R] [--model FILE]
+    python -m bench.throughput [--corpus FILE.txt|FILE.jsonl] [--docs N] [--rounds R] [--model FILE]
 
 Methods, on the same 1-2 KB documents, in alternating rounds (machines drift; the median ratio of
 each round is reported):
@@ -9,16 +9,20 @@ each round is reported):
   floor       sp.encode(docs, num_threads=cores, out_type="numpy")    (the compute floor)
   service     TokenizerClient, 256 documents a request, 1 and 2 in flight, binary and JSON
 plus single-text request latency (p50, p99). Starts its own server on a free loopback port.
-Without --model it trains a 32k unigram model on the corpus (cached under bench/results/).
+Without --model it trains a 32k unigram model on the corpus (cached under bench/results/). The corpus
+defaults to the shared multilingual one where it exists (a JSON Lines file's `text` fields are cut into
+paragraphs and joined into 1-2 KB documents); its share of non-NFKC documents is printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
 import time
+import unicodedata
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,14 +36,37 @@ from client import TokenizerClient
 ROOT = Path(__file__).resolve().parent.parent
 
 SHARED_CORPUS = ROOT.parent / "shared" / "corpus" / "python_docs.txt"
+# The default where it exists: 10 languages, 71% of its documents not NFKC-normalized, like web text
+MULTILINGUAL_CORPUS = ROOT.parent / "shared" / "corpus" / "debian_reference_multilingual.jsonl"
 FALLBACK_CORPUS = ROOT / "tests" / "data" / "botchan.txt"
 RESULTS = ROOT / "bench" / "results"
 BATCH = 256
 
 
+def default_corpus() -> Path:
+    """The multilingual corpus where ../shared has it, else the Python docs, else the repository's Botchan."""
+    for corpus in (MULTILINGUAL_CORPUS, SHARED_CORPUS):
+        if corpus.exists():
+            return corpus
+    return FALLBACK_CORPUS
+
+
+def read_text(corpus: Path) -> str:
+    """A text file as it is, or a JSON Lines file's `text` fields separated by blank lines."""
+    if corpus.suffix == ".jsonl":
+        with corpus.open(encoding="utf-8") as file:
+            return "\n\n".join(json.loads(line)["text"] for line in file if line.strip())
+    return corpus.read_text(encoding="utf-8", errors="replace")
+
+
+def not_nfkc(docs: list[str]) -> float:
+    """The share of documents that Unicode NFKC normalization would change (web text: most of them)."""
+    return sum(not unicodedata.is_normalized("NFKC", doc) for doc in docs) / max(len(docs), 1)
+
+
 def load_documents(corpus: Path, count: int) -> list[str]:
     """Paragraphs (blank-line separated; lines for texts without blank lines) joined into 1-2 KB documents."""
-    text = corpus.read_text(encoding="utf-8", errors="replace")
+    text = read_text(corpus)
     paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
     if len(paragraphs) < 100:
         paragraphs = [line.strip() for line in text.splitlines() if line.strip()]
@@ -67,6 +94,10 @@ def bench_model(corpus: Path, vocab_size: int = 32000) -> Path:
     model = prefix.with_suffix(".model")
     if not model.exists():
         print(f"training a {vocab_size // 1000}k unigram model on {corpus.name} (once) ...", flush=True)
+        if corpus.suffix == ".jsonl":
+            plain = prefix.with_suffix(".txt")
+            plain.write_text(read_text(corpus), encoding="utf-8")
+            corpus = plain
         spm.SentencePieceTrainer.train(
             input=str(corpus),
             model_prefix=str(prefix),
@@ -107,7 +138,7 @@ def service_run(client: TokenizerClient, docs: list[str], in_flight: int, format
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--corpus", type=Path, default=SHARED_CORPUS if SHARED_CORPUS.exists() else FALLBACK_CORPUS)
+    parser.add_argument("--corpus", type=Path, default=default_corpus(), help=".txt or .jsonl (default: multilingual)")
     parser.add_argument("--docs", type=int, default=10000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--model", type=Path, help="a SentencePiece model (default: train one on the corpus)")
@@ -120,7 +151,8 @@ def main() -> None:
     sp = spm.SentencePieceProcessor(model_file=str(model))
     total_chars = sum(len(d) for d in docs)
     print(
-        f"corpus {args.corpus.name}: {len(docs)} documents, mean {total_chars / len(docs):.0f} chars; "
+        f"corpus {args.corpus.name}: {len(docs)} documents, mean {total_chars / len(docs):.0f} chars, "
+        f"{not_nfkc(docs):.0%} not NFKC-normalized; "
         f"model {model.name} (vocab {sp.vocab_size()}); {cores} cores",
         flush=True,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import unicodedata
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from app.core.libraries import frame, ragged_offsets, truncate
-from app.jobs import chunk_bounds
+from app.jobs import DECOMPOSING_BELOW, NFKC_MAX_GROWTH, chunk_bounds, growth_bound
 from app.settings import BUNDLED_MODELS_DIR, Settings
 from client import wire
 
@@ -279,3 +280,25 @@ def test_an_address_uvicorn_can_listen_on_passes_the_start_check(host):
     from app.launcher import free_port
 
     assert check_address(host, free_port()) is None
+
+
+def test_the_expansion_bounds_constants_hold_for_every_code_point():
+    """NFKC grows no character's UTF-8 more than 11-fold, and nothing at or above U+30000 decomposes."""
+    for point in range(0x110000):
+        if 0xD800 <= point <= 0xDFFF:
+            continue
+        char = chr(point)
+        if point >= DECOMPOSING_BELOW:
+            assert not unicodedata.decomposition(char), hex(point)
+            continue
+        size = len(char.encode())
+        assert len(unicodedata.normalize("NFKC", char).encode()) <= NFKC_MAX_GROWTH * size, hex(point)
+
+
+COMPATIBILITY = "\ufdfa\u3300\ufb01\u00a0\u2026\uff21\u1e9b\u0323\u0301e\uac00\u1100\u1161\u2460\u33ff\U0001d400"
+
+
+@given(st.text(alphabet=st.sampled_from(COMPATIBILITY) | st.characters(exclude_categories=["Cs"]), max_size=60))
+def test_the_per_character_bound_is_never_below_what_nfkc_adds(text):
+    grown = len(unicodedata.normalize("NFKC", text).encode()) - len(text.encode())
+    assert growth_bound(text) >= grown
