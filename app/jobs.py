@@ -398,7 +398,7 @@ def growth_table() -> np.ndarray:
     """Bytes each code point below U+30000 can add under NFKD (>= what NFKC adds): built once, 0.2 s."""
     global _growth_table
     if _growth_table is None:
-        table = np.zeros(DECOMPOSING_BELOW, dtype=np.int8)
+        table = np.zeros(0x110000, dtype=np.int8)  # every code point: a lookup needs no clipping
         for point in range(DECOMPOSING_BELOW):
             char = chr(point)
             if (unicodedata.decomposition(char) or 0xAC00 <= point <= 0xD7A3) and not 0xD800 <= point <= 0xDFFF:
@@ -407,15 +407,36 @@ def growth_table() -> np.ndarray:
     return _growth_table
 
 
-def growth_bound(text: str) -> int:
-    """At most how many bytes NFKC can add to `text`: each character's own NFKD growth, summed with numpy.
+GROWTH_WINDOW = 1 << 20  # characters looked up at once: a bounded buffer however large the request
 
-    Decomposition is per character and composition only shortens, so the sum bounds the whole text."""
+
+def growth_bound(texts: list[str]) -> int:
+    """At most how many bytes NFKC can add to these texts: each character's own NFKD growth, summed.
+
+    Decomposition is per character and composition only shortens, so the sum bounds every text. The
+    texts are looked up a window of characters at a time, so small texts cost one numpy call together."""
     table = growth_table()
     total = 0
-    for start in range(0, len(text), 1 << 20):  # a bounded buffer however long the text
-        points = np.frombuffer(text[start : start + (1 << 20)].encode("utf-32-le", "surrogatepass"), dtype="<u4")
-        total += int(table[np.minimum(points, DECOMPOSING_BELOW - 1)].sum(dtype=np.int64))
+
+    def add(window: str) -> None:
+        nonlocal total
+        points = np.frombuffer(window.encode("utf-32-le", "surrogatepass"), dtype="<u4")
+        total += int(table[points].sum(dtype=np.int64))
+
+    pending: list[str] = []
+    size = 0
+    for text in texts:
+        if len(text) > GROWTH_WINDOW:
+            for start in range(0, len(text), GROWTH_WINDOW):
+                add(text[start : start + GROWTH_WINDOW])
+            continue
+        pending.append(text)
+        size += len(text)
+        if size >= GROWTH_WINDOW:
+            add("".join(pending))
+            pending, size = [], 0
+    if pending:
+        add("".join(pending))
     return total
 
 
@@ -432,7 +453,7 @@ def check_expansion(texts: list[str], body_bytes: int, limit: int) -> None:
     """
     if body_bytes * NFKC_MAX_GROWTH <= limit:
         return
-    if body_bytes + sum(growth_bound(text) for text in texts) <= limit:
+    if body_bytes + growth_bound(texts) <= limit:
         return
     total = body_bytes
     for index, text in enumerate(texts):

@@ -301,4 +301,5 @@ COMPATIBILITY = "\ufdfa\u3300\ufb01\u00a0\u2026\uff21\u1e9b\u0323\u0301e\uac00\u
 @given(st.text(alphabet=st.sampled_from(COMPATIBILITY) | st.characters(exclude_categories=["Cs"]), max_size=60))
 def test_the_per_character_bound_is_never_below_what_nfkc_adds(text):
     grown = len(unicodedata.normalize("NFKC", text).encode()) - len(text.encode())
-    assert growth_bound(text) >= grown
+    assert growth_bound([text]) >= grown
+    assert growth_bound([text, text]) == 2 * growth_bound([text])
