@@ -145,7 +145,11 @@ def test_through_the_service_gives_the_same_files_as_local(
     common = [*inputs, "--shard-tokens", SHARD_TOKENS, *packing]
     assert pretokenize(*common, "--output", tmp_path / "service", "--url", server.url, "--model", "uni") == 0
     assert pretokenize(*common, "--output", tmp_path / "local", "--local", "--model", server.model_files["uni"]) == 0
-    assert files_of(tmp_path / "service") == files_of(tmp_path / "local")
+    service, local = files_of(tmp_path / "service"), files_of(tmp_path / "local")
+    # metadata.json alike but for where a --local run read its model (what verify looks for)
+    service_meta, local_meta = json.loads(service.pop("metadata.json")), json.loads(local.pop("metadata.json"))
+    assert local_meta["model"].pop("path") == str(server.model_files["uni"].resolve())
+    assert service == local and service_meta == local_meta
 
 
 def test_service_with_two_urls_and_the_default_model(
