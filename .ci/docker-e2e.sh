@@ -110,6 +110,23 @@ docker compose up --detach --wait --wait-timeout 180 tokenizer
 "$PYTHON" .ci/docker_e2e_check.py --url "$URL" --model "botchan_bpe=$TOKENIZER_MODELS/botchan_bpe.model" \
     --api-key e2e-key-2
 
+step "a Hugging Face snapshot directory and a tiktoken file with its sidecar beside it, ids as their libraries give them"
+"$PYTHON" - "$TOKENIZER_MODELS" <<'PY'
+import sys
+from pathlib import Path
+
+from tests.conftest import read_documents, read_multilingual
+from tests.tokenizer_models import write_bpe_snapshot, write_tiktoken
+
+texts = read_documents() + read_multilingual()
+write_bpe_snapshot(Path(sys.argv[1]) / "hfbpe", texts)
+write_tiktoken(Path(sys.argv[1]) / "ranks.tiktoken", texts)
+PY
+chmod -R a+rX "$TOKENIZER_MODELS"
+docker compose up --detach --wait --wait-timeout 180 --force-recreate tokenizer
+"$PYTHON" .ci/docker_e2e_check.py --url "$URL" --api-key e2e-key-2 \
+    --library-model "hfbpe=$TOKENIZER_MODELS/hfbpe" --library-model "ranks=$TOKENIZER_MODELS/ranks.tiktoken"
+
 step "docker compose stop: SIGTERM is a clean stop (exit status 0, not 143)"
 docker compose stop --timeout 20 tokenizer
 status=$(docker inspect --format '{{.State.ExitCode}}' "$(docker compose ps --all --quiet tokenizer)")

@@ -4,6 +4,8 @@
 /v1 requests without the key), and ids for every document of tests/data/botchan.txt (lines joined
 as the tests do), through the published port, equal in-process sentencepiece ids; /metrics counted
 those requests and tokens.
+`--library-model NAME=PATH ...`: the container serves each of these tokenizer.json or tiktoken models,
+encoded by fastokens, and its ids for the multilingual test documents equal the library's in-process.
 `--inspect IMAGE --service NAME`: the image's own HEALTHCHECK passes inside the running container,
 which runs as the unprivileged user on a read-only root.
 """
@@ -76,6 +78,27 @@ def check_tokenize(url: str, name: str, model_file: Path, api_key: str | None) -
     )
 
 
+def check_library_models(url: str, models: list[str], api_key: str | None) -> None:
+    from app.core.models import find_model_files
+    from tests.conftest import read_multilingual
+    from tests.test_libraries import Reference
+
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    served = {m["name"]: m for m in httpx.get(f"{url}/v1/models", headers=headers, timeout=10).json()["models"]}
+    texts = read_multilingual()
+    with TokenizerClient(url, api_key=api_key) as client:
+        for spec in models:
+            name, _, path = spec.partition("=")
+            files = find_model_files(name, Path(path))
+            entry = served[name]
+            assert entry["sha256"] == files.sha256, (entry, files.sha256)
+            assert (entry["library"], entry["encoder"]) == (files.library, "fastokens"), entry
+            reference = Reference(Path(path))
+            got = [row.tolist() for row in client.tokenize(texts, model=name)]
+            assert got == [reference.encode(text) for text in texts], f"{name}: ids differ from {files.library}"
+            print(f"  {len(texts)} multilingual documents through {name!r} ({files.library}): identical to the library")
+
+
 def docker(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["docker", *args], capture_output=True, text=True, timeout=60, check=False)
 
@@ -102,6 +125,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", required=True)
     parser.add_argument("--model", help="NAME=PATH of the one model the container should serve")
+    parser.add_argument("--library-model", action="append", default=[], help="NAME=PATH of a tokenizer.json/tiktoken")
     parser.add_argument("--api-key", help="the container wants API keys: check 401 without, use this one")
     parser.add_argument("--inspect", metavar="IMAGE")
     parser.add_argument("--service", default="tokenizer")
@@ -109,6 +133,8 @@ def main() -> None:
     if args.model:
         name, _, path = args.model.partition("=")
         check_tokenize(args.url, name, Path(path), args.api_key)
+    if args.library_model:
+        check_library_models(args.url, args.library_model, args.api_key)
     if args.inspect:
         check_container(args.inspect, args.service)
 
