@@ -97,6 +97,10 @@ def test_what_only_some_models_can_do_is_a_422_naming_the_field(kinds):
         answer = httpx.post(f"{url}/v1/tokenize", json=body)
         assert answer.status_code == 422, answer.text
         assert answer.json()["error"]["field"] == field
+    for model in ("hfbpe", "tt"):  # a lone surrogate is not text: refused as for every model, naming the text
+        body = b'{"texts": ["fine", "\\ud800 alone"], "model": "%s"}' % model.encode()
+        answer = httpx.post(f"{url}/v1/tokenize", content=body, headers={"content-type": "application/json"})
+        assert answer.status_code in (400, 422) and answer.json()["error"].get("index") == 1, answer.text
     outside = httpx.post(f"{url}/v1/detokenize", json={"ids": [[1, 2], [99999]], "model": "tt"})
     assert outside.status_code == 422 and outside.json()["error"]["index"] == 1
     assert httpx.get(f"{url}/readyz").status_code == 200

@@ -280,7 +280,6 @@ class HuggingFace(Library):
 
     def __init__(self, files: ModelFiles, encoder: str = FAST) -> None:
         self.files = files
-        self.json = files.contents[0].decode("utf-8")
         self.type = hf_model_type(files)
         reference = self._load_reference()
         vocab = reference.get_vocab(with_added_tokens=True)
@@ -299,7 +298,7 @@ class HuggingFace(Library):
         self.bos_id, self.eos_id, self.pad_id, self.unk_id = ids["bos"], ids["eos"], ids["pad"], ids["unk"]
         import json
 
-        self.normalizes = json.loads(self.json).get("normalizer") is not None
+        self.normalizes = json.loads(files.contents[0]).get("normalizer") is not None
         self.special = [added.content for added in reference.get_added_tokens_decoder().values()]
         self._reference: Any | None = reference
         self.fast: Any | None = None
@@ -311,7 +310,7 @@ class HuggingFace(Library):
         import tokenizers
 
         try:
-            reference = tokenizers.Tokenizer.from_str(self.json)
+            reference = tokenizers.Tokenizer.from_str(self.files.contents[0].decode("utf-8"))
         except Exception as exc:  # the library's own parse error, whatever its type
             raise ModelLoadError(f"{self.files.main} is not a tokenizer.json that tokenizers can load: {exc}") from exc
         reference.no_truncation()
@@ -330,7 +329,7 @@ class HuggingFace(Library):
             logger.warning("%s: fastokens is not installed; encoding with tokenizers", files.path)
             return
         try:
-            fast = fastokens.Tokenizer.from_json_str(self.json)
+            fast = fastokens.Tokenizer.from_json_str(files.contents[0].decode("utf-8"))
             fast.no_truncation()
             fast.no_padding()
         except Exception as exc:  # a tokenizer fastokens does not support: the reference serves it
