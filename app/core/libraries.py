@@ -119,6 +119,10 @@ class Library(ABC):
     unk_id: int
     normalizes: bool  # may grow a text under Unicode normalization (the expansion bound applies)
 
+    @abstractmethod
+    def __init__(self, files: ModelFiles, encoder: str = FAST) -> None:
+        """Load the model from its files' bytes; `encoder` fast puts fastokens in front where it passes its gate."""
+
     def encode(self, texts: list[str], options: Any, first_index: int = 0) -> Encoded:
         """Ids of each text exactly as the library gives them in-process, then BOS and EOS, then max_length."""
         if options.sample is not None:
@@ -234,11 +238,11 @@ def sample_in_fresh_thread(processor: Any, text: str, seed: int, options: dict[s
 
 
 def _sentencepiece_type(serialized: bytes) -> str:
-    from sentencepiece import sentencepiece_model_pb2
+    from sentencepiece import sentencepiece_model_pb2 as pb2
 
-    proto = sentencepiece_model_pb2.ModelProto()
+    proto = pb2.ModelProto()  # type: ignore[attr-defined]  # generated code
     proto.ParseFromString(serialized)
-    return sentencepiece_model_pb2.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type).lower()
+    return str(pb2.TrainerSpec.ModelType.Name(proto.trainer_spec.model_type)).lower()  # type: ignore[attr-defined]
 
 
 # -- the gate in front of a fast encoder ----------------------------------------------------------------

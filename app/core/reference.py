@@ -25,14 +25,15 @@ class InProcess:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
         from app.core import libraries
 
-        self.model: Any = libraries.LIBRARIES[files.library](files, libraries.REFERENCE)
-        if files.library == TOKENIZERS:
-            self.tokenizer = self.model.reference
+        library = libraries.load(files, libraries.REFERENCE)
+        self.model = library
+        if isinstance(library, libraries.HuggingFace):
+            self.tokenizer = library.reference
             self.tokenizer.encode_special_tokens = True
-        elif files.library == TIKTOKEN:
-            self.encoding = self.model.reference
-        else:
-            self.processor = self.model.processor
+        elif isinstance(library, libraries.Tiktoken):
+            self.encoding = library.reference
+        elif isinstance(library, libraries.SentencePiece):
+            self.processor = library.processor
 
     @property
     def batch_call(self) -> str:
