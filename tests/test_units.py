@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from app.core.libraries import frame, ragged_offsets, truncate
 from app.jobs import DECOMPOSING_BELOW, NFKC_MAX_GROWTH, chunk_bounds, growth_bound
-from app.settings import BUNDLED_MODELS_DIR, Settings
+from app.settings import BUNDLED_MODELS_DIR, ConfigError, Settings
 from client import wire
 
 
@@ -127,6 +127,26 @@ def test_settings_from_flags_and_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("TOKENIZER_MAX_TEXTS", "12")
     from_env = Settings()
     assert from_env.model == ["a=/x.model", "b=/y.model"] and from_env.max_texts == 12
+
+
+def test_a_models_directory_serves_every_kind_under_its_name(tmp_path):
+    (tmp_path / "sp.model").write_bytes(b"")
+    (tmp_path / "qwen.tiktoken").write_bytes(b"")
+    (tmp_path / "qwen.tiktoken.json").write_text("{}")  # a sidecar, not a model
+    (tmp_path / "llama3").mkdir()
+    (tmp_path / "llama3" / "tokenizer.json").write_text("{}")
+    (tmp_path / "empty").mkdir()  # a directory without tokenizer.json: not a model
+    (tmp_path / "notes.txt").write_text("")
+    settings = Settings(_cli_parse_args=["--models-dir", str(tmp_path)])
+    assert settings.model_paths() == {
+        "llama3": tmp_path / "llama3",
+        "qwen": tmp_path / "qwen.tiktoken",
+        "sp": tmp_path / "sp.model",
+    }
+    (tmp_path / "sp").mkdir()
+    (tmp_path / "sp" / "tokenizer.json").write_text("{}")
+    with pytest.raises(ConfigError, match="two models named 'sp'"):
+        settings.model_paths()
 
 
 def test_settings_default_to_the_bundled_model(monkeypatch):
