@@ -105,6 +105,7 @@ __all__ = [
     "Shard",
     "TokenDataset",
     "check_metadata",
+    "check_shard",
     "id_dtype",
     "index_header",
     "read_index_header",
@@ -278,6 +279,47 @@ def read_shard(base: Path, dtype: np.dtype, expected: IndexHeader) -> Shard:
     return Shard(ids=ids, offsets=offsets, seg=seg)
 
 
+def check_shard(shard: Shard, vocab_size: int, seq_len: int, base: Path) -> None:
+    """ValueError naming the file (`base` plus its suffix) unless the shard's contents are consistent: offsets
+    start at 0, never decrease and end at the data's size; every id is below `vocab_size`; packed, each row's
+    boundaries start at 0 and rise to at most `seq_len`. Vectorized: one pass over the ids, one over the
+    offsets (and boundaries).
+
+    ``read_shard`` checks only sizes (cheap, at every open); this reads every byte, as verify and export do.
+    """
+    offsets = shard.offsets
+    idx, data, seg_file = (base.with_suffix(suffix) for suffix in (IDX_SUFFIX, BIN_SUFFIX, SEG_SUFFIX))
+    if len(offsets) and int(offsets[0]) != 0:
+        raise ValueError(f"{idx}: offsets start at {int(offsets[0])}, not 0 (a corrupt index)")
+    steps = np.diff(offsets)
+    if steps.size and int(steps.min()) < 0:
+        at = int(np.argmax(steps < 0))
+        raise ValueError(
+            f"{idx}: offset {at + 1} ({int(offsets[at + 1])}) is below offset {at} ({int(offsets[at])}); "
+            "the index is corrupt"
+        )
+    end = shard.seg.size if shard.seg is not None else shard.ids.size
+    if len(offsets) and int(offsets[-1]) != end:
+        raise ValueError(f"{idx}: offsets end at {int(offsets[-1])}, the data holds {end}")
+    if shard.ids.size:
+        top = int(shard.ids.max())
+        if top >= vocab_size:
+            at = int(np.argmax(shard.ids >= vocab_size))
+            raise ValueError(f"{data}: id {top} at position {at} is not below the vocabulary size {vocab_size}")
+    seg = shard.seg
+    if seg is None or not seg.size:
+        return
+    starts = offsets[:-1][steps > 0]
+    if int(np.abs(seg[starts]).max()) != 0 or (steps == 0).any():
+        raise ValueError(f"{seg_file}: a row's segment boundaries do not start at 0 (a corrupt .seg)")
+    rising = np.diff(seg) > 0
+    rising[starts[1:] - 1] = True  # a row's first boundary follows the previous row's last
+    if not rising.all() or int(seg.max()) > seq_len:
+        raise ValueError(
+            f"{seg_file}: segment boundaries that do not rise within a row up to {seq_len} (a corrupt .seg)"
+        )
+
+
 @dataclass(frozen=True, eq=False)
 class PackedRow:
     """One training row with what a varlen attention kernel needs (as /v1/pack returns it)."""
@@ -339,6 +381,11 @@ class TokenDataset:
         try:
             meta = check_metadata(json.loads(file.read_text(encoding="utf-8")), file)
         except FileNotFoundError:
+            if any(self.path.glob("rank-*/" + METADATA_FILE)):
+                raise ValueError(
+                    f"{self.path} is a ranked output (rank-RRRRR directories, no {METADATA_FILE} over them yet): "
+                    f"run tokenizer-shards merge {self.path} first"
+                ) from None
             raise ValueError(f"{self.path} holds no {METADATA_FILE}: not a tokenizer-pretokenize output") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"{file}: not JSON: {exc}") from exc
@@ -373,7 +420,9 @@ class TokenDataset:
 
     @property
     def num_tokens(self) -> int:
-        """Ids stored in the shards (packed output: rows x seq_len, padding included)."""
+        """Ids stored in the shards (packed output: rows x seq_len, padding included; a concat output's leftover,
+        the last ids that did not fill a row, is not stored). ``metadata["tokens"]`` counts the tokens
+        tokenized, padding not included, leftover included: ``tokenizer-shards info`` shows both."""
         return int(self._id_starts[-1])
 
     @property
@@ -398,6 +447,13 @@ class TokenDataset:
         if len(self._open) > _SHARDS_OPEN:
             self._open.popitem(last=False)
         return shard
+
+    def check(self, index: int) -> None:
+        """Read every byte of shard `index`: ValueError unless its offsets rise and end at its size, its ids are
+        below the vocabulary size, and packed, its rows' boundaries are sound (what ``tokenizer-shards verify``
+        and every export check)."""
+        index = range(self.num_shards)[index]
+        check_shard(self.shard(index), self.vocab_size, self._row_len, self.path / self._names[index])
 
     def _map_shard(self, index: int) -> Shard:
         count = int(self._count_starts[index + 1] - self._count_starts[index])

@@ -1,7 +1,8 @@
 """`tokenizer-pretokenize`: flags -> Options -> run, with a progress bar, a summary and exit codes.
 
 Exit codes: 0 done (or nothing to do), 1 failed (a bad record under --strict, an unreadable input, the
-service), 2 refused (bad flags, or an output directory that holds another run), 130 interrupted.
+service), 2 refused (bad flags, an input that does not exist or is of an unknown kind, or an output
+directory that holds another run), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import errno
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tqdm import tqdm
@@ -19,7 +21,7 @@ from app.core.models import ModelLoadError
 from app.pretokenize.backends import ServiceError
 from app.pretokenize.ranks import RankError, rank_from_environment
 from app.pretokenize.run import DEFAULT_SHARD_TOKENS, Options, Progress, Summary, run
-from app.pretokenize.sources import KINDS, BadRecordError, InputError
+from app.pretokenize.sources import KINDS, BadRecordError, InputError, InputRefused, peek
 from app.pretokenize.store import OutputError
 from app.settings import usable_cpus
 from client.errors import TokenizerError
@@ -47,14 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="INPUT",
         help=f"input files ({KINDS}) or directories of them (every such file below, sorted by path)",
     )
-    parser.add_argument("--output", "-o", required=True, type=Path, metavar="DIR", help="output directory")
+    parser.add_argument("--output", "-o", type=Path, metavar="DIR", help="output directory (required)")
     parser.add_argument(
         "--model",
         metavar="NAME",
         help="model name on the service; with --local a model file, or a name the server's options know "
         "(TOKENIZER_MODEL / TOKENIZER_MODELS_DIR, else the bundled 'default')",
     )
-    where = parser.add_mutually_exclusive_group(required=True)
+    where = parser.add_mutually_exclusive_group()  # one of them is required, except with --peek
     where.add_argument("--url", action="append", dest="urls", metavar="URL", help="a tokenizer-service (repeatable)")
     where.add_argument("--local", action="store_true", help="tokenize in-process on a pool of the server's workers")
     parser.add_argument(
@@ -107,7 +109,48 @@ def build_parser() -> argparse.ArgumentParser:
         "machine, on 127.0.0.1 only), then merge them; needs pip install 'tokenizer-service[ray]'",
     )
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary")
+    parser.add_argument(
+        "--peek",
+        action="store_true",
+        help="tokenize nothing: print the kind of each INPUT and its first record's fields and types (Parquet: "
+        "its columns), to choose --text-field",
+    )
     return parser
+
+
+class BadRecordLog:
+    """Bad records on stderr without a flood: the first few in full (file:line: reason), then a count at most
+    every `every` seconds, and the total at the end (`close`)."""
+
+    FIRST = 10
+    EVERY = 10.0
+
+    def __init__(self, write: Callable[[str], None], clock: Callable[[], float] = time.monotonic) -> None:
+        self.write = write
+        self.clock = clock
+        self.count = 0
+        self.said = 0  # the count at the last line written
+        self._last_line = 0.0
+        self._last = ""
+
+    def __call__(self, message: str) -> None:
+        self.count += 1
+        self._last = message
+        if self.count <= self.FIRST:
+            self.write(message)
+            if self.count == self.FIRST:
+                self.write(f"(further bad records are counted, a line every {self.EVERY:.0f} s; --strict stops at one)")
+            self.said, self._last_line = self.count, self.clock()
+            return
+        now = self.clock()
+        if now - self._last_line >= self.EVERY:
+            self.write(f"{self.count:,} bad records so far (the last: {message})")
+            self.said, self._last_line = self.count, now
+
+    def close(self) -> None:
+        if self.count > self.said:
+            self.write(f"{self.count:,} bad records in all (the last: {self._last})")
+            self.said = self.count
 
 
 class ProgressBar:
@@ -203,9 +246,28 @@ def run_ranks_on_ray(options: Options, address: str, world_size: int, *, quiet: 
     return 0
 
 
+def peek_inputs(inputs: list[str], text_field: str) -> int:
+    try:
+        for path in inputs:
+            print("\n".join(peek(path, text_field)))
+    except InputRefused as exc:
+        print(f"tokenizer-pretokenize: {exc}", file=sys.stderr)
+        return 2
+    except (InputError, OSError) as exc:
+        print(f"tokenizer-pretokenize: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.peek:
+        return peek_inputs(args.inputs, args.text_field)
+    if args.output is None:
+        parser.error("the following arguments are required: --output/-o")
+    if not args.urls and not args.local:
+        parser.error("one of the arguments --url --local is required")
     if args.strategy is not None and args.seq_len is None:
         parser.error("--strategy needs --seq-len")
     if args.ray is not None:
@@ -241,8 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.ray is not None:
         return run_ranks_on_ray(options, args.ray, args.world_size, quiet=args.quiet)
     bar = ProgressBar(enabled=not args.quiet)
+    bad_records = BadRecordLog(bar.write)
     try:
-        summary = run(options, report_bad=bar.write, progress=bar.update)
+        try:
+            summary = run(options, report_bad=bad_records, progress=bar.update, warn=bar.write)
+        finally:
+            bad_records.close()
     except KeyboardInterrupt:
         bar.close()
         print(
@@ -258,6 +324,10 @@ def main(argv: list[str] | None = None) -> int:
         bar.close()
         print(f"tokenizer-pretokenize: bad record (--strict): {exc}", file=sys.stderr)
         return 1
+    except InputRefused as exc:
+        bar.close()
+        print(f"tokenizer-pretokenize: {exc}", file=sys.stderr)
+        return 2
     except (InputError, ModelLoadError, ServiceError, TokenizerError) as exc:
         bar.close()
         print(f"tokenizer-pretokenize: {exc}", file=sys.stderr)

@@ -33,11 +33,20 @@ llmc      (llm.c, ``dev/data/data_common.py``, ``llmc/dataloader.h``): shard fil
           header (``[0] = 20240520``, ``[1] = 1``, ``[2]`` = ids in the shard) then the ids as uint16;
           the loader needs a file size of exactly 1024 + 2 x ids.
 
+Validation (``--val-documents N``, ragged outputs): the first N documents go to a validation set, the
+rest to training. nanogpt writes ``val.bin`` beside ``train.bin`` (nanoGPT reads both from one
+directory); llmc ``val_NNNNNN.bin`` beside ``train_NNNNNN.bin`` (llm.c's ``-j`` pattern); megatron and
+litdata a second prefix or directory, ``OUT_val``.
+
 Ragged outputs export to all four. Packed ``concat`` outputs too (each row of ``seq_len`` ids is a
 sequence, an item, or simply ids in the stream: the rows are the corpus's id stream cut every
 ``seq_len``). Packed ``best_fit`` outputs are refused: their rows carry padding that these readers
 cannot mask. nanogpt and llmc are uint16 formats: a vocabulary over 65,536 pieces is refused.
-Where the same bytes serve, files are hard-linked, not copied (one ``.bin`` shard to megatron).
+Where the same bytes serve, files are hard-linked, not copied: a whole ``.bin`` shard as megatron's
+``.bin`` (one shard, or ``--per-shard``) or as nanogpt's file (one shard). A hard link is the shard
+itself: the pre-tokenizer writes complete shards read-only so that editing an export in place fails
+instead of changing the dataset. Every shard is checked first (``TokenDataset.check``: offsets, ids
+below the vocabulary, row boundaries); an export of a corrupt shard is refused before anything is written.
 """
 
 from __future__ import annotations
@@ -47,7 +56,8 @@ import os
 import shutil
 import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -69,15 +79,37 @@ LLMC_MAGIC = 20240520
 LLMC_VERSION = 1
 LLMC_HEADER_INTS = 256
 DEFAULT_LLMC_SHARD_TOKENS = 100_000_000  # as llm.c's own data scripts write them
+NANOGPT_FILE = "train.bin"
 
-Progress = Callable[[int], None]  # ids written since the last call
+Progress = Callable[[int], None]  # ids written (or checked) since the last call
+Stage = Callable[[str, int], None]  # what the export does now, and how many ids that covers
 
 
 class ExportError(Exception):
     """This output cannot go to that format; the message says why and what to do instead."""
 
 
-def check_exportable(metadata: dict[str, Any], to: str) -> None:
+@dataclass(frozen=True, eq=False)
+class Part:
+    """Consecutive sequences of one shard (documents, or packed rows): `ids` end to end and their `lengths`.
+    `file` is the shard's ``.bin`` when the part is the whole shard, so that it can be hard-linked."""
+
+    name: str
+    ids: np.ndarray
+    lengths: np.ndarray
+    file: Path | None
+
+
+@dataclass
+class Exported:
+    """What an export wrote: every file, those that are hard links to shards, and the validation files."""
+
+    files: list[Path] = field(default_factory=list)
+    linked: list[Path] = field(default_factory=list)
+    val_files: list[Path] = field(default_factory=list)
+
+
+def check_exportable(metadata: dict[str, Any], to: str, val_documents: int = 0) -> None:
     """Refuse (ExportError) an output a format cannot represent."""
     if not metadata.get("complete"):
         raise ExportError("the output is incomplete: finish it first (run the same tokenizer-pretokenize again)")
@@ -90,35 +122,85 @@ def check_exportable(metadata: dict[str, Any], to: str) -> None:
         raise ExportError(
             f"{to} stores ids as uint16: a vocabulary of {vocab} pieces does not fit; use megatron or litdata"
         )
+    if val_documents:
+        if metadata.get("layout") != "ragged":
+            raise ExportError(
+                "--val-documents splits documents: it needs a ragged output (a packed row holds pieces of several)"
+            )
+        if val_documents >= metadata.get("documents", 0):
+            raise ExportError(
+                f"--val-documents {val_documents:,} leaves no training document of {metadata.get('documents', 0):,}"
+            )
 
 
-def sequences(dataset: TokenDataset, shard: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, lengths) of a shard: documents (ragged) or rows (packed)."""
-    arrays = dataset.shard(shard)
-    if dataset.layout == "packed":
-        rows = len(arrays.ids) // (dataset.seq_len or 1)
-        return arrays.ids, np.full(rows, dataset.seq_len, dtype=np.int64)
-    return arrays.ids, np.diff(arrays.offsets)
+def check_shards(dataset: TokenDataset, progress: Progress) -> None:
+    """Every shard read once and checked (offsets, ids, row boundaries); ExportError naming the first bad one."""
+    for shard in range(dataset.num_shards):
+        try:
+            dataset.check(shard)
+        except (ValueError, OSError) as exc:
+            message = f"{exc}; nothing was exported (tokenizer-shards verify {dataset.path} checks it all)"
+            raise ExportError(message) from exc
+        progress(len(dataset.shard(shard).ids))
+
+
+def parts(dataset: TokenDataset, start: int, stop: int) -> list[Part]:
+    """Sequences [start, stop) of the dataset (documents, or packed rows), a part per shard they touch."""
+    found = []
+    bounds = [0]
+    for shard in range(dataset.num_shards):
+        arrays = dataset.shard(shard)
+        if dataset.layout == "packed":
+            row = dataset.seq_len or 1
+            count = len(arrays.ids) // row
+        else:
+            count = len(arrays.offsets) - 1
+        first, last = bounds[-1], bounds[-1] + count
+        bounds.append(last)
+        lo, hi = max(start, first) - first, min(stop, last) - first
+        if lo >= hi:
+            continue
+        whole = lo == 0 and hi == count
+        if dataset.layout == "packed":
+            ids = arrays.ids[lo * row : hi * row]
+            lengths = np.full(hi - lo, row, dtype=np.int64)
+        else:
+            ids = arrays.ids[int(arrays.offsets[lo]) : int(arrays.offsets[hi])]
+            lengths = np.diff(arrays.offsets[lo : hi + 1])
+        name = dataset.metadata["shards"][shard]["name"].replace("/", "-")  # merged ranks: rank-RRRRR/NNNNN
+        found.append(Part(name, ids, lengths, bin_path(dataset, shard) if whole else None))
+    return found
 
 
 def bin_path(dataset: TokenDataset, shard: int) -> Path:
     return dataset.path / f"{dataset.metadata['shards'][shard]['name']}{BIN_SUFFIX}"
 
 
-def link_or_copy(source: Path, target: Path) -> None:
-    """A hard link where the filesystem allows one, else a copy."""
+def link_or_copy(source: Path, target: Path) -> bool:
+    """A hard link where the filesystem allows one (True), else a copy (False)."""
     target.unlink(missing_ok=True)
     try:
         os.link(source, target)
     except OSError:
         shutil.copyfile(source, target)
+        return False
+    return True
 
 
 def _write_atomically(path: Path, write: Callable[[Any], None]) -> None:
     temporary = path.with_name(f".{path.name}.tmp")
-    with temporary.open("wb") as file:
-        write(file)
-    os.replace(temporary, path)
+    try:
+        with temporary.open("wb") as file:
+            write(file)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def _write_ids(file: Any, pieces: list[Part], progress: Progress) -> None:
+    for part in pieces:
+        file.write(memoryview(np.ascontiguousarray(part.ids)).cast("B"))
+        progress(len(part.ids))
 
 
 # -- megatron -------------------------------------------------------------------------------------------------
@@ -140,36 +222,35 @@ def megatron_index(lengths: np.ndarray, dtype: str) -> list[bytes]:
     ]
 
 
-def export_megatron(dataset: TokenDataset, output: Path, *, per_shard: bool, progress: Progress) -> list[Path]:
-    """OUT.bin + OUT.idx for the whole output, or OUT_NNNNN.bin/.idx a shard (``.bin`` hard-linked)."""
-    dtype = dataset.metadata["dtype"]
+def _with_suffix(prefix: Path, suffix: str) -> Path:
+    """PREFIX + suffix (Path.with_suffix would eat a dot in the prefix's name)."""
+    return prefix.with_name(prefix.name + suffix)
+
+
+def export_megatron(
+    pieces: list[Part], dtype: str, output: Path, *, per_shard: bool, progress: Progress, done: Exported
+) -> list[Path]:
+    """OUT.bin + OUT.idx for all parts, or OUT_NNNNN.bin/.idx a part (a whole shard's ``.bin`` hard-linked)."""
     output.parent.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-    if per_shard or dataset.num_shards == 1:
-        for shard in range(dataset.num_shards):
-            name = dataset.metadata["shards"][shard]["name"].replace("/", "-")  # merged ranks: rank-RRRRR/NNNNN
-            prefix = Path(f"{output}_{name}") if per_shard else output
-            ids, lengths = sequences(dataset, shard)
-            link_or_copy(bin_path(dataset, shard), prefix.with_suffix(".bin"))
-            _write_atomically(
-                prefix.with_suffix(".idx"), lambda file, n=lengths: file.writelines(megatron_index(n, dtype))
-            )
-            written += [prefix.with_suffix(".bin"), prefix.with_suffix(".idx")]
-            progress(len(ids))
+    if per_shard or len(pieces) == 1:
+        for part in pieces:
+            prefix = Path(f"{output}_{part.name}") if per_shard else output
+            binary, index = _with_suffix(prefix, ".bin"), _with_suffix(prefix, ".idx")
+            if part.file is not None:
+                if link_or_copy(part.file, binary):
+                    done.linked.append(binary)
+            else:
+                _write_atomically(binary, lambda file, p=part: _write_ids(file, [p], lambda count: None))
+            _write_atomically(index, lambda file, n=part.lengths: file.writelines(megatron_index(n, dtype)))
+            written += [binary, index]
+            progress(len(part.ids))
         return written
-    all_lengths = []
-
-    def write_bin(file: Any) -> None:
-        for shard in range(dataset.num_shards):
-            ids, lengths = sequences(dataset, shard)
-            file.write(memoryview(ids).cast("B"))
-            all_lengths.append(lengths)
-            progress(len(ids))
-
-    _write_atomically(output.with_suffix(".bin"), write_bin)
-    lengths = np.concatenate(all_lengths) if all_lengths else np.zeros(0, dtype=np.int64)
-    _write_atomically(output.with_suffix(".idx"), lambda file: file.writelines(megatron_index(lengths, dtype)))
-    return [output.with_suffix(".bin"), output.with_suffix(".idx")]
+    binary, index = _with_suffix(output, ".bin"), _with_suffix(output, ".idx")
+    _write_atomically(binary, lambda file: _write_ids(file, pieces, progress))
+    lengths = np.concatenate([part.lengths for part in pieces]) if pieces else np.zeros(0, dtype=np.int64)
+    _write_atomically(index, lambda file: file.writelines(megatron_index(lengths, dtype)))
+    return [binary, index]
 
 
 # -- litdata --------------------------------------------------------------------------------------------------
@@ -187,25 +268,29 @@ def litdata_chunk_head(lengths: np.ndarray, itemsize: int) -> bytes:
     return np.uint32(count).tobytes() + offsets.astype("<u4").tobytes()
 
 
-def export_litdata(dataset: TokenDataset, output: Path, *, progress: Progress) -> list[Path]:
-    """OUT/index.json and one chunk a shard, items = documents (or rows)."""
-    dtype = dataset.metadata["dtype"]
+def export_litdata(pieces: list[Part], dtype: str, output: Path, *, progress: Progress) -> list[Path]:
+    """OUT/index.json and one chunk a part, items = documents (or rows)."""
     itemsize = np.dtype(dtype).itemsize
     output.mkdir(parents=True, exist_ok=True)
     chunks = []
     written = []
-    for shard in range(dataset.num_shards):
-        ids, lengths = sequences(dataset, shard)
-        name = f"chunk-0-{shard}.bin"
-        head = litdata_chunk_head(lengths, itemsize)
+    for number, part in enumerate(pieces):
+        name = f"chunk-0-{number}.bin"
+        head = litdata_chunk_head(part.lengths, itemsize)
         _write_atomically(
-            output / name, lambda file, h=head, i=ids: (file.write(h), file.write(memoryview(i).cast("B")))
+            output / name,
+            lambda file, h=head, p=part: (file.write(h), _write_ids(file, [p], lambda count: None)),
         )
         chunks.append(
-            {"chunk_bytes": len(head) + ids.nbytes, "chunk_size": len(lengths), "dim": len(ids), "filename": name}
+            {
+                "chunk_bytes": len(head) + part.ids.nbytes,
+                "chunk_size": len(part.lengths),
+                "dim": len(part.ids),
+                "filename": name,
+            }
         )
         written.append(output / name)
-        progress(len(ids))
+        progress(len(part.ids))
     index = {
         "chunks": chunks,
         "config": {
@@ -230,21 +315,15 @@ def export_litdata(dataset: TokenDataset, output: Path, *, progress: Progress) -
 # -- nanogpt --------------------------------------------------------------------------------------------------
 
 
-def export_nanogpt(dataset: TokenDataset, output: Path, *, progress: Progress) -> list[Path]:
-    """One flat uint16 file (``train.bin``): every shard's ids end to end (hard-linked for one shard)."""
+def export_nanogpt(pieces: list[Part], output: Path, *, progress: Progress, done: Exported) -> list[Path]:
+    """One flat uint16 file (``train.bin``): every part's ids end to end (hard-linked for one whole shard)."""
     output.parent.mkdir(parents=True, exist_ok=True)
-    if dataset.num_shards == 1:
-        link_or_copy(bin_path(dataset, 0), output)
-        progress(len(dataset.shard(0).ids))
+    if len(pieces) == 1 and pieces[0].file is not None:
+        if link_or_copy(pieces[0].file, output):
+            done.linked.append(output)
+        progress(len(pieces[0].ids))
         return [output]
-
-    def write(file: Any) -> None:
-        for shard in range(dataset.num_shards):
-            ids = dataset.shard(shard).ids
-            file.write(memoryview(ids).cast("B"))
-            progress(len(ids))
-
-    _write_atomically(output, write)
+    _write_atomically(output, lambda file: _write_ids(file, pieces, progress))
     return [output]
 
 
@@ -257,13 +336,8 @@ def llmc_header(tokens: int) -> bytes:
     return header.tobytes()
 
 
-def _stream(dataset: TokenDataset) -> Iterator[np.ndarray]:
-    for shard in range(dataset.num_shards):
-        yield dataset.shard(shard).ids
-
-
-def export_llmc(dataset: TokenDataset, output: Path, *, shard_tokens: int, progress: Progress) -> list[Path]:
-    """OUT/train_000000.bin, ...: shards of `shard_tokens` ids (the last one shorter)."""
+def export_llmc(pieces: list[Part], output: Path, *, shard_tokens: int, split: str, progress: Progress) -> list[Path]:
+    """OUT/{split}_000000.bin, ...: shards of `shard_tokens` ids (the last one shorter)."""
     output.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     pending: list[np.ndarray] = []
@@ -283,21 +357,57 @@ def export_llmc(dataset: TokenDataset, output: Path, *, shard_tokens: int, progr
             else:
                 rest.append(piece)
         pending, held = rest, held - count
-        path = output / f"train_{len(written):06d}.bin"
+        path = output / f"{split}_{len(written):06d}.bin"
         _write_atomically(
             path, lambda file: (file.write(llmc_header(count)), [file.write(memoryview(p).cast("B")) for p in taken])
         )
         written.append(path)
         progress(count)
 
-    for ids in _stream(dataset):
-        pending.append(ids)
-        held += len(ids)
+    for part in pieces:
+        pending.append(np.ascontiguousarray(part.ids))
+        held += len(part.ids)
         while held >= shard_tokens:
             flush(shard_tokens)
     if held:
         flush(held)
     return written
+
+
+# -- all formats ----------------------------------------------------------------------------------------------
+
+
+def val_output(to: str, output: Path) -> Path:
+    """Where the validation set goes: nanogpt's val.bin beside train.bin; llmc's val_* files in the same
+    directory; megatron's and litdata's own prefix or directory, OUT_val."""
+    if to == "nanogpt":
+        return output.with_name("val.bin" if output.name == NANOGPT_FILE else f"{output.stem}_val{output.suffix}")
+    if to == "llmc":
+        return output
+    return output.with_name(output.name + "_val")
+
+
+def _export_parts(
+    pieces: list[Part],
+    to: str,
+    dtype: str,
+    output: Path,
+    *,
+    per_shard: bool,
+    shard_tokens: int,
+    split: str,
+    progress: Progress,
+    done: Exported,
+) -> list[Path]:
+    if to == "megatron":
+        return export_megatron(pieces, dtype, output, per_shard=per_shard, progress=progress, done=done)
+    if to == "litdata":
+        return export_litdata(pieces, dtype, output, progress=progress)
+    if to == "nanogpt":
+        return export_nanogpt(pieces, output, progress=progress, done=done)
+    if to == "llmc":
+        return export_llmc(pieces, output, shard_tokens=shard_tokens, split=split, progress=progress)
+    raise ExportError(f"unknown format {to!r}; one of {', '.join(FORMATS)}")
 
 
 def export(
@@ -307,17 +417,46 @@ def export(
     *,
     per_shard: bool = False,
     shard_tokens: int = DEFAULT_LLMC_SHARD_TOKENS,
+    val_documents: int = 0,
     progress: Progress | None = None,
-) -> list[Path]:
-    """Export `dataset` to format `to` at `output`; the files written."""
-    check_exportable(dataset.metadata, to)
+    stage: Stage | None = None,
+) -> Exported:
+    """Export `dataset` to format `to` at `output` (the first `val_documents` documents to `val_output`)."""
+    if to not in FORMATS:
+        raise ExportError(f"unknown format {to!r}; one of {', '.join(FORMATS)}")
+    check_exportable(dataset.metadata, to, val_documents)
     report = progress or (lambda count: None)
-    if to == "megatron":
-        return export_megatron(dataset, output, per_shard=per_shard, progress=report)
-    if to == "litdata":
-        return export_litdata(dataset, output, progress=report)
-    if to == "nanogpt":
-        return export_nanogpt(dataset, output, progress=report)
-    if to == "llmc":
-        return export_llmc(dataset, output, shard_tokens=shard_tokens, progress=report)
-    raise ExportError(f"unknown format {to!r}; one of {', '.join(FORMATS)}")
+    announce = stage or (lambda what, total: None)
+    announce("checking shards", dataset.num_tokens)
+    check_shards(dataset, report)
+    dtype = dataset.metadata["dtype"]
+    done = Exported()
+    if val_documents:
+        val = parts(dataset, 0, val_documents)
+        announce(f"writing {to} validation", sum(len(part.ids) for part in val))
+        done.val_files = _export_parts(
+            val,
+            to,
+            dtype,
+            val_output(to, output),
+            per_shard=per_shard,
+            shard_tokens=shard_tokens,
+            split="val",
+            progress=report,
+            done=done,
+        )
+    train = parts(dataset, val_documents, len(dataset))
+    announce(f"writing {to}", sum(len(part.ids) for part in train))
+    done.files = _export_parts(
+        train,
+        to,
+        dtype,
+        output,
+        per_shard=per_shard,
+        shard_tokens=shard_tokens,
+        split="train",
+        progress=report,
+        done=done,
+    )
+    done.files += done.val_files
+    return done

@@ -18,7 +18,15 @@ from app.core.models import ModelInfo, ModelLoadError
 from app.pretokenize.backends import local_pool, tokenize_locally, tokenize_via_service
 from app.pretokenize.ranks import blocks, rank_directory
 from app.pretokenize.shards import BestFitShards, ConcatShards, RaggedShards, ShardSink
-from app.pretokenize.sources import BadRecordError, DocumentReader, InputError, Position, Source, expand_inputs
+from app.pretokenize.sources import (
+    BadRecordError,
+    DocumentReader,
+    NoTextError,
+    Position,
+    Source,
+    expand_inputs,
+    holds_text,
+)
 from app.pretokenize.store import OutputDir, OutputError, differences
 from app.registry import inspect_model
 from app.settings import ConfigError, Settings, describe_error, usable_cpus
@@ -30,6 +38,8 @@ DEFAULT_SHARD_TOKENS = 1 << 24
 SERVICE_BATCH = 256
 SERVICE_DEPTH = 4  # requests in flight per URL
 LOCAL_CHUNK_CHARS = (1 << 16, 1 << 20)  # a chunk for one worker: at least 64 KiB, at most 1 MiB of text
+EARLY_BAD_RECORDS = 1000  # a run whose first this many records are all bad stops then (see text_ahead)
+LOOK_AHEAD_FILES = 8
 
 
 @dataclass(frozen=True)
@@ -183,6 +193,12 @@ def open_output(out: OutputDir, wanted: dict[str, Any]) -> tuple[dict[str, Any],
         out.write_metadata(wanted)
         return wanted, False
     problems = differences(existing, wanted)
+    if problems and not existing.get("shards") and not existing.get("complete"):
+        # another run's output that never got to its first shard (a wrong option, a killed run): nothing in it
+        # is worth keeping, and refusing would block the corrected command
+        out.prepare(0)
+        out.write_metadata(wanted)
+        return wanted, False
     if problems:
         raise OutputError(
             f"{out.path} holds another run's output; refusing to mix:\n  "
@@ -204,15 +220,33 @@ def special_tokens(options: Options, model: ModelInfo) -> Options:
     return dataclasses.replace(options, add_eos=add_eos)
 
 
+def all_bad(bad: int, last_bad: str, reader: DocumentReader, options: Options, *, early: bool) -> NoTextError:
+    """The error of a run whose records were all bad: how many, the last, the fields they had instead."""
+    if early:
+        what = f"the first {bad:,} records are all bad, so the run stops here (the last: {last_bad})"
+    else:
+        what = f"all {bad:,} records are bad, so nothing was tokenized (the last: {last_bad})"
+    fields = ""
+    if reader.records_without_field:
+        common = ", ".join(f"{name!r} ({count:,})" for name, count in reader.fields.most_common(8))
+        fields = f"; {reader.records_without_field:,} of them lack the field, and have: {common}"
+    return NoTextError(f"{what}{fields}; is --text-field {options.text_field!r} the field that holds the text?")
+
+
 def run(
     options: Options,
     *,
     report_bad: Callable[[str], None],
     progress: Callable[[Progress], None] | None = None,
+    warn: Callable[[str], None] | None = None,
 ) -> Summary:
-    """Pre-tokenize `options.inputs` into `options.output`; resumes an interrupted output of the same run."""
+    """Pre-tokenize `options.inputs` into `options.output`; resumes an interrupted output of the same run.
+
+    `report_bad` hears of each bad record, `warn` of anything else worth a line (default: `report_bad`)."""
     started = time.monotonic()
-    sources = [Source.from_path(path) for path in expand_inputs(options.inputs)]
+    warn = warn or report_bad
+    sources = [Source.from_path(path) for path in expand_inputs(options.inputs, warn)]
+    corpus = [source.path for source in sources]  # the whole input list, also of a rank
     output, rank = options.output, None
     if options.rank is not None and options.world_size is not None:
         start, end = blocks([source.size for source in sources], options.world_size)[options.rank]
@@ -234,75 +268,109 @@ def run(
         metadata, complete = open_output(out, wanted)
         if complete:
             return Summary(out.path, metadata, len(metadata["shards"]), 0, 0, time.monotonic() - started, True)
-        shards_before = len(metadata["shards"])
         sources = [Source(**source) for source in metadata["sources"]]
-
-        bad, last_bad = 0, ""
-
-        def on_bad(message: str) -> None:
-            nonlocal bad, last_bad
-            if options.strict:
-                raise BadRecordError(message)
-            bad, last_bad = bad + 1, message
-            report_bad(message)
-
-        reader = DocumentReader(sources, options.text_field, on_bad)
-        positions: deque[Position] = deque()
-
-        def texts() -> Iterator[str]:
-            for text, position in reader:
-                positions.append(position)
-                yield text
-
-        if urls:
-            batches = tokenize_via_service(
-                stack.enter_context(TokenizerClient(urls, timeout=300)),
-                texts(),
-                model=model.name,
-                sha256=model.sha256,
-                add_bos=options.add_bos,
-                add_eos=options.add_eos,
-                parse_special_tokens=options.parse_special_tokens,
-                batch_size=SERVICE_BATCH,
-                depth=SERVICE_DEPTH * len(urls),
+        try:
+            return _tokenize(
+                options, model, out, metadata, sources, stack, rank, report_bad, progress, warn, started, corpus
             )
-        else:
-            pool = stack.enter_context(local_pool(model, options.workers))
-            stack.callback(pool.shutdown, wait=True, cancel_futures=True)  # also on Ctrl-C: first, cancel the rest
-            remaining = sum(source.size for source in sources if not source.done)
-            chunk_chars = int(np.clip(remaining // (8 * options.workers), *LOCAL_CHUNK_CHARS))
-            batches = tokenize_locally(
-                pool,
-                model.name,
-                texts(),
-                add_bos=options.add_bos,
-                add_eos=options.add_eos,
-                parse_special_tokens=options.parse_special_tokens,
-                chunk_chars=chunk_chars,
-                depth=2 * options.workers,
-            )
+        except NoTextError:
+            if not metadata["shards"]:  # nothing of this output is worth keeping, and it would block a rerun
+                out.discard(created)
+            raise
 
-        sink = make_sink(out, metadata, sources, model)
-        total_bytes = sum(source.size for source in sources)
-        initial_bytes = sum(
-            source.size if source.done else 0 if source.compressed else source.read_bytes for source in sources
+
+def _tokenize(
+    options: Options,
+    model: ModelInfo,
+    out: OutputDir,
+    metadata: dict[str, Any],
+    sources: list[Source],
+    stack: ExitStack,
+    rank: dict[str, Any] | None,
+    report_bad: Callable[[str], None],
+    progress: Callable[[Progress], None] | None,
+    warn: Callable[[str], None],
+    started: float,
+    corpus: list[str],
+) -> Summary:
+    """The reading, tokenizing and writing of `run`, into an output that is open."""
+    urls = options.urls
+    shards_before = len(metadata["shards"])
+    bad, last_bad, good = 0, "", 0
+
+    def on_bad(message: str) -> None:
+        nonlocal bad, last_bad
+        if options.strict:
+            raise BadRecordError(message)
+        bad, last_bad = bad + 1, message
+        report_bad(message)
+        if bad == EARLY_BAD_RECORDS and not good and not shards_before and not text_ahead():
+            # a wrong --text-field or the wrong files: say so now, not after reading the whole corpus
+            raise all_bad(bad, last_bad, reader, options, early=True)
+
+    def text_ahead() -> bool:
+        """Whether one of the next few inputs of the whole corpus starts with a record that has the text field
+        (bad records first, then good ones: read on)."""
+        current = reader.current.path if reader.current is not None else None
+        after = corpus.index(current) + 1 if current in corpus else 0
+        return any(holds_text(path, options.text_field) for path in corpus[after : after + LOOK_AHEAD_FILES])
+
+    reader = DocumentReader(sources, options.text_field, on_bad, warn)
+    positions: deque[Position] = deque()
+
+    def texts() -> Iterator[str]:
+        nonlocal good
+        for text, position in reader:
+            good += 1
+            positions.append(position)
+            yield text
+
+    if urls:
+        batches = tokenize_via_service(
+            stack.enter_context(TokenizerClient(urls, timeout=300)),
+            texts(),
+            model=model.name,
+            sha256=model.sha256,
+            add_bos=options.add_bos,
+            add_eos=options.add_eos,
+            parse_special_tokens=options.parse_special_tokens,
+            batch_size=SERVICE_BATCH,
+            depth=SERVICE_DEPTH * len(urls),
         )
-        documents = tokens = 0
-        for batch in batches:
-            count = len(batch)
-            sink.add(batch.ids, batch.offsets, [positions.popleft() for _ in range(count)])
-            documents += count
-            tokens += batch.num_tokens
-            if progress is not None:
-                progress(Progress(documents, tokens, reader.compressed_bytes_read(), initial_bytes, total_bytes))
-        if documents == 0 and bad and shards_before == 0 and rank is None:
-            # Every record of a whole corpus bad: a wrong --text-field, or the wrong files. (A rank's
-            # block may hold only bad records; the merge sees the whole.) Nothing written is worth
-            # keeping, and leaving it would make the corrected command "another run's output".
-            out.discard(created)
-            raise InputError(
-                f"all {bad:,} records are bad, so nothing was tokenized (the last: {last_bad}); is --text-field "
-                f"{options.text_field!r} the field that holds the text?"
-            )
-        sink.finish()
+    else:
+        pool = stack.enter_context(local_pool(model, options.workers))
+        stack.callback(pool.shutdown, wait=True, cancel_futures=True)  # also on Ctrl-C: first, cancel the rest
+        remaining = sum(source.size for source in sources if not source.done)
+        chunk_chars = int(np.clip(remaining // (8 * options.workers), *LOCAL_CHUNK_CHARS))
+        batches = tokenize_locally(
+            pool,
+            model.name,
+            texts(),
+            add_bos=options.add_bos,
+            add_eos=options.add_eos,
+            parse_special_tokens=options.parse_special_tokens,
+            chunk_chars=chunk_chars,
+            depth=2 * options.workers,
+        )
+
+    sink = make_sink(out, metadata, sources, model)
+    total_bytes = sum(source.size for source in sources)
+    initial_bytes = sum(
+        source.size if source.done else 0 if source.compressed else source.read_bytes for source in sources
+    )
+    documents = tokens = 0
+    for batch in batches:
+        count = len(batch)
+        sink.add(batch.ids, batch.offsets, [positions.popleft() for _ in range(count)])
+        documents += count
+        tokens += batch.num_tokens
+        if progress is not None:
+            progress(Progress(documents, tokens, reader.compressed_bytes_read(), initial_bytes, total_bytes))
+    if documents == 0 and bad and shards_before == 0 and rank is None:
+        # Every record of a whole corpus bad: a wrong --text-field, or the wrong files. (A rank's
+        # block may hold only bad records; the merge sees the whole.) Nothing written is worth
+        # keeping, and leaving it would make the corrected command "another run's output" (run
+        # removes it on this error).
+        raise all_bad(bad, last_bad, reader, options, early=False)
+    sink.finish()
     return Summary(out.path, metadata, shards_before, documents, tokens, time.monotonic() - started)

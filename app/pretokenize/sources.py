@@ -7,7 +7,8 @@ it, sorted by path.
 
 Every document comes with the Position just after it, which is what a resumed run seeks back to; bad
 records are reported with file:line (file:row for Parquet) and counted in the position, so a resume
-counts each one once. For Parquet the position's `lines` and `read_bytes` count rows.
+counts each one once. For Parquet the position's `lines` counts rows (where a resumed run goes on) and
+`read_bytes` the bytes of the file up to the end of the row group being read.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import gzip
 import importlib
 import io
 import zlib
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,6 +30,7 @@ COMPRESSIONS = (".gz", ".zst")
 KINDS = ".jsonl, .json, .txt (each optionally .gz or .zst) or .parquet"
 CORPORA_EXTRA = "pip install 'tokenizer-service[corpora]'"
 PARQUET_BATCH_ROWS = 1024
+PARQUET_MAGIC = b"PAR1"
 JSON_TYPES = {
     bool: "a boolean",
     int: "a number",
@@ -40,6 +43,15 @@ JSON_TYPES = {
 
 class InputError(Exception):
     """An input file is missing, of an unknown kind, or unreadable as a whole (e.g. a corrupt gzip stream)."""
+
+
+class InputRefused(InputError):
+    """An input named on the command line cannot be used at all (missing, not a file, of an unknown kind): a
+    usage mistake, refused before anything is read."""
+
+
+class NoTextError(InputError):
+    """No text where --text-field says: a Parquet file without that column, or a corpus of bad records only."""
 
 
 class BadRecordError(Exception):
@@ -63,16 +75,18 @@ class Source:
     @classmethod
     def from_path(cls, path: str | Path) -> Source:
         resolved = Path(path).expanduser().resolve()
-        suffix, compression = kind_of(resolved.name)
-        if suffix is None:
-            raise InputError(f"{path}: unknown input kind; expected {KINDS}, or a directory of them")
-        compressed = compression is not None
         try:
             size = resolved.stat().st_size
+        except FileNotFoundError:
+            raise InputRefused(f"{path}: no such file or directory") from None
         except OSError as exc:
-            raise InputError(f"{path}: {exc.strerror}") from exc
+            raise InputRefused(f"{path}: {exc.strerror}") from exc
         if not resolved.is_file():
-            raise InputError(f"{path}: not a regular file")
+            raise InputRefused(f"{path}: not a regular file")
+        suffix, compression = kind_of(resolved.name)
+        if suffix is None:
+            raise InputRefused(f"{path}: unknown input kind; expected {KINDS}, or a directory of them")
+        compressed = compression is not None
         return cls(path=str(resolved), size=size, format=FORMATS[suffix], compressed=compressed)
 
     def as_dict(self) -> dict[str, Any]:
@@ -95,19 +109,34 @@ def kind_of(name: str) -> tuple[str | None, str | None]:
     return suffix, {".gz": "gzip", ".zst": "zstd", None: None}[compression]
 
 
-def expand_inputs(paths: list[str] | list[Path]) -> list[Path]:
-    """The input files: each file as given, each directory as every readable file below it, sorted."""
+def expand_inputs(paths: list[str] | list[Path], warn: Callable[[str], None] | None = None) -> list[Path]:
+    """The input files: each file as given, each directory as every readable file below it, sorted.
+
+    A file reached twice (a symlink and its target, a file named and inside a directory named) is read once,
+    at its first place, and `warn` hears of each repeat."""
     files: list[Path] = []
     for path in paths:
         path = Path(path).expanduser()
         if path.is_dir():
             found = sorted(item for item in path.rglob("*") if item.is_file() and kind_of(item.name)[0])
             if not found:
-                raise InputError(f"{path}: a directory with no input file in it ({KINDS})")
+                raise InputRefused(f"{path}: a directory with no input file in it ({KINDS})")
             files.extend(found)
+        elif not path.exists():
+            raise InputRefused(f"{path}: no such file or directory")
         else:
             files.append(path)
-    return files
+    first: dict[Path, Path] = {}
+    unique = []
+    for file in files:
+        resolved = file.resolve()
+        if resolved in first:
+            if warn is not None:
+                warn(f"{file}: the same file as {first[resolved]} (a link or a repeat): read once")
+            continue
+        first[resolved] = file
+        unique.append(file)
+    return unique
 
 
 class Position(NamedTuple):
@@ -142,20 +171,73 @@ def describe_bad_json(line: bytes, error: ValueError) -> str:
     return f"invalid JSON: {error}"
 
 
-def verify_compressed(path: str | Path) -> None:
-    """Decompress a whole compressed file once, checking its checksums, before any of its documents are used.
+ZSTD_HEADER_MAX = 18  # bytes of a zstd frame header, at most
+VERIFY_READ = 1 << 16  # compressed bytes per step: text expands 3-10x
+
+
+def verify_compressed(path: str | Path) -> str | None:
+    """Decompress a whole compressed file once, checking its checksums, before any of its documents are used;
+    returns a note when the check is weaker than it looks (zstd frames without a content checksum).
 
     gzip checks a member's CRC only at its end (zstandard a frame's checksum, when it has one): read as
-    a stream, a flipped bit would put corrupted documents into shards before the error surfaced. One
-    more decompression pass costs a few percent of the tokenizing.
+    a stream, a flipped bit would put corrupted documents into shards before the error surfaced, and a
+    zstd stream cut short simply ends. One more decompression pass costs a few percent of the tokenizing.
     """
+    codec = kind_of(str(path))[1]
     try:
         with open(path, "rb") as raw:
-            stream = decompressed(raw, kind_of(str(path))[1])
+            if codec == "zstd":
+                return _verify_zstd(path, raw)
+            stream = decompressed(raw, codec)
             while stream.read(1 << 22):
                 pass
     except (OSError, EOFError, zlib.error, ValueError) as exc:
         raise InputError(f"{path}: corrupt compressed data ({exc}); none of its documents were used") from exc
+    except Exception as exc:
+        if type(exc).__name__ != "ZstdError":
+            raise
+        what = "not zstd data" if "Unknown frame descriptor" in str(exc) else f"corrupt zstd data ({exc})"
+        raise InputError(f"{path}: {what}; none of its documents were used") from exc
+    return None
+
+
+def _verify_zstd(path: str | Path, raw: BinaryIO) -> str | None:
+    """Every frame decompressed to its end (a frame cut short is an error, which a stream reader does not
+    raise), its checksum checked where the frame has one; a note when a frame has none."""
+    zstandard = _import("zstandard", "reading .zst")
+    context = zstandard.ZstdDecompressor()
+    frame = None
+    unchecked = 0
+    buffer = b""
+    while True:
+        if not buffer:
+            buffer = raw.read(VERIFY_READ)
+            if not buffer:
+                break
+        if frame is None:
+            while len(buffer) < ZSTD_HEADER_MAX:  # the next frame's header, whole
+                more = raw.read(VERIFY_READ)
+                if not more:
+                    break
+                buffer += more
+            if not zstandard.get_frame_parameters(buffer).has_checksum:
+                unchecked += 1
+            frame = context.decompressobj()
+        frame.decompress(buffer)
+        buffer = b""
+        if frame.eof:
+            buffer, frame = frame.unused_data, None
+    if frame is not None:
+        raise InputError(
+            f"{path}: truncated zstd data (its last frame ends before its end: the file was cut short); "
+            "none of its documents were used"
+        )
+    if unchecked:
+        return (
+            f"{path}: {unchecked} zstd frame{'s' if unchecked > 1 else ''} without a content checksum: a cut file is "
+            "detected, a flipped bit may not be (zstd --check, the zstd tool's default, writes checksums)"
+        )
+    return None
 
 
 def decompressed(raw: BinaryIO, codec: str | None, skip: int = 0) -> BinaryIO:
@@ -188,10 +270,21 @@ class DocumentReader:
     bad record (it may raise to stop). `compressed_bytes_read()` is for a progress bar.
     """
 
-    def __init__(self, sources: list[Source], text_field: str, on_bad: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        sources: list[Source],
+        text_field: str,
+        on_bad: Callable[[str], None],
+        warn: Callable[[str], None] | None = None,
+    ) -> None:
         self.sources = sources
         self.text_field = text_field
         self.on_bad = on_bad
+        self.warn = warn
+        self.fields: Counter[str] = Counter()  # fields of the records that lacked the text field
+        self.records_without_field = 0
+        self._unchecked_said = False
+        self.current: Source | None = None  # the input being read
         self._raw: BinaryIO | None = None
         self._done_bytes = sum(source.size for source in sources if source.done)
 
@@ -208,8 +301,12 @@ class DocumentReader:
         for index, source in enumerate(self.sources):
             if source.done:
                 continue
+            self.current = source
             if source.compressed:
-                verify_compressed(source.path)
+                note = verify_compressed(source.path)
+                if note and self.warn is not None and not self._unchecked_said:
+                    self.warn(note + " (said once a run)")
+                    self._unchecked_said = True
             with open(source.path, "rb") as raw:
                 self._raw = raw
                 try:
@@ -220,6 +317,10 @@ class DocumentReader:
                         parse = self._jsonl if source.format == "jsonl" else self._txt
                         yield from parse(index, source, stream)
                 except (OSError, EOFError, zlib.error) as exc:
+                    raise InputError(f"{source.path}: unreadable after line {source.lines}: {exc}") from exc
+                except Exception as exc:  # zstandard.ZstdError: the file changed since it was verified
+                    if type(exc).__name__ != "ZstdError":
+                        raise
                     raise InputError(f"{source.path}: unreadable after line {source.lines}: {exc}") from exc
                 finally:
                     self._raw = None
@@ -236,30 +337,40 @@ class DocumentReader:
         field = self.text_field
         if field not in file.schema_arrow.names:
             names = ", ".join(file.schema_arrow.names)
-            raise InputError(f"{source.path}: no column {field!r} (columns: {names}); name it with --text-field")
+            raise NoTextError(f"{source.path}: no column {field!r} (columns: {names}); name it with --text-field")
         row = first_row = 0
         groups = []
+        group_ends = []  # (last row, bytes of the file up to the end of the row group)
+        done_bytes = len(PARQUET_MAGIC)
         for group in range(file.metadata.num_row_groups):
-            rows = file.metadata.row_group(group).num_rows
+            meta = file.metadata.row_group(group)
+            rows = meta.num_rows
+            done_bytes += sum(meta.column(column).total_compressed_size for column in range(meta.num_columns))
             if row + rows > source.lines:
                 groups.append(group)
+                group_ends.append((row + rows, done_bytes))
             else:
                 first_row = row + rows
             row += rows
         row = first_row
+        ends = iter(group_ends)
+        group_end, group_bytes = next(ends, (0, 0))
         for batch in file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[field], row_groups=groups):
             for value in batch.column(0).to_pylist():
                 row += 1
+                if row > group_end:
+                    group_end, group_bytes = next(ends, (row, group_bytes))
                 if row <= source.lines:
                     continue  # before the resume point, inside its row group
+                # read_bytes: bytes of the file up to the end of the row group being read (for progress);
+                # the position is the row, in `lines`
+                source.read_bytes, source.lines = group_bytes, row
                 if type(value) is not str:
                     described = JSON_TYPES.get(type(value), type(value).__name__)
                     self._bad(source, row, f"column {field!r} is {described}, not a string")
-                    source.read_bytes = source.lines = row
                     continue
                 source.documents += 1
-                source.read_bytes = source.lines = row
-                yield value, Position(index, row, row, source.documents, source.bad_records)
+                yield value, Position(index, group_bytes, row, source.documents, source.bad_records)
 
     def _bad(self, source: Source, line: int, reason: str) -> None:
         source.bad_records += 1
@@ -284,6 +395,8 @@ class DocumentReader:
                 if type(record) is not dict:
                     reason = f"{JSON_TYPES.get(type(record), 'a string')}, not a JSON object"
                 elif field not in record:
+                    self.records_without_field += 1
+                    self.fields.update(list(record)[:32])
                     fields = ", ".join(repr(key) for key in list(record)[:8]) or "none"
                     reason = f"no field {field!r} (its fields: {fields}; choose one with --text-field)"
                 else:
@@ -332,3 +445,107 @@ class DocumentReader:
         source.documents += 1
         source.read_bytes, source.lines = offset, last_line
         yield text, Position(index, offset, last_line, source.documents, source.bad_records)
+
+
+PEEK_CHARS = 60
+
+
+def _describe_value(value: Any) -> str:
+    if type(value) is str:
+        preview = value[:PEEK_CHARS] + ("…" if len(value) > PEEK_CHARS else "")
+        return f"a string of {len(value):,} characters: {preview!r}"
+    return JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def _suggest(fields: dict[str, Any], text_field: str) -> str:
+    """Which --text-field to pass, from a first record's fields."""
+    if type(fields.get(text_field)) is str:
+        return f"--text-field {text_field} holds a string: ready to pre-tokenize"
+    strings = [name for name, value in fields.items() if type(value) is str]
+    if not strings:
+        return f"no string field in the first record: --text-field {text_field} would make every record bad"
+    longest = max(strings, key=lambda name: len(fields[name]))
+    why = "missing" if text_field not in fields else _describe_value(fields[text_field])
+    return f"--text-field {text_field} is {why} here: pass --text-field {longest} (the longest string in it)"
+
+
+def _parquet_file(source: Source) -> Any:
+    parquet = _import("pyarrow.parquet", "reading .parquet")
+    try:
+        return parquet.ParquetFile(source.path)
+    except Exception as exc:  # pyarrow raises ArrowInvalid and others for a file that is not Parquet
+        raise InputError(f"{source.path}: not a Parquet file ({exc})") from exc
+
+
+def first_record(source: Source) -> dict[str, Any] | str | None:
+    """The first record of an input: a dict of fields (JSON Lines, Parquet), the first document (plain text),
+    None for an empty input; InputError if the first record is not a JSON object."""
+    if source.format == "parquet":
+        first = next(_parquet_file(source).iter_batches(batch_size=1), None)
+        return {name: value[0] for name, value in first.to_pydict().items()} if first is not None else None
+    with open(source.path, "rb") as raw:
+        stream = decompressed(raw, source.codec)
+        if source.format == "txt":
+            block: list[bytes] = []
+            for line in stream:
+                if line.isspace():
+                    if block:
+                        break
+                    continue
+                block.append(line)
+            return b"".join(block).decode("utf-8", "replace").rstrip("\r\n") if block else None
+        for number, line in enumerate(stream, start=1):
+            if line.isspace():
+                continue
+            try:
+                parsed = orjson.loads(line)
+            except orjson.JSONDecodeError as exc:
+                raise InputError(f"{source.path}:{number}: {describe_bad_json(line, exc)}") from None
+            if type(parsed) is not dict:
+                raise InputError(f"{source.path}:{number}: {_describe_value(parsed)}, not a JSON object")
+            return parsed  # type: ignore[no-any-return]
+    return None
+
+
+def holds_text(path: str | Path, text_field: str) -> bool:
+    """Whether an input's first record has `text_field` as a string (a plain-text input always does); False for
+    an input that cannot be read."""
+    try:
+        record = first_record(Source.from_path(path))
+    except Exception:  # any unreadable input: it is no evidence that the text field is right
+        return False
+    return isinstance(record, str) or (isinstance(record, dict) and type(record.get(text_field)) is str)
+
+
+def peek(path: str | Path, text_field: str) -> list[str]:
+    """Lines that describe an input without reading it all: the kind detected and the first record's fields and
+    types (Parquet: the columns), and which --text-field to pass."""
+    files = expand_inputs([path])
+    lines = []
+    if Path(path).expanduser().is_dir():
+        kinds = Counter(kind_of(file.name)[0] for file in files)
+        listed = ", ".join(f"{count:,} {kind}" for kind, count in kinds.most_common())
+        lines.append(f"{path}: a directory of {len(files):,} input files ({listed}); the first:")
+    source = Source.from_path(files[0])
+    codec = f", {source.codec}-compressed" if source.codec else ""
+    if source.format == "parquet":
+        file = _parquet_file(source)
+        meta = file.metadata
+        columns = ", ".join(f"{field.name} ({field.type})" for field in file.schema_arrow)
+        lines.append(
+            f"{source.path}: Parquet, {meta.num_rows:,} rows in {meta.num_row_groups:,} row groups; columns: {columns}"
+        )
+    elif source.format == "txt":
+        lines.append(f"{source.path}: plain text{codec}, a document per block of lines between blank lines")
+    else:
+        lines.append(f"{source.path}: JSON Lines{codec}, a JSON object a line")
+    record = first_record(source)
+    if record is None:
+        lines.append("  no record in it")
+    elif isinstance(record, str):
+        lines.append(f"  first document: {_describe_value(record)}")
+    else:
+        lines.append("  first record:")
+        lines += [f"    {name!r}: {_describe_value(value)}" for name, value in record.items()]
+        lines.append(f"  {_suggest(record, text_field)}")
+    return lines

@@ -19,6 +19,7 @@ from typing import IO, Any
 from client.dataset import METADATA_FILE, check_metadata, shard_index
 
 TMP_SUFFIX = ".tmp"
+READ_ONLY = 0o444
 
 
 def _ours(name: str) -> bool:
@@ -102,9 +103,13 @@ class OutputDir:
             os.fsync(file.fileno())
 
     def commit(self, finals: list[Path]) -> None:
-        """Rename each written temporary file to its final name."""
+        """Rename each written temporary file to its final name; shard files become read-only (an export may
+        hard-link them: editing the export in place must not change the dataset)."""
         for final in finals:
-            os.replace(final.with_name(final.name + TMP_SUFFIX), final)
+            temporary = final.with_name(final.name + TMP_SUFFIX)
+            if shard_index(final.name) is not None:
+                os.chmod(temporary, READ_ONLY)
+            os.replace(temporary, final)
         _fsync_dir(self.path)
 
     def write_metadata(self, metadata: dict[str, Any]) -> None:

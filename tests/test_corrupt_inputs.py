@@ -1,0 +1,262 @@
+"""Faults from outside (issue 22, defects 9-12): cut and bit-flipped inputs and shards, a symlinked input.
+
+Each is one line on stderr (no traceback), a documented exit status, and nothing corrupt marked complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zstandard
+
+from app.pretokenize import main as pretokenize_main
+from app.pretokenize.shards_cli import main as shards
+from app.settings import BUNDLED_MODELS_DIR
+from client.dataset import IDX_HEADER, TokenDataset
+from tests.test_pretokenize import write_parquet
+
+MODEL = BUNDLED_MODELS_DIR / "default.model"
+COMMON = ["--local", "--model", str(MODEL), "--workers", "1", "-q"]
+FORMATS = ["megatron", "litdata", "nanogpt", "llmc"]
+
+
+def pretokenize(*args: object) -> int:
+    return pretokenize_main([str(arg) for arg in args])
+
+
+def one_line(error: str) -> str:
+    lines = error.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in error, error
+    return lines[0]
+
+
+def jsonl_bytes(texts: list[str]) -> bytes:
+    return "".join(json.dumps({"text": text}) + "\n" for text in texts).encode()
+
+
+def copy_output(source: Path, target: Path) -> Path:
+    """A writable copy of an output (shards are written read-only)."""
+    target.mkdir()
+    for file in source.iterdir():
+        (target / file.name).write_bytes(file.read_bytes())
+    return target
+
+
+# -- 9: .zst inputs cut short, bit-flipped, or not zstd at all --------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["jsonl.zst", "txt.zst"])
+def test_a_zst_input_cut_short_is_one_line_and_reaches_no_complete_output(
+    kind: str, documents: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    texts = documents[:400]
+    data = jsonl_bytes(texts) if kind == "jsonl.zst" else "\n\n".join(texts).encode() + b"\n"
+    for checksum in (True, False):  # a cut is found with or without the frame's content checksum
+        packed = zstandard.ZstdCompressor(write_checksum=checksum).compress(data)
+        path = tmp_path / f"cut-{checksum}.{kind}"
+        path.write_bytes(packed[: len(packed) * 6 // 10])
+        out = tmp_path / f"out-{checksum}"
+        assert pretokenize(path, *COMMON, "--output", out) == 1
+        line = one_line(capsys.readouterr().err)
+        assert str(path) in line and "truncated zstd data" in line and "none of its documents were used" in line
+        if out.exists():
+            assert not json.loads((out / "metadata.json").read_text())["complete"]
+
+
+def test_a_bit_flip_or_a_file_that_is_not_zstd_is_one_line(
+    documents: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    packed = bytearray(zstandard.ZstdCompressor(write_checksum=True).compress(jsonl_bytes(documents[:400])))
+    packed[len(packed) // 2] ^= 0x10
+    flipped = tmp_path / "flipped.jsonl.zst"
+    flipped.write_bytes(bytes(packed))
+    assert pretokenize(flipped, *COMMON, "--output", tmp_path / "a") == 1
+    line = one_line(capsys.readouterr().err)
+    assert "corrupt zstd data" in line and "none of its documents were used" in line
+    plain = tmp_path / "plain.jsonl.zst"
+    plain.write_bytes(jsonl_bytes(documents[:10]))  # named .zst, but not compressed
+    assert pretokenize(plain, *COMMON, "--output", tmp_path / "b") == 1
+    assert "not zstd data" in one_line(capsys.readouterr().err)
+
+
+def test_frames_without_a_checksum_are_read_with_one_warning(
+    documents: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    paths = []
+    for number in range(2):
+        path = tmp_path / f"{number}.jsonl.zst"
+        path.write_bytes(zstandard.ZstdCompressor(write_checksum=False).compress(jsonl_bytes(documents[:50])))
+        paths.append(path)
+    assert pretokenize(*paths, *COMMON, "--output", tmp_path / "out") == 0
+    warning = one_line(capsys.readouterr().err)  # once a run, not once a file
+    assert "without a content checksum: a cut file is detected, a flipped bit may not be" in warning
+    assert len(TokenDataset(tmp_path / "out")) == 100
+
+
+# -- 10: a run that wrote no shard leaves nothing that blocks the next -----------------------------------------
+
+
+def test_a_wrong_parquet_column_leaves_nothing_behind(
+    documents: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_parquet(tmp_path / "rows.parquet", list(documents[:100]))
+    out = tmp_path / "out"
+    assert pretokenize(path, *COMMON, "--text-field", "body", "--output", out) == 1
+    assert "no column 'body'" in one_line(capsys.readouterr().err)
+    assert not out.exists()
+    assert pretokenize(path, *COMMON, "--output", out) == 0
+    assert len(TokenDataset(out)) == 100
+
+
+def test_an_output_without_a_shard_does_not_block_another_run(
+    documents: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As a run killed (SIGPIPE, SIGKILL) before its first shard leaves it: metadata.json and no shard."""
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"body": "x"}\n' + jsonl_bytes(documents[:50]))
+    out = tmp_path / "out"
+    assert pretokenize(path, *COMMON, "--strict", "--output", out) == 1  # stops at line 1: no shard
+    capsys.readouterr()
+    meta = json.loads((out / "metadata.json").read_text())
+    assert meta["shards"] == [] and not meta["complete"]
+    assert pretokenize(path, *COMMON, "--text-field", "body", "--output", out) == 0  # other options: not refused
+    assert TokenDataset(out).metadata["options"]["text_field"] == "body"
+
+
+# -- 11, 12: truncated shards, corrupt indexes, ids above the vocabulary ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ragged(documents: list[str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("ragged")
+    source = directory / "in.jsonl"
+    source.write_bytes(jsonl_bytes(documents[:300]))
+    assert pretokenize(source, *COMMON, "--shard-tokens", "3000", "--output", directory / "out") == 0
+    return directory / "out"
+
+
+@pytest.fixture(scope="module")
+def packed(documents: list[str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("packed")
+    source = directory / "in.jsonl"
+    source.write_bytes(jsonl_bytes(documents[:300]))
+    args = [*COMMON, "--shard-tokens", "3000", "--seq-len", "64", "--output", directory / "out"]
+    assert pretokenize(source, *args) == 0
+    return directory / "out"
+
+
+def swap_offsets(output: Path, shard: str = "00001") -> None:
+    index = output / f"{shard}.idx"
+    offsets = np.fromfile(index, dtype="<i8", offset=IDX_HEADER.size)
+    offsets[[3, 4]] = offsets[[4, 3]]
+    index.write_bytes(index.read_bytes()[: IDX_HEADER.size] + offsets.tobytes())
+
+
+def raise_an_id(output: Path, vocab_size: int, shard: str = "00000") -> None:
+    data = output / f"{shard}.bin"
+    ids = np.fromfile(data, dtype="<u2")
+    ids[7] = vocab_size + 5
+    data.write_bytes(ids.tobytes())
+
+
+@pytest.mark.parametrize("to", FORMATS)
+def test_export_of_a_truncated_shard_is_one_line_and_exit_2(
+    to: str, ragged: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    damaged = copy_output(ragged, tmp_path / "damaged")
+    shard = damaged / "00001.bin"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    export = tmp_path / "export"
+    assert shards(["export", str(damaged), "--to", to, "--output", str(export), "-q"]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith(f"tokenizer-shards: cannot export to {to}:") and "00001.bin" in line
+    assert not export.exists() and not list(tmp_path.glob("export*"))  # nothing written
+
+
+def test_verify_and_export_refuse_offsets_that_go_back(
+    ragged: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    damaged = copy_output(ragged, tmp_path / "damaged")
+    swap_offsets(damaged)
+    assert shards(["verify", str(damaged)]) == 1
+    line = one_line(capsys.readouterr().err)
+    assert "00001.idx" in line and "is below offset 3" in line and "corrupt" in line
+    for to in FORMATS:
+        assert shards(["export", str(damaged), "--to", to, "--output", str(tmp_path / f"x-{to}"), "-q"]) == 2
+        assert "is below offset 3" in one_line(capsys.readouterr().err)
+    assert not list(tmp_path.glob("x-*"))
+
+
+def test_verify_finds_ids_above_the_vocabulary_without_sample(
+    ragged: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    damaged = copy_output(ragged, tmp_path / "damaged")
+    vocab = TokenDataset(damaged).vocab_size
+    raise_an_id(damaged, vocab)
+    assert shards(["verify", str(damaged)]) == 1
+    assert f"id {vocab + 5} at position 7 is not below the vocabulary size {vocab}" in one_line(capsys.readouterr().err)
+    assert shards(["export", str(damaged), "--to", "megatron", "--output", str(tmp_path / "m"), "-q"]) == 2
+    assert "not below the vocabulary size" in one_line(capsys.readouterr().err)
+    assert shards(["verify", str(ragged)]) == 0  # the intact output passes
+    assert "every id is below the vocabulary size" in capsys.readouterr().out
+
+
+def test_verify_checks_packed_row_boundaries(packed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert shards(["verify", str(packed)]) == 0
+    capsys.readouterr()
+    damaged = copy_output(packed, tmp_path / "damaged")
+    seg = damaged / "00000.seg"
+    boundaries = np.fromfile(seg, dtype="<i4")
+    boundaries[1] = 1000  # past seq_len 64
+    seg.write_bytes(boundaries.tobytes())
+    assert shards(["verify", str(damaged)]) == 1
+    assert "00000" in one_line(capsys.readouterr().err)
+    assert shards(["export", str(damaged), "--to", "megatron", "--output", str(tmp_path / "m"), "-q"]) == 2
+    one_line(capsys.readouterr().err)
+
+
+def test_shards_are_written_read_only(ragged: Path) -> None:
+    for file in ragged.iterdir():
+        writable = file.stat().st_mode & 0o222
+        assert (not writable) if file.name != "metadata.json" else writable, file
+
+
+# -- inputs named twice: a symlink and its target, a missing path -----------------------------------------
+
+
+def test_a_symlinked_input_is_read_once_with_a_warning(
+    documents: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    target = corpus / "a.jsonl"
+    target.write_bytes(jsonl_bytes(documents[:40]))
+    os.symlink(target, corpus / "b.jsonl")
+    assert pretokenize(corpus, target, *COMMON, "--output", tmp_path / "out") == 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2 and all("the same file as" in line and "read once" in line for line in lines), lines
+    assert len(TokenDataset(tmp_path / "out")) == 40
+
+
+def test_a_missing_input_is_no_such_file_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for missing in (tmp_path / "nope.jsonl", tmp_path / "nope"):
+        assert pretokenize(missing, *COMMON, "--output", tmp_path / "out") == 2
+        assert one_line(capsys.readouterr().err) == f"tokenizer-pretokenize: {missing}: no such file or directory"
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_before_merge_says_to_merge(ragged: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ranked = tmp_path / "ranked"
+    (ranked / "rank-00000").mkdir(parents=True)
+    shutil.copy(ragged / "metadata.json", ranked / "rank-00000" / "metadata.json")
+    assert shards(["export", str(ranked), "--to", "megatron", "--output", str(tmp_path / "m"), "-q"]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line == (
+        f"tokenizer-shards: {ranked} is a ranked output (rank-RRRRR directories, no metadata.json over them yet): "
+        f"run tokenizer-shards merge {ranked} first"
+    )
