@@ -191,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
             parse_urls(args.url)
         except ValueError as exc:
             parser.error(str(exc))
+    # the server this starts, and the pre-tokenizer's workers, run from elsewhere: hand on absolute paths
+    args.model, args.corpus = args.model.expanduser().resolve(), args.corpus.expanduser().resolve()
+    for flag, path in (("--model", args.model), ("--corpus", args.corpus)):
+        if not path.exists():
+            parser.error(f"{flag} {path}: no such file or directory")
     try:
         info = inspect_model("bench", args.model)
         docs = read_corpus(args.corpus, args.docs, args.text_field)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
 from pathlib import Path
 
@@ -44,9 +45,12 @@ def corpus(documents: list[str], tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 
 def test_bench_starts_its_own_server_and_prints_one_table(
-    corpus: Path, model_files: dict[str, Path], capsys: pytest.CaptureFixture[str]
+    corpus: Path, model_files: dict[str, Path], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert main(["--model", str(model_files["uni"]), "--corpus", str(corpus), "--docs", "200", "--rounds", "1"]) == 0
+    """Relative paths, as a user types them: the server it starts runs elsewhere and gets them resolved."""
+    monkeypatch.chdir(model_files["uni"].parent)
+    corpus_path = os.path.relpath(corpus, model_files["uni"].parent)
+    assert main(["--model", model_files["uni"].name, "--corpus", corpus_path, "--docs", "200", "--rounds", "1"]) == 0
     output = capsys.readouterr().out
     assert output.startswith("200 documents from corpus.jsonl.gz")
     check_table(output)
@@ -73,3 +77,10 @@ def test_bench_refuses_a_service_without_the_model(
     args = ["--model", str(tmp_path / "other.model"), "--corpus", str(corpus), "--url", server.url]
     with pytest.raises(SystemExit, match="does not serve this model file"):
         main(args)
+
+
+def test_bench_refuses_a_missing_model_in_one_line(corpus: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", "no-such.model", "--corpus", str(corpus)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("no-such.model: no such file or directory")

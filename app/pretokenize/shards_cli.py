@@ -313,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     except ExportError as exc:
         print(f"tokenizer-shards: cannot export to {args.to}: {exc}", file=sys.stderr)
         return 2
-    bar = tqdm(total=dataset.num_tokens, unit="ids", unit_scale=True, disable=args.quiet, file=sys.stderr)
+    bar = tqdm(
+        total=dataset.num_tokens, desc="export", unit="ids", unit_scale=True, disable=args.quiet, file=sys.stderr
+    )
 
     def stage(what: str, total: int) -> None:
         bar.reset(total=total)
