@@ -8,17 +8,30 @@ second made every legitimate request fail with a reset. This subclass, passed to
 `http` protocol class, adds:
 
 - a cap on the bytes of a request's head (request line and headers): 431 and close beyond it,
-  before the parser sees the excess;
-- a deadline for the head, from the connection's first byte (or the previous response) until
-  the headers are complete: 408 and close past it (uvicorn's keep-alive timeout only covers idle
-  connections between requests, and stops as soon as one byte arrives);
+  before the parser sees the excess. Only bytes the parser reads as a head count: a body (also one
+  left unread by a refused request, also one of a pipelined request) never does;
+- a deadline for the head, from its first byte until the headers are complete: 408 and close past
+  it (uvicorn's keep-alive timeout only covers idle connections between requests, and stops as soon
+  as one byte arrives);
 - a cap on open connections: the one beyond it gets 503 with `Retry-After` and is closed at once,
   so its file descriptor is free again, and the process raises its soft descriptor limit to the
-  hard one at start (`raise_file_limit`).
+  hard one at start (`raise_file_limit`);
+- one answer per request, whatever the request left unread: a request answered before its body
+  has arrived (refused: 503, 413, 401, 408) is answered with `Connection: close`, and the connection
+  then closes *lingering* (RFC 9112 section 9.6): the server half-closes, reads and discards what the
+  client still sends for at most `linger_seconds` and `linger_bytes`, then closes. The client reads
+  its answer instead of a reset, and the rest of the body is never parsed as a next request;
+- malformed HTTP (Content-Length with chunked, a bad or duplicate length, a bad chunk, an unknown
+  method, ...) answered with the service's JSON error body (400 `invalid_request`), never a second
+  answer after one already being written on the same connection;
+- an upgrade the server does not speak (`Upgrade: h2c` from `curl --http2`) ignored: the request is
+  served over HTTP/1.1 with its body, as RFC 9110 section 7.8 allows.
 
-It uses uvicorn's protocol callbacks (`on_message_begin`, `on_headers_complete`,
-`on_response_complete`); tests/test_connections.py holds every limit to its behaviour, so an
-uvicorn upgrade that changes them fails there, not in production.
+It uses uvicorn's protocol callbacks (`on_message_begin`, `on_headers_complete`, `on_body`,
+`on_message_complete`, `on_response_complete`) and its RequestResponseCycle (`more_body`,
+`response_started`, `keep_alive`, `transport`); tests/test_connections.py and
+tests/test_hardening_http.py hold every limit to its behaviour, so an uvicorn upgrade that changes
+them fails there, not in production.
 """
 
 from __future__ import annotations
@@ -29,7 +42,9 @@ import resource
 import time
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+import httptools
+import orjson
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from app.settings import Settings
 
@@ -51,7 +66,7 @@ def raise_file_limit() -> int:
 
 
 def _answer(status: int, reason: str, message: str, extra: bytes = b"") -> bytes:
-    body = ('{"error":{"type":"%s","message":"%s"}}' % (reason, message)).encode()  # noqa: UP031
+    body = orjson.dumps({"error": {"type": reason, "message": message}})
     return (
         f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\n"
         f"content-length: {len(body)}\r\nconnection: close\r\n".encode()
@@ -61,7 +76,12 @@ def _answer(status: int, reason: str, message: str, extra: bytes = b"") -> bytes
     )
 
 
-_REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
+_REASONS = {
+    400: "Bad Request",
+    408: "Request Timeout",
+    431: "Request Header Fields Too Large",
+    503: "Service Unavailable",
+}
 
 
 class _Refusals:
@@ -88,26 +108,87 @@ class _Refusals:
 _refusals = _Refusals()
 
 
+class _GuardedCycle(RequestResponseCycle):
+    """uvicorn's request/response cycle, but an answer started before the body is whole closes the connection.
+
+    Without this, uvicorn keeps the connection alive and goes on parsing the unread body, which a
+    client that is still sending it then sees answered as if it were a next request.
+    """
+
+    async def send(self, message: Any) -> None:
+        if not self.response_started and self.more_body and message.get("type") == "http.response.start":
+            self.keep_alive = False  # uvicorn adds `connection: close` and closes (lingering) after the answer
+        await super().send(message)
+
+
+class _AnswerTransport:
+    """What a cycle writes its answer to: the connection's transport, but closing it lingers."""
+
+    __slots__ = ("_protocol", "_transport")
+
+    def __init__(self, protocol: GuardedProtocol, transport: asyncio.Transport) -> None:
+        self._protocol = protocol
+        self._transport = transport
+
+    def write(self, data: bytes) -> None:
+        self._transport.write(data)
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def close(self) -> None:
+        self._protocol.close_lingering()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class GuardedProtocol(HttpToolsProtocol):
-    """HttpToolsProtocol with a head size cap, a head deadline and a connection cap (see the module)."""
+    """HttpToolsProtocol with head, connection and linger limits, JSON 400s, upgrades ignored (see the module)."""
 
     max_head_bytes = 64 * 1024
     head_timeout = 10.0
     max_connections = 4096
+    linger_seconds = 5.0
+    linger_bytes = 64 * 1024 * 1024
 
     @classmethod
-    def configure(cls, *, max_head_bytes: int, head_timeout: float, max_connections: int) -> type[GuardedProtocol]:
+    def configure(
+        cls,
+        *,
+        max_head_bytes: int,
+        head_timeout: float,
+        max_connections: int,
+        linger_seconds: float | None = None,
+        linger_bytes: int | None = None,
+    ) -> type[GuardedProtocol]:
         """A subclass with these limits (uvicorn takes a class, and instantiates it per connection)."""
-        limits = {"max_head_bytes": max_head_bytes, "head_timeout": head_timeout, "max_connections": max_connections}
+        limits: dict[str, Any] = {
+            "max_head_bytes": max_head_bytes,
+            "head_timeout": head_timeout,
+            "max_connections": max_connections,
+        }
+        if linger_seconds is not None:
+            limits["linger_seconds"] = linger_seconds
+        if linger_bytes is not None:
+            limits["linger_bytes"] = linger_bytes
         return type("GuardedProtocol", (cls,), limits)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._in_head = True
+        self._in_head = True  # the parser is between messages or inside a head: what arrives is head
+        self._message_done = True  # the parser has read the whole of the last message (its body too)
         self._head_bytes = 0
         self._tail = b""
         self._head_timer: asyncio.TimerHandle | None = None
         self._refused = False
+        self._failed = False  # a parse error or a head limit: nothing more of this connection is parsed
+        self._deferred: bytes | None = None  # an error answer waiting for an earlier answer to finish
+        self._lingering = False
+        self._lingered = 0
+        self._linger_timer: asyncio.TimerHandle | None = None
+        self._linger_limits = (self.linger_seconds, self.linger_bytes)
+        self._synthetic = False  # feeding the parser a head of our own (after an ignored upgrade)
 
     # -- connection ----------------------------------------------------------------------------
 
@@ -125,10 +206,16 @@ class GuardedProtocol(HttpToolsProtocol):
         if self._refused:
             return
         self._disarm()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
+            return
+        if self._lingering or self._failed:
+            self._discard(len(data))
             return
         if self._in_head:
             if self._head_timer is None:
@@ -140,25 +227,167 @@ class GuardedProtocol(HttpToolsProtocol):
                 window = self._tail + data
                 end = window.find(HEAD_END)
                 if end < 0 or before - len(self._tail) + end + len(HEAD_END) > self.max_head_bytes:
-                    self._close_with(431, "headers_too_large", f"request headers exceed {self.max_head_bytes} bytes")
+                    self._fail(431, "headers_too_large", f"request headers exceed {self.max_head_bytes} bytes")
                     return
             self._tail = data[-(len(HEAD_END) - 1) :]
-        super().data_received(data)
+        self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
+        """uvicorn's data_received, with errors answered in JSON and upgrades it cannot serve ignored."""
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(400, "invalid_request", f"malformed HTTP request: {_parser_message(exc)}")
+        except httptools.HttpParserUpgrade as exc:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._ignore_upgrade(data[int(exc.args[0]) if exc.args else len(data) :])
+
+    def _ignore_upgrade(self, rest: bytes) -> None:
+        """Serve a request that offered an upgrade (h2c) over HTTP/1.1: its body is what follows its head.
+
+        httptools stops at the head of such a request and calls it complete; a fresh parser is told
+        the request's framing by a head of our own (not seen by uvicorn) and reads the body from there.
+        """
+        cycle = self.cycle
+        framing = [(name, value) for name, value in self.headers if name in (b"content-length", b"transfer-encoding")]
+        self.parser = httptools.HttpRequestParser(self)
+        self.parser.set_dangerous_leniencies(lenient_data_after_close=True)  # as uvicorn does
+        has_body = any(name == b"transfer-encoding" or value.strip() not in (b"", b"0") for name, value in framing)
+        if cycle is not None and cycle.scope is self.scope and has_body and not cycle.response_started:
+            cycle.more_body = True
+            self._message_done = False
+            self._in_head = False
+            head = b"POST / HTTP/1.1\r\n" + b"".join(name + b": " + value + b"\r\n" for name, value in framing)
+            self._synthetic = True
+            try:
+                self.parser.feed_data(head + b"\r\n")
+            finally:
+                self._synthetic = False
+        if rest:
+            self.data_received(rest)
 
     # -- uvicorn's parser callbacks -----------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self._synthetic:
+            return
+        self._message_done = False
+        super().on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        if not self._synthetic:
+            super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._synthetic:
+            super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._disarm()
+        if self._synthetic:
+            return
+        previous = self.cycle
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle is not previous and type(cycle) is RequestResponseCycle:
+            cycle.__class__ = _GuardedCycle
+            cycle.transport = _AnswerTransport(self, self.transport)  # type: ignore[assignment]
 
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        # The next request's head starts now; its deadline starts with its first byte (uvicorn's
-        # keep-alive timeout covers the wait for it).
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        # What follows is the next request's head (pipelined, or after this one is answered); its
+        # deadline starts with its first byte (uvicorn's keep-alive timeout covers the wait for it).
+        self._message_done = True
         self._in_head = True
         self._head_bytes = 0
         self._tail = b""
+
+    def on_response_complete(self) -> None:
+        if self._lingering:  # that answer said `connection: close`: nothing more is read or started
+            self.server_state.total_requests += 1
+            return
+        if self._deferred is not None and not self.pipeline:
+            self.server_state.total_requests += 1
+            answer, self._deferred = self._deferred, None
+            self.transport.write(answer)
+            self.close_lingering()
+            return
+        super().on_response_complete()
+        if self._in_head and self._head_bytes and self._head_timer is None:
+            self._arm()  # a pipelined head begun while the answer was written: its deadline starts now
+
+    # -- refusing a connection's request -------------------------------------------------------
+
+    def _answer_pending(self) -> bool:
+        """Whether an answer is still owed on this connection to a request whose message was read whole."""
+        if self.pipeline:
+            return True
+        cycle = self.cycle
+        return cycle is not None and self._message_done and not cycle.response_complete
+
+    def _fail(self, status: int, kind: str, message: str) -> None:
+        """Answer the message being parsed with an error and close; after any answer owed before it.
+
+        A head over its limits (431, 408) lingers briefly and for few bytes: its sender is the kind
+        of client the limits are for."""
+        if status in (408, 431):
+            self._linger_limits = (min(self.linger_seconds, 1.0), self.max_head_bytes)
+        self._disarm()
+        self._in_head = False
+        self._failed = True
+        cycle = self.cycle
+        if cycle is not None and not self._message_done:  # the body of a request already handed to the app
+            if cycle.response_started:  # it is answering already: that is its one answer, then close
+                cycle.keep_alive = False
+                return
+            was_queued = any(queued is cycle for queued, _ in self.pipeline)
+            if was_queued:
+                self.pipeline = type(self.pipeline)(item for item in self.pipeline if item[0] is not cycle)
+            cycle.disconnected = True  # its app stops reading, and anything it sends is dropped
+            cycle.message_event.set()
+            if was_queued or self.pipeline:
+                self._deferred = _answer(status, kind, message)
+                return
+        elif self._answer_pending():
+            self._deferred = _answer(status, kind, message)
+            self.flow.pause_reading()
+            return
+        self.transport.write(_answer(status, kind, message))
+        self.close_lingering()
+
+    def send_400_response(self, msg: str) -> None:  # uvicorn's own 400, in the service's JSON
+        self._fail(400, "invalid_request", msg)
+
+    # -- lingering close (RFC 9112 section 9.6) ------------------------------------------------------
+
+    def close_lingering(self) -> None:
+        """Half-close, then read and drop what the client still sends (bounded), then close."""
+        transport = self.transport
+        if self._lingering or transport is None or transport.is_closing():
+            return
+        self._lingering = True
+        self._disarm()
+        self._unset_keepalive_if_required()
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()  # after what is buffered: the client reads its answer, then end of stream
+        self.flow.resume_reading()
+        self._linger_timer = self.loop.call_later(self._linger_limits[0], self._end_linger)
+
+    def _discard(self, size: int) -> None:
+        self._lingered += size
+        if self._lingered > self._linger_limits[1] and not self.transport.is_closing():
+            self.transport.close()
+
+    def _end_linger(self) -> None:
+        self._linger_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
 
     # -- the head deadline ----------------------------------------------------------------------------
 
@@ -173,14 +402,17 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if self._in_head and self.transport is not None and not self.transport.is_closing():
-            self._close_with(408, "timeout", f"request headers not received within {self.head_timeout:g} seconds")
+        if not self._in_head or self.transport is None or self.transport.is_closing() or self._lingering:
+            return
+        if self._answer_pending():  # the client waits for an earlier answer: its next head's clock restarts after
+            return
+        self._fail(408, "timeout", f"request headers not received within {self.head_timeout:g} seconds")
 
-    def _close_with(self, status: int, kind: str, message: str) -> None:
-        self._disarm()
-        self._in_head = False
-        self.transport.write(_answer(status, kind, message))
-        self.transport.close()
+
+def _parser_message(error: Exception) -> str:
+    """httptools' reason, e.g. 'Content-Length can't be present with Transfer-Encoding'."""
+    text = str(error).strip() or type(error).__name__
+    return text.rstrip(".")
 
 
 DEFAULT_MAX_CONNECTIONS = 4096

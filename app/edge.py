@@ -4,7 +4,8 @@
 injection or middleware stack: here a request costs the server process a constant amount of work,
 whatever its number of texts and tokens and the number of workers:
 
-    API key -> concurrency and byte budget (503) -> read the body (413) -> hand the bytes to the pool
+    API key -> concurrency and byte budget (503) -> read the body, charging the budget as it arrives
+    (413, 503; 408 when it arrives slower than the minimum rate) -> hand the bytes to the pool
     -> wait, with a deadline (504) and an ear for a client that hangs up (499) -> write the answer's
     bytes -> count it in the metrics.
 
@@ -28,9 +29,17 @@ from app.admission import Admission
 from app.answers import Answer
 from app.auth import OPEN_PATHS, ApiKeys, bearer_token, route_path
 from app.core.models import ModelInfo
-from app.errors import Overloaded, PayloadTooLarge, RequestTimeout, ServiceError, Unauthorized, Unavailable
+from app.errors import (
+    Overloaded,
+    PayloadTooLarge,
+    RequestTimeout,
+    ServiceError,
+    SlowBody,
+    Unauthorized,
+    Unavailable,
+)
 from app.http import CLIENT_CLOSED_REQUEST, send_error
-from app.jobs import ROUTES
+from app.core.protocol import ROUTES
 from app.metrics import Metrics
 from app.pool import WorkerPool
 from app.responses import MODEL_SHA256_HEADER, wants_binary
@@ -47,19 +56,44 @@ SHA256_HEADER = MODEL_SHA256_HEADER.lower().encode()
 
 
 class _Abandoned:
-    """Why a request's wait was cut short: timeout or disconnect (None: the server cancelled it)."""
+    """Why a request's wait was cut short: timeout, slow body or disconnect (None: the server cancelled it).
 
-    __slots__ = ("listener", "reason", "task")
+    Also what its body has brought so far (`received`, the bytes charged to the byte budget), and
+    the check that the body keeps arriving at the minimum rate: by `grace` seconds plus one second
+    per `rate` bytes received since the head, the next bytes must have come.
+    """
+
+    __slots__ = ("listener", "rate_timer", "reason", "received", "task")
 
     def __init__(self, task: asyncio.Task[Any]) -> None:
         self.task = task
         self.reason: str | None = None
         self.listener: asyncio.Task[None] | None = None
+        self.received = 0
+        self.rate_timer: asyncio.TimerHandle | None = None
 
-    def expire(self) -> None:
+    def expire(self, reason: str = "timeout") -> None:
         if self.reason is None:
-            self.reason = "timeout"
+            self.reason = reason
             self.task.cancel()
+
+    def watch_rate(self, loop: asyncio.AbstractEventLoop, grace: float, rate: float) -> None:
+        started = loop.time()
+
+        def check() -> None:
+            due = started + grace + self.received / rate
+            if loop.time() >= due:
+                self.rate_timer = None
+                self.expire("slow_body")
+            else:
+                self.rate_timer = loop.call_at(due, check)
+
+        self.rate_timer = loop.call_at(started + grace, check)
+
+    def body_done(self) -> None:
+        if self.rate_timer is not None:
+            self.rate_timer.cancel()
+            self.rate_timer = None
 
     def listen(self, loop: asyncio.AbstractEventLoop, receive: Receive) -> None:
         self.listener = loop.create_task(self._listen(receive))
@@ -86,6 +120,8 @@ class Edge:
         max_concurrent: int,
         timeout: float,
         paths: frozenset[str],
+        min_body_rate: float = 0.0,
+        body_grace: float = 10.0,
     ) -> None:
         self.app = app
         self.pool: WorkerPool | None = None  # until the lifespan has started it
@@ -95,6 +131,8 @@ class Edge:
         self.admission = Admission(max_queued_bytes, metrics)
         self.max_concurrent = max_concurrent
         self.timeout = timeout
+        self.min_body_rate = min_body_rate  # bytes a second a body must average after `body_grace` (0: no check)
+        self.body_grace = body_grace
         self.paths = paths
         self.active = 0
         self.accepting = False  # True while the pool serves: otherwise new /v1 work gets 503
@@ -205,14 +243,13 @@ class Edge:
                 declared = value
             elif name == b"accept":
                 accept = value
-        admitted = 0
         self.active += 1
         loop = self._loop
         assert loop is not None
         task = asyncio.current_task(loop)
         assert task is not None
         # One deadline for the whole request, the body's arrival included (a body trickled in
-        # slowly is cut off like a slow answer).
+        # slowly is cut off like a slow answer), and a minimum rate for the body.
         abandoned = _Abandoned(task)
         timer = loop.call_later(self.timeout, abandoned.expire)
         ear: asyncio.TimerHandle | None = None
@@ -222,14 +259,15 @@ class Edge:
                     raise PayloadTooLarge(
                         f"request body of {int(declared)} bytes exceeds the limit of {self.max_request_bytes} bytes"
                     )
-                self.admission.admit(int(declared))
-                admitted = int(declared)
-            body = await self._read_body(receive)
+                # Refused at once when it could not fit now; charged as its bytes arrive, so a body
+                # that is declared but not sent holds nothing.
+                self.admission.check(int(declared))
+            if self.min_body_rate > 0:
+                abandoned.watch_rate(loop, self.body_grace, self.min_body_rate)
+            body = await self._read_body(receive, abandoned)
+            abandoned.body_done()
             if body is None:
                 return CLIENT_CLOSED_REQUEST
-            if len(body) != admitted:
-                self.admission.admit(len(body) - admitted)
-                admitted = len(body)
             ear = loop.call_later(LISTEN_AFTER_SECONDS, abandoned.listen, loop, receive)
             assert self.pool is not None
             answer = await self.pool.request(route, body, wants_binary(accept))
@@ -245,36 +283,48 @@ class Edge:
             if abandoned.reason == "timeout":
                 timeout = RequestTimeout(f"the request took longer than the server's limit of {self.timeout:g}s")
                 return await send_error(send, timeout)
+            if abandoned.reason == "slow_body":
+                slow = SlowBody(
+                    f"the request body arrived slower than the server's minimum of {self.min_body_rate:g} bytes "
+                    f"a second (after {self.body_grace:g}s): {abandoned.received} bytes received"
+                )
+                return await send_error(send, slow)
             return CLIENT_CLOSED_REQUEST
         finally:
             timer.cancel()
+            abandoned.body_done()
             if ear is not None:
                 ear.cancel()
             if abandoned.listener is not None:
                 abandoned.listener.cancel()
             self.active -= 1
-            if admitted:
-                self.admission.release(admitted)
-                if admitted >= memory.TRIM_AFTER_BYTES:
+            if abandoned.received:
+                self.admission.release(abandoned.received)
+                if abandoned.received >= memory.TRIM_AFTER_BYTES:
                     self._trim = True
         self._record(answer)
         await self._send_answer(send, answer)
         return 200
 
-    async def _read_body(self, receive: Receive) -> bytes | None:
-        """The whole body, or None if the client hung up; 413 as soon as it is too long."""
+    async def _read_body(self, receive: Receive, request: _Abandoned) -> bytes | None:
+        """The whole body, or None if the client hung up.
+
+        Each chunk is charged to the byte budget as it arrives, whatever the framing (503 when it
+        would exceed it), and the body is refused (413) as soon as it passes the size limit.
+        """
         chunks: list[bytes] = []
-        size = 0
         limit = self.max_request_bytes
+        admission = self.admission
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
                 return None
             chunk = message.get("body", b"")
             if chunk:
-                size += len(chunk)
-                if size > limit:
+                if request.received + len(chunk) > limit:
                     raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+                admission.admit(len(chunk), held=request.received)
+                request.received += len(chunk)
                 chunks.append(chunk)
             if not message.get("more_body", False):
                 break

@@ -87,6 +87,12 @@ class RequestTimeout(ServiceError):
     type = "timeout"
 
 
+class SlowBody(ServiceError):
+    """A request body that arrived slower than `--min-body-rate`: cut, and its bytes released."""
+
+    type = "timeout"
+
+
 _KINDS: dict[str, type[ServiceError]] = {
     kind.type: kind
     for kind in (InvalidJSON, InvalidField, ModelNotFound, PayloadTooLarge, PoisonInput, Unavailable, Overloaded)

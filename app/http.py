@@ -25,6 +25,7 @@ from app.errors import (
     PoisonInput,
     RequestTimeout,
     ServiceError,
+    SlowBody,
     Unauthorized,
     Unavailable,
 )
@@ -38,6 +39,7 @@ STATUS: dict[type[ServiceError], int] = {
     InvalidJSON: 400,
     Unauthorized: 401,
     ModelNotFound: 404,
+    SlowBody: 408,
     PayloadTooLarge: 413,
     InvalidField: 422,
     PoisonInput: 422,

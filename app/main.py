@@ -98,6 +98,8 @@ def create_app(settings: Settings | None = None, registry: ModelRegistry | None 
         max_concurrent=settings.max_concurrent_requests,
         timeout=settings.request_timeout,
         paths=paths,
+        min_body_rate=settings.min_body_rate,
+        body_grace=settings.header_timeout,
     )
     if not settings.cors_origins:
         return edge

@@ -132,6 +132,13 @@ class Settings(BaseSettings):
     header_timeout: float = option(
         "SECONDS", "seconds a client may take to send a request's headers (408 and close after)", 10.0, gt=0
     )
+    min_body_rate: int = option(
+        "BYTES",
+        "bytes a second a /v1 request body must arrive at, on average, once --header-timeout seconds have "
+        "passed since its head; slower: 408 and close, and its bytes leave the budget (0: no minimum)",
+        64 * 1024,
+        ge=0,
+    )
     max_connections: int | None = option(
         "N",
         "open connections at most; the next gets 503 and is closed (default: 4096, or the open-file "
