@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import orjson
 
-from app import channel
-from app.jobs import BINARY, RESULT_HEAD
+from app.core.protocol import BINARY, read_result_head, result_blobs, result_body
 from client import wire
 from client.wire import ragged_offsets
 
@@ -61,16 +60,17 @@ class Part:
 
 
 def read_done(payload: Buffer) -> Answer:
-    model, content, texts, tokens, started, seconds, padding = RESULT_HEAD.unpack_from(payload)
-    body = memoryview(payload)[RESULT_HEAD.size :]
-    return Answer(content == BINARY, [body], model, texts, tokens, padding, [Work(started, seconds)])
+    head = read_result_head(payload)
+    work = [Work(head.started, head.seconds)]
+    return Answer(
+        head.content == BINARY, [result_body(payload)], head.model, head.texts, head.tokens, head.padding, work
+    )
 
 
 def read_part(payload: Buffer, *, blobs: bool = True) -> Part:
-    model, _content, texts, tokens, started, seconds, _padding = RESULT_HEAD.unpack_from(payload)
-    # Several blobs, or a single fragment (detokenize).
-    views = channel.split_blobs(payload, RESULT_HEAD.size) if blobs else [memoryview(payload)[RESULT_HEAD.size :]]
-    return Part(model, texts, tokens, Work(started, seconds), views, payload)
+    head = read_result_head(payload)
+    views = result_blobs(payload) if blobs else [result_body(payload)]  # several blobs, or one fragment (detokenize)
+    return Part(head.model, head.texts, head.tokens, Work(head.started, head.seconds), views, payload)
 
 
 def _joined(fragments: Sequence[Buffer]) -> list[Buffer]:

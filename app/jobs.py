@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import pickle
 import struct
 import time
 import unicodedata
@@ -32,32 +31,30 @@ from app.admission import PoisonMemory
 from app.bodies import parse_request
 from app.core.libraries import Library
 from app.core.models import ModelInfo
+from app.core.protocol import (
+    BINARY,
+    DETOKENIZE,
+    JSON,
+    PACK,
+    TOKENIZE,
+    Chunk,
+    PackContext,
+    Result,
+    read_chunk,
+    read_finish,
+    read_poison,
+    read_request,
+    read_result_head,
+    result_blobs,
+    split_payload,
+)
 from app.errors import InvalidField, ModelNotFound, PayloadTooLarge, PoisonInput, ServiceError
 from app.schemas import DetokenizeRequest, EncodeOptions, PackRequest, TokenizeRequest
 from client import wire
 from client.packing import PackedRows, pack_best_fit, pack_concat
 from client.wire import ragged_offsets, split_ragged
 
-# Routes, as the server names them to a worker
-TOKENIZE, DETOKENIZE, PACK = 1, 2, 3
-ROUTES = {"/v1/tokenize": TOKENIZE, "/v1/detokenize": DETOKENIZE, "/v1/pack": PACK}
 NO_OPTIONS = EncodeOptions()  # what a detokenize chunk carries
-
-# Content of an answer
-JSON, BINARY = 0, 1
-
-# REQUEST payload: route, answer in binary, most chunks to split into, careful; then the raw body.
-REQUEST_HEAD = struct.Struct("<BBHB")
-# CHUNK payload: careful; then the pickled chunk.
-CHUNK_HEAD = struct.Struct("<B")
-# DONE and PART payloads start with what the server records: model index, content, texts, tokens,
-# when the worker started, seconds it worked, padding fraction (NaN when not packing).
-RESULT_HEAD = struct.Struct("<HBIQddd")
-# POISON payload: model index, the text's length; then its text_digest.
-POISON_HEAD = struct.Struct("<HQ")
-# SPLIT payload: model index, route, texts, seeded sampling; then blobs: chunk units (int64), the
-# context a FINISH job needs (may be empty), then each chunk.
-SPLIT_HEAD = struct.Struct("<HBIB")
 
 
 @dataclass(frozen=True)
@@ -68,54 +65,6 @@ class Limits:
     max_seq_len: int
     min_chunk_chars: int
     max_request_bytes: int = 32 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class Result:
-    """DONE or PART, as meta plus the answer's buffers."""
-
-    model: int
-    content: int
-    texts: int
-    tokens: int
-    started: float
-    seconds: float
-    padding: float
-    parts: Sequence[bytes | bytearray | memoryview]
-
-    def payload(self) -> list[bytes | bytearray | memoryview]:
-        head = RESULT_HEAD.pack(
-            self.model, self.content, self.texts, self.tokens, self.started, self.seconds, self.padding
-        )
-        return [head, *self.parts]
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """Part of a split request, as pickled into a CHUNK job."""
-
-    route: int
-    model: int
-    options: EncodeOptions
-    first_index: int
-    binary: bool
-    texts: list[str] | None = None  # tokenize, pack
-    ids: np.ndarray | None = None  # detokenize: ragged ids and offsets
-    offsets: np.ndarray | None = None
-
-
-@dataclass(frozen=True)
-class PackContext:
-    """What a FINISH job needs besides the parts: the request's packing fields."""
-
-    model: int
-    binary: bool
-    seq_len: int
-    strategy: str
-    add_eos: bool
-    carry: list[int] | None
-    carry_document_starts: list[int] | None
-    mask_document_start: bool
 
 
 class Progress:
@@ -149,9 +98,8 @@ class Jobs:
             if kind == channel.REQUEST:
                 return self.request(payload)
             if kind == channel.CHUNK:
-                (careful,) = CHUNK_HEAD.unpack_from(payload)
-                chunk = pickle.loads(memoryview(payload)[CHUNK_HEAD.size :])
-                return channel.PART, self.chunk(chunk, bool(careful)).payload()
+                careful, chunk = read_chunk(payload)
+                return channel.PART, self.chunk(chunk, careful).payload()
             if kind == channel.FINISH:
                 return channel.DONE, self.finish(payload).payload()
             if kind == channel.PING:
@@ -161,8 +109,8 @@ class Jobs:
         raise ValueError(f"unknown job kind {kind}")
 
     def remember_poison(self, payload: bytes | bytearray) -> None:
-        model, length = POISON_HEAD.unpack_from(payload)
-        self.poison.add(self.models[model].name, bytes(payload[POISON_HEAD.size :]), length)
+        model, length, digest = read_poison(payload)
+        self.poison.add(self.models[model].name, digest, length)
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -175,10 +123,9 @@ class Jobs:
         return position, self.models[position]
 
     def request(self, payload: bytes | bytearray) -> tuple[int, list[bytes | bytearray | memoryview]]:
-        route, binary, max_parts, careful = REQUEST_HEAD.unpack_from(payload)
-        body = memoryview(payload)[REQUEST_HEAD.size :]
+        route, binary, max_parts, careful, body = read_request(payload)
         if route == DETOKENIZE:
-            return self.detokenize(body, max_parts, bool(careful))
+            return self.detokenize(body, max_parts, careful)
         request: TokenizeRequest | PackRequest
         if route == TOKENIZE:
             request = parse_request(body, TokenizeRequest, "texts", self.limits.max_texts)
@@ -193,7 +140,6 @@ class Jobs:
             )
         if self.libraries[position].normalizes:
             check_expansion(request.texts, len(body), self.limits.max_request_bytes)
-        binary = bool(binary)
         if isinstance(request, PackRequest):
             context = pack_context(request, info, position, binary, self.limits.max_seq_len)
             # both already checked: request.add_bos by its schema, context.add_eos against the model
@@ -218,7 +164,7 @@ class Jobs:
             units = np.array([int(sizes[start:end].sum()) for start, end in bounds] or [0], dtype=np.int64)
             return channel.SPLIT, split_payload(position, route, len(texts), seeded, units, context, chunks)
         started = time.monotonic()
-        ids, offsets, seconds = self.encode(position, texts, options, 0, bool(careful))
+        ids, offsets, seconds = self.encode(position, texts, options, 0, careful)
         if context is not None:
             return channel.DONE, self.packed(context, ids, offsets, len(texts), started, seconds).payload()
         tokens = int(offsets[-1])
@@ -289,14 +235,12 @@ class Jobs:
 
     def finish(self, payload: bytes | bytearray) -> Result:
         """Pack the parts of a split /v1/pack request: blobs = context, then each PART payload."""
-        blobs = channel.split_blobs(payload)
-        context: PackContext = pickle.loads(blobs[0])
+        context, parts = read_finish(payload)
         started = time.monotonic()
         id_parts, length_parts, worked = [], [], 0.0
-        for part in blobs[1:]:
-            head = RESULT_HEAD.unpack_from(part)
-            worked += head[5]
-            ids, lengths = channel.split_blobs(part, RESULT_HEAD.size)
+        for part in parts:
+            worked += read_result_head(part).seconds
+            ids, lengths = result_blobs(part)
             id_parts.append(np.frombuffer(ids, dtype=np.int32))
             length_parts.append(np.frombuffer(lengths, dtype=np.int64))
         all_ids = np.concatenate(id_parts) if id_parts else np.zeros(0, dtype=np.int32)
@@ -470,23 +414,6 @@ def check_expansion(texts: list[str], body_bytes: int, limit: int) -> None:
                     field="texts",
                     index=index,
                 )
-
-
-def split_payload(
-    model: int,
-    route: int,
-    texts: int,
-    seeded: bool,
-    units: np.ndarray,
-    context: PackContext | None,
-    chunks: list[Chunk],
-) -> list[bytes | bytearray | memoryview]:
-    blobs: list[bytes | bytearray | memoryview] = [
-        units.tobytes(),
-        b"" if context is None else pickle.dumps(context, protocol=5),
-        *(pickle.dumps(chunk, protocol=5) for chunk in chunks),
-    ]
-    return [SPLIT_HEAD.pack(model, route, texts, seeded), *channel.join_blobs(blobs)]
 
 
 def chunk_bounds(sizes: np.ndarray, max_chunks: int, min_chunk_size: int) -> list[tuple[int, int]]:

@@ -16,19 +16,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import pickle
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
-import numpy as np
 import orjson
 
 from app import channel
 from app.admission import text_digest
 from app.answers import Answer, Part, join_detokenize, join_tokenize, read_done, read_part
 from app.core.models import ModelInfo
+from app.core.protocol import (
+    DETOKENIZE,
+    PACK,
+    chunk_head,
+    finish_payload,
+    load_chunk,
+    poison_payload,
+    read_split,
+    request_head,
+)
 from app.errors import PoisonInput, ServiceError, Unavailable
-from app.jobs import CHUNK_HEAD, DETOKENIZE, PACK, POISON_HEAD, REQUEST_HEAD, SPLIT_HEAD, Chunk, Limits
+from app.jobs import Limits
 from app.metrics import Metrics
 from app.workers import Lane, Startup, WorkerCrashed
 
@@ -100,7 +108,7 @@ class WorkerPool:
         """
 
         def head(careful: bool) -> Callable[[int], bytes]:
-            return lambda idle: REQUEST_HEAD.pack(route, binary, max(idle, 1), careful)
+            return lambda idle: request_head(route, binary, max(idle, 1), careful)
 
         kind, payload = await self._supervised(
             self.tokenizers, channel.REQUEST, head, [body], len(body), lambda index: self._text_at(body, route, index)
@@ -112,11 +120,9 @@ class WorkerPool:
         raise _failure(kind, payload)
 
     async def _split(self, payload: Buffer, binary: bool) -> Answer:
-        model, route, _texts, seeded = SPLIT_HEAD.unpack_from(payload)
-        blobs = channel.split_blobs(payload, SPLIT_HEAD.size)
-        units = np.frombuffer(blobs[0], dtype=np.int64).tolist()
-        context, chunks = blobs[1], blobs[2:]
-        lane = self.sampler if seeded else self.tokenizers
+        split = read_split(payload)
+        model, route, units, context, chunks = split.model, split.route, split.units, split.context, split.chunks
+        lane = self.sampler if split.seeded else self.tokenizers
 
         def run(chunk: memoryview, size: int) -> Awaitable[tuple[int, Buffer]]:
             return self._supervised(
@@ -137,7 +143,7 @@ class WorkerPool:
 
     async def _finish(self, context: Buffer, parts: list[Part]) -> Answer:
         """Pack a split /v1/pack request's parts on one worker."""
-        payload = channel.join_blobs([context, *(part.payload for part in parts)])
+        payload = finish_payload(context, [part.payload for part in parts])
         units = sum(part.tokens for part in parts)
         kind, reply = await self._supervised(
             self.tokenizers, channel.FINISH, _no_head, payload, units, lambda index: ("texts", None, None)
@@ -190,7 +196,7 @@ class WorkerPool:
         )
 
     def _remember(self, model: int, text: str) -> None:
-        payload = POISON_HEAD.pack(model, len(text)) + text_digest(text)
+        payload = poison_payload(model, len(text), text_digest(text))
         for lane in (self.tokenizers, self.sampler):
             lane.broadcast_poison(payload)
 
@@ -208,7 +214,7 @@ class WorkerPool:
 
 
 def _chunk_head(careful: bool) -> Callable[[int], bytes]:
-    head = CHUNK_HEAD.pack(careful)
+    head = chunk_head(careful)
     return lambda idle: head
 
 
@@ -223,7 +229,7 @@ def _failure(kind: int, payload: Buffer) -> ServiceError:
 
 
 def _chunk_text(chunk: memoryview, index: int) -> Culprit:
-    item: Chunk = pickle.loads(chunk)
+    item = load_chunk(chunk)
     if item.texts is None:
         return "ids", None, None
     return "texts", item.model, item.texts[index - item.first_index]

@@ -10,12 +10,15 @@ a quarter of the tokenization time again).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from app.core import libraries
 from app.core.libraries import Library, ragged_offsets
 from app.core.models import ModelInfo, find_model_files
 from app.schemas import EncodeOptions
-from client import TokenizedBatch
+
+if TYPE_CHECKING:
+    from client import TokenizedBatch
 
 _libraries: dict[str, Library] = {}
 
@@ -51,5 +54,7 @@ def library(name: str) -> Library:
 
 def encode_chunk(model: str, texts: list[str], options: EncodeOptions) -> TokenizedBatch:
     """Tokenize texts[i] exactly as the model's library would in-process (the pre-tokenizer's pool)."""
+    from client import TokenizedBatch  # here, not at import: the server's workers never load the client
+
     ids, lengths = _libraries[model].encode(texts, options)
     return TokenizedBatch(ids, ragged_offsets(lengths), model, None)

@@ -37,8 +37,9 @@ import orjson
 from app import channel, memory, worker_start
 from app.admission import POISON_MEMORY
 from app.core.models import ModelInfo
+from app.core.protocol import read_result_head
 from app.errors import Unavailable
-from app.jobs import RESULT_HEAD, Jobs, Limits, Progress
+from app.jobs import Jobs, Limits, Progress
 from app.metrics import Metrics
 from app.settings import usable_cpus
 
@@ -263,7 +264,7 @@ class Worker:
             self._timer.cancel()
             self._timer = None
         if kind == channel.DONE or kind == channel.PART:
-            started = RESULT_HEAD.unpack_from(payload)[4]
+            started = read_result_head(payload).started
             self.lane.metrics.queue_wait.observe(max(started - job.queued_at, 0.0))
         if not job.future.done():
             job.future.set_result((kind, payload))

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from app import channel, worker
 from app.answers import join_detokenize, join_tokenize, read_done, read_part
-from app.jobs import CHUNK_HEAD, DETOKENIZE, PACK, REQUEST_HEAD, SPLIT_HEAD, TOKENIZE, Jobs, Limits, Progress
+from app.core.protocol import CHUNK_HEAD, DETOKENIZE, PACK, REQUEST_HEAD, SPLIT_HEAD, TOKENIZE
+from app.jobs import Jobs, Limits, Progress
 from app.registry import inspect_model
 from app.responses import wants_binary
 from app.settings import BUNDLED_MODELS_DIR
