@@ -1,22 +1,60 @@
-"""Client of tokenizer-service; needs only numpy and httpx (torch only for as_torch and client.torch_data)."""
+"""Client of tokenizer-service; needs only numpy and httpx (torch only for as_torch and client.torch_data).
 
-from client._async import AsyncTokenizerClient
-from client._client import TokenizerClient
-from client._protocol import PackedBatch, TokenizedBatch
-from client._retry import RetryPolicy
-from client.errors import (
-    ModelMismatchError,
-    PrefetchError,
-    TokenizerConnectionError,
-    TokenizerError,
-    TokenizerProtocolError,
-    TokenizerServiceError,
-)
-from client.prefetch import AsyncPrefetcher, PackSpec, Prefetcher, PrefetchStats
+Every public name is loaded on first use (PEP 562 module ``__getattr__``): ``import client`` and
+``import client.dataset`` cost numpy at most, and httpx is imported only once a client, a batch
+type or an error class is asked for (tests/test_hardening_client.py holds this).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what the lazy attributes are, for type checkers and IDEs
+    from client._async import AsyncTokenizerClient
+    from client._client import TokenizerClient
+    from client._protocol import PackedBatch, TokenizedBatch
+    from client._retry import RetryPolicy
+    from client.dataset import TokenDataset
+    from client.errors import (
+        MalformedAnswerError,
+        ModelMismatchError,
+        PrefetchError,
+        TokenizerConnectionError,
+        TokenizerError,
+        TokenizerProtocolError,
+        TokenizerServiceError,
+    )
+    from client.mixture import Mixture
+    from client.prefetch import AsyncPrefetcher, PackSpec, Prefetcher, PrefetchStats
+
+# public name -> the module that defines it
+_LAZY = {
+    "AsyncPrefetcher": "client.prefetch",
+    "AsyncTokenizerClient": "client._async",
+    "MalformedAnswerError": "client.errors",
+    "Mixture": "client.mixture",
+    "ModelMismatchError": "client.errors",
+    "PackSpec": "client.prefetch",
+    "PackedBatch": "client._protocol",
+    "PrefetchError": "client.errors",
+    "PrefetchStats": "client.prefetch",
+    "Prefetcher": "client.prefetch",
+    "RetryPolicy": "client._retry",
+    "TokenDataset": "client.dataset",
+    "TokenizedBatch": "client._protocol",
+    "TokenizedIterableDataset": "client.torch_data",  # imports torch
+    "TokenizerClient": "client._client",
+    "TokenizerConnectionError": "client.errors",
+    "TokenizerError": "client.errors",
+    "TokenizerProtocolError": "client.errors",
+    "TokenizerServiceError": "client.errors",
+}
 
 __all__ = [
     "AsyncPrefetcher",
     "AsyncTokenizerClient",
+    "MalformedAnswerError",
     "Mixture",
     "ModelMismatchError",
     "PackSpec",
@@ -36,17 +74,37 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    """TokenizedIterableDataset on first use only: it imports torch. Mixture and TokenDataset on first use too."""
-    if name == "TokenizedIterableDataset":
-        from client.torch_data import TokenizedIterableDataset
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'client' has no attribute {name!r}")
+    value = getattr(_load(module), name)
+    if name != "TokenizedIterableDataset":
+        globals()[name] = value  # the next lookup is an ordinary attribute
+    return value
 
-        return TokenizedIterableDataset
-    if name == "Mixture":
-        from client.mixture import Mixture
 
-        return Mixture
-    if name == "TokenDataset":
-        from client.dataset import TokenDataset
+def _load(module: str) -> ModuleType:
+    """The module, imported now (written out, so that the imports stay visible to tools and tests)."""
+    if module == "client._async":
+        import client._async as loaded
+    elif module == "client._client":
+        import client._client as loaded
+    elif module == "client._protocol":
+        import client._protocol as loaded
+    elif module == "client._retry":
+        import client._retry as loaded
+    elif module == "client.dataset":
+        import client.dataset as loaded
+    elif module == "client.errors":
+        import client.errors as loaded
+    elif module == "client.mixture":
+        import client.mixture as loaded
+    elif module == "client.prefetch":
+        import client.prefetch as loaded
+    else:
+        import client.torch_data as loaded
+    return loaded
 
-        return TokenDataset
-    raise AttributeError(f"module 'client' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

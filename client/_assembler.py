@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from client._options import PrefetchOptions
+from client._options import PackSpec, PrefetchOptions
 from client._packing import Block, ConcatPacker, Position, RowRegrouper
 from client._protocol import Batch, TokenizedBatch
 from client._resume import Resume, state_dict
@@ -39,6 +39,9 @@ class Assembler:
         self.model = resume.model
         self.sha256 = resume.model_sha256
         self.leftover = np.empty(0, np.int32)
+        self.empty_reason: str | None = None  # set by finish() when the stream delivered no batch
+        # A run from the stream's start that delivers nothing says why (a resumed one may just be at the end).
+        self._delivered = 0 if resume.position == Position(0, 0) else 1
         pack = options.pack
         self._packer: ConcatPacker | None = None
         self._regrouper: RowRegrouper | None = None
@@ -61,14 +64,38 @@ class Assembler:
         return self._drain(self._regrouper.take)
 
     def finish(self) -> list[Delivery]:
-        """The last, partial block at the end of the stream (packing), and the leftover tokens."""
+        """The last, partial block at the end of the stream (packing; dropped with ``drop_last``), and the
+        leftover tokens. When the stream delivered no batch at all, ``empty_reason`` says why."""
+        pack = self.options.pack
         if self._packer is not None:
             block, self.leftover = self._packer.finish()
         elif self._regrouper is not None:
             block = self._regrouper.finish()
         else:
+            if not self._delivered:
+                self.empty_reason = "the stream held no texts"
             return []
-        return [self._packed(block, self.leftover)] if block is not None else []
+        assert pack is not None
+        dropped = 0
+        if block is not None and pack.drop_last and len(block[0]) < pack.rows:
+            dropped, block = len(block[0]), None
+        deliveries = [self._packed(block, self.leftover)] if block is not None else []
+        if not self._delivered and not deliveries:
+            self.empty_reason = self._why_empty(pack, dropped)
+        return deliveries
+
+    def _why_empty(self, pack: PackSpec, dropped: int) -> str:
+        if dropped:
+            return (
+                f"the stream packed into {dropped} rows, fewer than one batch of {pack.rows}, "
+                "and drop_last=True dropped them"
+            )
+        if self.leftover.size:
+            return (
+                f"the stream's {self.leftover.size} tokens fill no row of seq_len={pack.seq_len} "
+                "(concat rows are never padded); they are in .leftover"
+            )
+        return "the stream held no texts" if self.position.text == 0 else "the stream held no tokens"
 
     def _drain(self, take: Callable[[], Block | None]) -> list[Delivery]:
         deliveries = []
@@ -82,6 +109,7 @@ class Assembler:
         return self._deliver(batch, after, after.text - self.position.text, int(rows.stats["tokens"]))
 
     def _deliver(self, batch: Batch, after: Position, texts: int, tokens: int) -> Delivery:
+        self._delivered += 1
         self.batches += 1
         self.position = after
         return Delivery(batch, state_dict(self.options, after, self.batches, self.model, self.sha256), texts, tokens)

@@ -111,8 +111,9 @@ class AsyncTokenizerClient(BaseClient):
         format: Format = "binary",
         policy: RetryPolicy | None = None,
     ) -> tuple[TokenizedBatch, Answer]:
-        answer = await self._request(self._post("/v1/tokenize", options.payload(texts), format), policy)
-        return self._read_tokenize(answer, options.model), answer
+        payload = options.payload(texts)
+        answer = await self._request(self._post("/v1/tokenize", payload, format), policy)
+        return self._read_tokenize(answer, options.model, len(payload["texts"])), answer
 
     async def _pack_answer(
         self,
@@ -125,7 +126,7 @@ class AsyncTokenizerClient(BaseClient):
     ) -> tuple[PackedBatch, Answer]:
         call = self._post("/v1/pack", options.payload(texts, carry, carry_document_starts), format)
         answer = await self._request(call, policy)
-        return self._read_pack(answer, options.model), answer
+        return self._read_pack(answer, options.model, options.seq_len), answer
 
     async def tokenize_batch(
         self,
@@ -194,7 +195,8 @@ class AsyncTokenizerClient(BaseClient):
     async def detokenize(
         self, ids: Sequence[Sequence[int]] | Sequence[np.ndarray], *, model: str | None = None
     ) -> list[str]:
-        return self._read_texts(await self._request(self._post("/v1/detokenize", detokenize_payload(ids, model))))
+        payload = detokenize_payload(ids, model)
+        return self._read_texts(await self._request(self._post("/v1/detokenize", payload)), len(payload["ids"]))
 
     async def models(self) -> dict[str, Any]:
         """The server's /v1/models answer: default name and each model's ids and sha256."""

@@ -31,9 +31,10 @@ from client._protocol import (
     parse_urls,
     raise_for_error,
     resolve_api_key,
+    texts_from_document,
 )
 from client._retry import NO_RETRY, Attempt, Replicas, RetryPolicy
-from client.errors import TokenizerConnectionError
+from client.errors import TokenizerConnectionError, TokenizerProtocolError
 
 JSON_HEADERS = {"content-type": "application/json"}
 FORMATS = get_args(Format)
@@ -129,20 +130,24 @@ class BaseClient:
     def _connection_error(replica_url: str, call: Call, exc: Exception) -> TokenizerConnectionError:
         return TokenizerConnectionError(f"{call.method} {replica_url}{call.path} failed: {exc!r}")
 
-    def _read_tokenize(self, answer: Answer, requested: str | None) -> TokenizedBatch:
-        batch = batch_from_response(answer.response)
+    def _read_tokenize(self, answer: Answer, requested: str | None, texts: int | None = None) -> TokenizedBatch:
+        """The answer to a request of `texts` texts, checked against it (MalformedAnswerError if it does not fit)."""
+        batch = batch_from_response(answer.response, texts)
         self._fingerprints.check(batch.model, batch.model_sha256, answer.source, requested=requested)
         return batch
 
-    def _read_pack(self, answer: Answer, requested: str | None) -> PackedBatch:
-        packed = packed_from_response(answer.response)
+    def _read_pack(self, answer: Answer, requested: str | None, seq_len: int | None = None) -> PackedBatch:
+        packed = packed_from_response(answer.response, seq_len)
         self._fingerprints.check(packed.model, packed.model_sha256, answer.source, requested=requested)
         return packed
 
     @staticmethod
-    def _read_texts(answer: Answer) -> list[str]:
-        texts: list[str] = loads(answer.response.content)["texts"]
-        return texts
+    def _read_texts(answer: Answer, rows: int | None = None) -> list[str]:
+        try:
+            document = loads(answer.response.content)
+        except ValueError as exc:
+            raise TokenizerProtocolError(f"unreadable detokenize answer: {exc}") from exc
+        return texts_from_document(document, rows)
 
     @staticmethod
     def _read_document(response: httpx.Response) -> dict[str, Any]:

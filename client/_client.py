@@ -131,7 +131,9 @@ class TokenizerClient(BaseClient):
     ) -> TokenizedBatch:
         """Tokenize into one flat ids array plus offsets (the cheapest form to consume)."""
         options = TokenizeOptions(model, add_bos, add_eos, max_length, sample, parse_special_tokens)
-        return self._read_tokenize(self._request(self._post("/v1/tokenize", options.payload(texts), format)), model)
+        payload = options.payload(texts)
+        answer = self._request(self._post("/v1/tokenize", payload, format))
+        return self._read_tokenize(answer, model, len(payload["texts"]))
 
     def tokenize(
         self,
@@ -155,7 +157,6 @@ class TokenizerClient(BaseClient):
             sample=sample,
             parse_special_tokens=parse_special_tokens,
             format=format,
-
         )
         return batch.to_list()
 
@@ -177,7 +178,7 @@ class TokenizerClient(BaseClient):
         """Tokenize and pack texts into rows of exactly `seq_len` tokens (see /v1/pack)."""
         options = PackOptions(seq_len, strategy, model, add_bos, add_eos, mask_document_start, parse_special_tokens)
         call = self._post("/v1/pack", options.payload(texts, carry, carry_document_starts), format)
-        return self._read_pack(self._request(call), model)
+        return self._read_pack(self._request(call), model, options.seq_len)
 
     def pack_stream(
         self, texts: Iterable[str], seq_len: int, *, texts_per_request: int = 256, **options: Any
@@ -196,7 +197,8 @@ class TokenizerClient(BaseClient):
             yield packed
 
     def detokenize(self, ids: Sequence[Sequence[int]] | Sequence[np.ndarray], *, model: str | None = None) -> list[str]:
-        return self._read_texts(self._request(self._post("/v1/detokenize", detokenize_payload(ids, model))))
+        payload = detokenize_payload(ids, model)
+        return self._read_texts(self._request(self._post("/v1/detokenize", payload)), len(payload["ids"]))
 
     def models(self) -> dict[str, Any]:
         """The server's /v1/models answer: default name and each model's ids and sha256."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
+from client._inputs import flag, integer
 from client._protocol import PackOptions, TokenizeOptions
 from client._retry import RetryPolicy
 from client._torch import check_torch
@@ -17,7 +18,10 @@ class PackSpec:
     ``concat`` (no padding; documents run across rows and batches) or ``best_fit`` (whole documents,
     pieces of at most ``seq_len``, padded; each request of ``batch_size`` texts packs on its own).
     ``add_eos``/``add_bos`` mark document boundaries in the ids; ``mask_document_start`` sets the
-    label of each document's first token to -100.
+    label of each document's first token to -100. The last batch may have fewer than ``rows`` rows
+    (as DataLoader's ``drop_last=False``); ``drop_last=True`` drops it. Concat rows are never padded:
+    the stream's last tokens that fill no row are the prefetcher's ``leftover``. A stream that packs
+    into no batch at all warns (``UserWarning``) saying why.
     """
 
     seq_len: int
@@ -26,12 +30,14 @@ class PackSpec:
     add_eos: bool = True
     add_bos: bool = False
     mask_document_start: bool = False
+    drop_last: bool = False
 
     def __post_init__(self) -> None:
-        if self.seq_len < 2:
-            raise ValueError(f"seq_len must be at least 2, got {self.seq_len}")
-        if self.rows < 1:
-            raise ValueError(f"rows must be at least 1, got {self.rows}")
+        # Numpy integers and bools become Python values (the state_dict stays plain JSON); floats are refused.
+        object.__setattr__(self, "seq_len", integer(self.seq_len, "seq_len", minimum=2))
+        object.__setattr__(self, "rows", integer(self.rows, "rows", minimum=1))
+        for name in ("add_eos", "add_bos", "mask_document_start", "drop_last"):
+            object.__setattr__(self, name, flag(getattr(self, name), name))
         if self.strategy not in ("concat", "best_fit"):
             raise ValueError(f"strategy must be 'concat' or 'best_fit', got {self.strategy!r}")
 
@@ -61,10 +67,9 @@ class PrefetchOptions:
         retry: RetryPolicy,
     ) -> PrefetchOptions:
         """Called by the clients' ``prefetch``, in the caller's thread (a missing torch fails there)."""
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        if depth < 1:
-            raise ValueError(f"depth must be at least 1, got {depth}")
+        batch_size = integer(batch_size, "batch_size", minimum=1)
+        depth = integer(depth, "depth", minimum=1)
+        as_torch, pin_memory = flag(as_torch, "as_torch"), flag(pin_memory, "pin_memory")
         if pack is not None and not isinstance(pack, PackSpec):
             raise TypeError(f"pack takes a PackSpec(seq_len=..., rows=...), not {type(pack).__name__} {pack!r}")
         if pack is not None:

@@ -6,6 +6,7 @@ The batch types turn their arrays into torch tensors with client._torch, which k
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -16,9 +17,9 @@ import httpx
 import numpy as np
 
 from client import wire
-from client._inputs import check_url, id_rows, texts_list
+from client._inputs import check_url, flag, id_list, id_rows, integer, optional_integer, plain, texts_list
 from client._torch import tensors
-from client.errors import ModelMismatchError, TokenizerProtocolError, TokenizerServiceError
+from client.errors import MalformedAnswerError, ModelMismatchError, TokenizerProtocolError, TokenizerServiceError
 
 try:
     import orjson
@@ -137,7 +138,25 @@ def dumps(document: Any) -> bytes:
             return orjson.dumps(document)
         except TypeError:
             pass  # e.g. a lone surrogate: let the stdlib escape it and the server say which text
-    return json.dumps(document).encode()
+    try:
+        return json.dumps(document).encode()
+    except TypeError:
+        _explain_unserializable(document)
+        raise
+
+
+def _explain_unserializable(document: Any) -> None:
+    """A TypeError naming the text that is not a str (a bytes text most likely), if that is what failed."""
+    texts = document.get("texts") if isinstance(document, dict) else None
+    if not isinstance(texts, list):
+        return
+    for index, text in enumerate(texts):
+        if isinstance(text, bytes | bytearray | memoryview):
+            raise TypeError(
+                f"texts[{index}] is {type(text).__name__}, not str: decode it first, e.g. text.decode('utf-8')"
+            ) from None
+        if not isinstance(text, str):
+            raise TypeError(f"texts[{index}] is a {type(text).__name__}, not a str") from None
 
 
 def loads(content: bytes) -> Any:
@@ -199,6 +218,16 @@ class TokenizeOptions:
     sample: dict[str, Any] | None = None
     parse_special_tokens: bool = False
 
+    def __post_init__(self) -> None:
+        """Numpy integers and bools become Python values; a float length or a non-bool flag is refused here."""
+        for name in ("add_bos", "add_eos", "parse_special_tokens"):
+            object.__setattr__(self, name, flag(getattr(self, name), name))
+        object.__setattr__(self, "max_length", optional_integer(self.max_length, "max_length", minimum=0))
+        if self.sample is not None:
+            if not isinstance(self.sample, dict):
+                raise TypeError(f"sample must be a dict of options, not {type(self.sample).__name__}")
+            object.__setattr__(self, "sample", plain(self.sample))
+
     def payload(self, texts: Iterable[str]) -> dict[str, Any]:
         """The request body; options at their defaults are left out."""
         payload: dict[str, Any] = {"texts": texts_list(texts)}
@@ -229,6 +258,11 @@ class PackOptions:
     mask_document_start: bool = False
     parse_special_tokens: bool = False
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "seq_len", integer(self.seq_len, "seq_len", minimum=2))
+        for name in ("add_bos", "add_eos", "mask_document_start", "parse_special_tokens"):
+            object.__setattr__(self, name, flag(getattr(self, name), name))
+
     def payload(
         self,
         texts: Iterable[str],
@@ -242,7 +276,7 @@ class PackOptions:
             del payload["parse_special_tokens"]
         for name, ids in (("carry", carry), ("carry_document_starts", carry_document_starts)):
             if ids is not None:
-                payload[name] = ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
+                payload[name] = id_list(ids, name)
         return payload
 
 
@@ -299,60 +333,188 @@ def raise_for_error(response: httpx.Response) -> None:
 T = TypeVar("T")
 
 
-def _read_answer(response: httpx.Response, what: str, read: Callable[[wire.Frame | None, Any, str | None], T]) -> T:
-    """`read(frame, None, sha256)` for a binary answer, `read(None, document, sha256)` for JSON; any
-    missing or malformed part is a TokenizerProtocolError."""
+def _read_answer(
+    response: httpx.Response, what: str, read: Callable[[wire.Frame | None, Any, str | None], T], *args: Any
+) -> T:
+    """`read(frame, None, sha256, *args)` for a binary answer, `read(None, document, sha256, *args)` for JSON;
+    any missing or malformed part is a TokenizerProtocolError (a MalformedAnswerError when it is checked)."""
     sha256 = response.headers.get(MODEL_SHA256_HEADER)
     content_type = response.headers.get("content-type", "")
     try:
         if content_type.startswith(wire.MEDIA_TYPE):
-            return read(wire.decode(response.content), None, sha256)
-        return read(None, loads(response.content), sha256)
-    except (KeyError, TypeError, ValueError) as exc:
+            return read(wire.decode(response.content), None, sha256, *args)
+        return read(None, loads(response.content), sha256, *args)
+    except (KeyError, TypeError, ValueError, OverflowError, IndexError, AttributeError) as exc:
         raise TokenizerProtocolError(f"unreadable {what} answer ({content_type}): {exc}") from exc
 
 
-def _batch(frame: wire.Frame | None, document: Any, sha256: str | None) -> TokenizedBatch:
+# -- every answer checked against its request (vectorized: a few array passes, no Python loop per id) ----
+
+ID_LIMIT = 1 << 31  # ids travel as int32
+
+
+def _integers(array: np.ndarray, what: str, ndim: int) -> np.ndarray:
+    if not isinstance(array, np.ndarray) or array.dtype.kind not in "iu":
+        kind = array.dtype if isinstance(array, np.ndarray) else type(array).__name__
+        raise MalformedAnswerError(f"{what} are {kind}, not integers")
+    if array.ndim != ndim:
+        raise MalformedAnswerError(f"{what} have {array.ndim} dimensions, not {ndim}")
+    return array
+
+
+def _ids(array: np.ndarray, what: str, ndim: int = 1) -> np.ndarray:
+    """Token ids: integers in [0, 2**31), as int32."""
+    array = _integers(array, what, ndim)
+    if array.size and (int(array.min()) < 0 or int(array.max()) >= ID_LIMIT):
+        raise MalformedAnswerError(
+            f"{what} hold {int(array.min())}..{int(array.max())}, outside the int32 ids [0, {ID_LIMIT})"
+        )
+    return array if array.dtype == np.int32 else array.astype(np.int32)
+
+
+def _offsets(offsets: np.ndarray, what: str, count: int, total: int) -> np.ndarray:
+    """Offsets of `count` sequences over `total` items: from 0 to `total`, never decreasing."""
+    offsets = _integers(offsets, what, 1)
+    if len(offsets) != count + 1:
+        raise MalformedAnswerError(f"{what} describe {len(offsets) - 1} sequences, {count} were asked for")
+    if int(offsets[0]) != 0 or int(offsets[-1]) != total:
+        raise MalformedAnswerError(f"{what} run from {int(offsets[0])} to {int(offsets[-1])}, not 0 to {total}")
+    if count > 1 and bool((offsets[1:] < offsets[:-1]).any()):
+        raise MalformedAnswerError(f"{what} decrease")
+    return offsets if offsets.dtype == np.int64 else offsets.astype(np.int64)
+
+
+def _json_integers(values: Any, what: str) -> np.ndarray:
+    """A JSON list of integers as int64: a float (1.7, 1.0), a bool or an integer beyond int64 is refused."""
+    if not isinstance(values, list):
+        raise MalformedAnswerError(f"{what} are a {type(values).__name__}, not a list")
+    kinds = set(map(type, values))  # one pass in C
+    if kinds - {int}:
+        odd = sorted(kind.__name__ for kind in kinds - {int})
+        raise MalformedAnswerError(f"{what} hold {', '.join(odd)} values, not only integers")
+    try:
+        return np.array(values, dtype=np.int64) if values else np.zeros(0, np.int64)
+    except OverflowError:
+        raise MalformedAnswerError(f"{what} hold an integer beyond 64 bits") from None
+
+
+def _json_rows(rows: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """A JSON list of lists of integers: (flat int64 values, lengths)."""
+    if not isinstance(rows, list) or set(map(type, rows)) - {list}:
+        raise MalformedAnswerError(f"{what} are not a list of lists")
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    return _json_integers(list(itertools.chain.from_iterable(rows)), what), lengths
+
+
+def _batch(frame: wire.Frame | None, document: Any, sha256: str | None, texts: int | None = None) -> TokenizedBatch:
     if frame is not None:
-        return TokenizedBatch(frame["ids"], frame["offsets"], frame.meta["model"], sha256)
-    rows = document["ids"]
-    lengths = np.fromiter((len(row) for row in rows), dtype=np.int64, count=len(rows))
-    flat = np.fromiter((i for row in rows for i in row), dtype=np.int32, count=int(lengths.sum()))
-    return TokenizedBatch(flat, wire.ragged_offsets(lengths), document["model"], sha256)
+        ids, offsets, model = frame["ids"], frame["offsets"], frame.meta["model"]
+    else:
+        flat, lengths = _json_rows(document["ids"], "ids")
+        ids, offsets, model = flat, wire.ragged_offsets(lengths), document["model"]
+    ids = _ids(ids, "ids")
+    count = len(offsets) - 1 if texts is None else texts
+    offsets = _offsets(offsets, "offsets", count, len(ids))
+    if not isinstance(model, str):
+        raise MalformedAnswerError(f"model is {model!r:.40}, not a name")
+    return TokenizedBatch(ids, offsets, model, sha256)
 
 
 ROW_FIELDS = ("input_ids", "labels", "position_ids")  # PackedBatch's [rows, seq_len] arrays
+IGNORE_INDEX = -100
 
 
-def _packed(frame: wire.Frame | None, document: Any, sha256: str | None) -> PackedBatch:
+def _packed(frame: wire.Frame | None, document: Any, sha256: str | None, seq_len: int | None = None) -> PackedBatch:
+    meta = frame.meta if frame is not None else document
+    answered = meta["seq_len"]
+    if type(answered) is not int or (seq_len is not None and answered != seq_len):
+        raise MalformedAnswerError(f"seq_len {answered!r:.40} answered, {seq_len} asked for")
+    seq_len = answered
+    arrays: dict[str, np.ndarray] = {}
     if frame is not None:
-        meta, array = frame.meta, frame.__getitem__
-        cu_seqlens = wire.split_ragged(frame["cu_seqlens"], frame["cu_seqlens_offsets"])
+        for name in ROW_FIELDS:
+            arrays[name] = _integers(frame[name], name, 2)
+        cu_flat = _integers(frame["cu_seqlens"], "cu_seqlens", 1)
+        cu_offsets = frame["cu_seqlens_offsets"]
+        arrays["leftover"] = frame["leftover"]
+        arrays["leftover_document_starts"] = frame["leftover_document_starts"]
     else:
-        meta = document
-
-        def array(name: str) -> np.ndarray:
-            values = np.asarray(document[name], dtype=np.int32)
-            return values.reshape(-1, document["seq_len"]) if name in ROW_FIELDS else values
-
-        cu_seqlens = [np.asarray(row, dtype=np.int32) for row in document["cu_seqlens"]]
+        for name in ROW_FIELDS:
+            flat, lengths = _json_rows(document[name], name)
+            if len(lengths) and bool((lengths != seq_len).any()):
+                raise MalformedAnswerError(f"{name} has rows that are not {seq_len} tokens long")
+            arrays[name] = flat.reshape(len(lengths), seq_len)
+        cu_flat, cu_lengths = _json_rows(document["cu_seqlens"], "cu_seqlens")
+        cu_offsets = wire.ragged_offsets(cu_lengths)
+        for name in ("leftover", "leftover_document_starts"):
+            arrays[name] = _json_integers(document.get(name, []), name)
+    rows = arrays["input_ids"].shape[0]
+    for name in ROW_FIELDS:
+        if arrays[name].shape != (rows, seq_len):
+            raise MalformedAnswerError(f"{name} has shape {arrays[name].shape}, not ({rows}, {seq_len})")
+    input_ids = _ids(arrays["input_ids"], "input_ids", 2)
+    labels = _integers(arrays["labels"], "labels", 2)
+    if labels.size and (bool(((labels < 0) & (labels != IGNORE_INDEX)).any()) or int(labels.max()) >= ID_LIMIT):
+        raise MalformedAnswerError(f"labels hold values that are neither ids nor {IGNORE_INDEX}")
+    positions = _integers(arrays["position_ids"], "position_ids", 2)
+    if positions.size and (int(positions.min()) < 0 or int(positions.max()) >= seq_len):
+        raise MalformedAnswerError(f"position_ids leave [0, {seq_len})")
+    cu_offsets = _offsets(cu_offsets, "cu_seqlens_offsets", rows, len(cu_flat))
+    if cu_flat.size and (int(cu_flat.min()) < 0 or int(cu_flat.max()) > seq_len):
+        raise MalformedAnswerError(f"cu_seqlens leave [0, {seq_len}]")
+    firsts = cu_offsets[:-1][cu_offsets[1:] > cu_offsets[:-1]]
+    if bool(cu_flat[firsts].any()):
+        raise MalformedAnswerError("cu_seqlens of a row do not start at 0")
+    if len(cu_flat) > 1:
+        steps = cu_flat[1:] < cu_flat[:-1]
+        steps[firsts[firsts > 0] - 1] = False  # a row's first entry (0) is below the previous row's last
+        if bool(steps.any()):
+            raise MalformedAnswerError("cu_seqlens decrease within a row")
+    leftover = _ids(arrays["leftover"], "leftover")
+    starts = _integers(arrays["leftover_document_starts"], "leftover_document_starts", 1)
+    if starts.size and (
+        int(starts.min()) < 0 or int(starts.max()) >= len(leftover) or bool((starts[1:] <= starts[:-1]).any())
+    ):
+        raise MalformedAnswerError("leftover_document_starts do not increase within the leftover")
+    strategy = meta["strategy"]
+    if strategy not in ("concat", "best_fit") or not isinstance(meta["model"], str):
+        raise MalformedAnswerError(f"strategy {strategy!r:.40} or model {meta['model']!r:.40} is not valid")
+    stats = meta["stats"]
+    if not isinstance(stats, dict):
+        raise MalformedAnswerError("stats are not an object")
     return PackedBatch(
-        **{name: array(name) for name in (*ROW_FIELDS, "leftover", "leftover_document_starts")},
-        cu_seqlens=cu_seqlens,
-        stats=meta["stats"],
+        input_ids=input_ids,
+        labels=labels if labels.dtype == np.int32 else labels.astype(np.int32),
+        position_ids=positions if positions.dtype == np.int32 else positions.astype(np.int32),
+        leftover=leftover,
+        leftover_document_starts=starts.astype(np.int32, copy=False),
+        cu_seqlens=[row.astype(np.int32, copy=False) for row in wire.split_ragged(cu_flat, cu_offsets)],
+        stats=stats,
         model=meta["model"],
-        seq_len=meta["seq_len"],
-        strategy=meta["strategy"],
+        seq_len=seq_len,
+        strategy=strategy,
         model_sha256=sha256,
     )
 
 
-def batch_from_response(response: httpx.Response) -> TokenizedBatch:
-    return _read_answer(response, "tokenize", _batch)
+def batch_from_response(response: httpx.Response, texts: int | None = None) -> TokenizedBatch:
+    """The answer to a /v1/tokenize request of `texts` texts, checked against it."""
+    return _read_answer(response, "tokenize", _batch, texts)
 
 
-def packed_from_response(response: httpx.Response) -> PackedBatch:
-    return _read_answer(response, "pack", _packed)
+def packed_from_response(response: httpx.Response, seq_len: int | None = None) -> PackedBatch:
+    """The answer to a /v1/pack request for rows of `seq_len`, checked against it."""
+    return _read_answer(response, "pack", _packed, seq_len)
+
+
+def texts_from_document(document: Any, rows: int | None = None) -> list[str]:
+    """The texts of a /v1/detokenize answer to `rows` id rows, checked against it."""
+    texts = document["texts"] if isinstance(document, dict) else None
+    if not isinstance(texts, list) or set(map(type, texts)) - {str}:
+        raise MalformedAnswerError("texts are not a list of strings")
+    if rows is not None and len(texts) != rows:
+        raise MalformedAnswerError(f"{len(texts)} texts answered, {rows} id rows were sent")
+    return texts
 
 
 class ModelFingerprints:

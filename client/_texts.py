@@ -33,19 +33,24 @@ class WindowReader(Protocol):
     async def next_window(self) -> Window | None: ...
 
 
-def open_texts(texts: Iterable[str] | AsyncIterable[str], batch_size: int, start: int) -> WindowReader:
-    """The reader of `texts` in windows of `batch_size`, from stream index `start` on (the texts before are skipped)."""
+def open_texts(
+    texts: Iterable[str] | AsyncIterable[str], batch_size: int, start: int, inside: bool = False
+) -> WindowReader:
+    """The reader of `texts` in windows of `batch_size`, from stream index `start` on (the texts before are skipped).
+
+    `inside`: the saved state stopped inside text `start`, so the stream must have it."""
     if isinstance(texts, AsyncIterable):
-        return AsyncTextReader(texts, batch_size, start)
-    return TextReader(texts, batch_size, start)
+        return AsyncTextReader(texts, batch_size, start, inside)
+    return TextReader(texts, batch_size, start, inside)
 
 
 class _Windows:
     """Counts the stream position and cuts windows; the readers below add where the texts come from."""
 
-    def __init__(self, batch_size: int, start: int) -> None:
+    def __init__(self, batch_size: int, start: int, inside: bool = False) -> None:
         self._batch_size = batch_size
         self._start = start
+        self._inside = inside
         self._position = 0
 
     def _ended_before_start(self) -> ValueError:
@@ -57,6 +62,11 @@ class _Windows:
                 if not isinstance(text, str):
                     raise TypeError(f"text {self._position + i} is a {type(text).__name__}, not a str")
         if not texts:
+            if self._inside and self._position == self._start:
+                raise ValueError(
+                    f"the stream ended at text {self._position}, but the saved position is inside text "
+                    f"{self._start}: resume on the same texts the state was saved from"
+                )
             return None
         window = Window(self._position, texts)
         self._position += len(texts)
@@ -66,9 +76,9 @@ class _Windows:
 class TextReader(_Windows):
     """Reads windows from a sync iterable, in the thread that calls ``read()`` (or awaits ``next_window()``)."""
 
-    def __init__(self, texts: Iterable[str], batch_size: int, start: int) -> None:
+    def __init__(self, texts: Iterable[str], batch_size: int, start: int, inside: bool = False) -> None:
         check_texts(texts)
-        super().__init__(batch_size, start)
+        super().__init__(batch_size, start, inside)
         self._iterator: Iterator[str] = iter(texts)
 
     def read(self) -> Window | None:
@@ -86,8 +96,8 @@ class TextReader(_Windows):
 class AsyncTextReader(_Windows):
     """Reads windows from an async iterable."""
 
-    def __init__(self, texts: AsyncIterable[str], batch_size: int, start: int) -> None:
-        super().__init__(batch_size, start)
+    def __init__(self, texts: AsyncIterable[str], batch_size: int, start: int, inside: bool = False) -> None:
+        super().__init__(batch_size, start, inside)
         self._iterator: AsyncIterator[str] = texts.__aiter__()
 
     async def _next(self) -> tuple[bool, str]:

@@ -19,6 +19,11 @@ class TokenizerProtocolError(TokenizerError):
     """The server answered something this client cannot read."""
 
 
+class MalformedAnswerError(TokenizerProtocolError):
+    """A 200 answer that does not fit its request: texts missing, offsets out of order or out of range, ids
+    that are not int32 token ids, shapes that do not match. Never returned as data."""
+
+
 class TokenizerServiceError(TokenizerError):
     """The server answered with an error status; `body` is its JSON error body."""
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
+import warnings
 import weakref
 from collections.abc import AsyncIterable, Callable, Coroutine, Iterable
 from types import TracebackType
@@ -85,6 +86,13 @@ class _Prefetching(Generic[H]):
         """JSON-able position after the last batch handed out; pass as ``state=`` to continue from there."""
         return dict(self._lookahead.state)
 
+    def _say_why_empty(self) -> None:
+        """At the end of a stream that gave no batch: a warning that says why (in the consumer's thread)."""
+        reason = self._pipeline.assembler.empty_reason
+        if reason is not None:
+            self._pipeline.assembler.empty_reason = None
+            warnings.warn(f"prefetch delivered no batch: {reason}", UserWarning, stacklevel=3)
+
 
 class Prefetcher(_Prefetching[concurrent.futures.Future[list[Delivery]]]):
     """Iterator over batches tokenized in the background, in stream order; a context manager.
@@ -107,7 +115,7 @@ class Prefetcher(_Prefetching[concurrent.futures.Future[list[Delivery]]]):
     ) -> None:
         resume = Resume.from_state(state, options)
         self.options = options
-        self._reader = TextReader(texts, options.batch_size, resume.position.text)
+        self._reader = TextReader(texts, options.batch_size, resume.position.text, resume.position.skip > 0)
         client = make_client()
         self._loop = LoopThread("tokenizer-prefetch")
         self._pipeline = Pipeline(client, options, resume)
@@ -151,6 +159,7 @@ class Prefetcher(_Prefetching[concurrent.futures.Future[list[Delivery]]]):
             while not self._lookahead.ready:
                 request = self._lookahead.next_answer()
                 if request is None:
+                    self._say_why_empty()
                     raise StopIteration
                 try:
                     deliveries = request.result()
@@ -189,7 +198,7 @@ class AsyncPrefetcher(_Prefetching[asyncio.Task[list[Delivery]]]):
     ) -> None:
         resume = Resume.from_state(state, options)
         self.options = options
-        self._reader = open_texts(texts, options.batch_size, resume.position.text)
+        self._reader = open_texts(texts, options.batch_size, resume.position.text, resume.position.skip > 0)
         self._pipeline = Pipeline(client, options, resume)
         self._lookahead = Lookahead(options, resume, self._pipeline.recorder)
         self._closed = False
@@ -229,6 +238,7 @@ class AsyncPrefetcher(_Prefetching[asyncio.Task[list[Delivery]]]):
             while not self._lookahead.ready:
                 request = self._lookahead.next_answer()
                 if request is None:
+                    self._say_why_empty()
                     raise StopAsyncIteration
                 try:
                     deliveries = await request

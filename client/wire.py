@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -140,15 +141,21 @@ def decode(buffer: bytes | bytearray | memoryview) -> Frame:
     for descriptor in descriptors:
         try:
             name = descriptor["name"]
-            dtype = np.dtype(descriptor["dtype"])
-            shape = tuple(int(n) for n in descriptor["shape"])
-            offset = int(descriptor["offset"])
+            code = descriptor["dtype"]
+            shape = tuple(descriptor["shape"])
+            offset = descriptor["offset"]
         except (KeyError, TypeError, ValueError) as exc:
-            raise WireFormatError(f"bad array descriptor {descriptor!r}: {exc}") from exc
-        if descriptor["dtype"] not in _ALLOWED_DTYPES or any(n < 0 for n in shape) or offset < 0:
-            raise WireFormatError(f"bad array descriptor {descriptor!r}")
+            raise WireFormatError(f"bad array descriptor {descriptor!r:.200}: {exc}") from exc
+        # Shapes and offsets are exact non-negative integers (not 1e30, not true), checked before any arithmetic.
+        if (
+            not isinstance(name, str)
+            or code not in _ALLOWED_DTYPES
+            or not all(type(n) is int and n >= 0 for n in (*shape, offset))
+        ):
+            raise WireFormatError(f"bad array descriptor {descriptor!r:.200}")
+        dtype = np.dtype(code)
         offset += data_start
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)
         if offset + count * dtype.itemsize > view.nbytes:
             raise WireFormatError(f"frame is truncated inside array {name!r}")
         arrays[name] = np.frombuffer(view, dtype=dtype, count=count, offset=offset).reshape(shape)
