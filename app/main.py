@@ -87,7 +87,7 @@ def create_app(settings: Settings | None = None, registry: ModelRegistry | None 
     for router in routers:
         app.include_router(router)
     paths = frozenset(route.path for router in routers for route in router.routes if isinstance(route, APIRoute))
-    publish(app, bearer_auth=bool(settings.api_keys))
+    publish(app, bearer_auth=bool(settings.api_keys), max_seq_len=settings.max_seq_len)
     keys = ApiKeys([key.get_secret_value() for key in settings.api_keys]) if settings.api_keys else None
     edge = Edge(
         app,

@@ -126,11 +126,18 @@ def answer(model: type[BaseModel], *, binary: bool = False, sha256: bool = True)
     return {200: response}
 
 
-def publish(app: FastAPI, *, bearer_auth: bool) -> None:
-    """Finish the generated document: body schemas that routes carry in `x-components`, and auth.
+# The list field of each /v1 body that --max-texts bounds.
+_ITEMS = {"/v1/tokenize": "texts", "/v1/detokenize": "ids", "/v1/pack": "texts"}
+
+
+def publish(app: FastAPI, *, bearer_auth: bool, max_texts: int | None = None, max_seq_len: int | None = None) -> None:
+    """Finish the generated document: body schemas that routes carry in `x-components`, limits, and auth.
 
     Routes that parse their own body carry its schemas in `x-components`; they move to
-    `components/schemas`. With API keys configured, /v1 operations declare the bearer scheme.
+    `components/schemas`. --max-seq-len becomes `seq_len`'s maximum, so the schema admits what the
+    server takes. (--max-texts is not a `maxItems`: beyond it the answer is 413, not a 4xx for an
+    invalid body.)
+    With API keys configured, /v1 operations declare the bearer scheme.
     """
     generate = app.openapi
 
@@ -142,6 +149,7 @@ def publish(app: FastAPI, *, bearer_auth: bool) -> None:
             for path, operations in schema.get("paths", {}).items():
                 for operation in operations.values():
                     schemas.update(operation.pop("x-components", {}))
+                    _constrain(operation, max_seq_len)
                     if bearer_auth and path not in OPEN_PATHS:
                         operation["security"] = [{"bearer": []}]
             if bearer_auth:
@@ -149,3 +157,10 @@ def publish(app: FastAPI, *, bearer_auth: bool) -> None:
         return app.openapi_schema  # type: ignore[return-value]
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _constrain(operation: dict[str, Any], max_seq_len: int | None) -> None:
+    body = operation.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema", {})
+    properties = body.get("properties", {})
+    if max_seq_len is not None and (seq_len := properties.get("seq_len")) is not None:
+        seq_len["maximum"] = max_seq_len

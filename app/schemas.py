@@ -9,6 +9,12 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, S
 MAX_NBEST_SIZE = 512
 """sentencepiece's kMaxNBestSize; it raises on 0, 1 or more."""
 
+INT32_MAX = (1 << 31) - 1
+"""One bound for every integer field that is a length, a position or an id: ids and lengths travel as int32."""
+
+Id = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]  # a token id (the model's vocabulary is checked later)
+Count = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]  # a length or a position
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -42,7 +48,7 @@ class EncodeOptions(_Body):
 
     add_bos: StrictBool = False
     add_eos: StrictBool = False
-    max_length: Annotated[StrictInt, Field(ge=0)] | None = None
+    max_length: Count | None = None
     sample: SampleOptions | None = None
     parse_special_tokens: StrictBool = False  # special-token strings in the text become their ids
 
@@ -67,7 +73,7 @@ class TokenizeRequest(EncodeOptions, _TextsAndModel):  # texts and model first, 
 
 
 class DetokenizeRequest(_Body):
-    ids: list[list[StrictInt]]
+    ids: list[list[Id]]
     model: StrictStr | None = None
 
 
@@ -81,14 +87,25 @@ def openapi_body(model: type[BaseModel]) -> dict[str, object]:
     }
 
 
+# What JSON Schema can say of /v1/pack beyond each field: the carry and its document starts belong to
+# concat, and the starts need the carry they describe (the server refuses the rest with a 422).
+PACK_CONSTRAINTS: dict[str, object] = {
+    "dependentRequired": {"carry_document_starts": ["carry"]},
+    "if": {"properties": {"strategy": {"const": "best_fit"}}, "required": ["strategy"]},
+    "then": {"properties": {"carry": {"type": "null"}, "carry_document_starts": {"type": "null"}}},
+}
+
+
 class PackRequest(_Body):
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=PACK_CONSTRAINTS)
+
     texts: list[StrictStr]
-    seq_len: StrictInt
+    seq_len: Annotated[StrictInt, Field(ge=2, le=INT32_MAX)]  # and at most --max-seq-len (in the published schema)
     strategy: Literal["concat", "best_fit"] = "concat"
     model: StrictStr | None = None
     add_bos: StrictBool = False
     add_eos: StrictBool | None = None  # EOS after each document when the model has one
-    carry: list[StrictInt] | None = None
-    carry_document_starts: list[StrictInt] | None = None
+    carry: list[Id] | None = None
+    carry_document_starts: list[Count] | None = None
     mask_document_start: StrictBool = False
     parse_special_tokens: StrictBool = False

@@ -8,6 +8,7 @@ observe (an answer, end of stream, the `tokenizer_queued_bytes` gauge), never on
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -360,3 +361,38 @@ def test_a_body_slower_than_the_minimum_rate_is_cut_with_408(url):
     assert stream.answers == [] and not stream.reset
     assert HEADER_TIMEOUT - 0.5 < elapsed < HEADER_TIMEOUT + 5, elapsed
     wait_for_queued(url, lambda value: value == 0)
+
+
+# -- one bound for every integer field; the OpenAPI document states the real constraints ----------------
+
+
+@pytest.mark.parametrize("huge", [10**30, 10**310, 2**31], ids=["1e30", "1e310", "2**31"])
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/v1/tokenize", lambda n: {"texts": ["a"], "max_length": n}, "max_length"),
+        ("/v1/pack", lambda n: {"texts": ["a"], "seq_len": n}, "seq_len"),
+        ("/v1/pack", lambda n: {"texts": ["a"], "seq_len": 8, "carry": [n]}, "carry"),
+        ("/v1/detokenize", lambda n: {"ids": [[1, n]]}, "ids"),
+    ],
+    ids=["max_length", "seq_len", "carry", "detokenize-ids"],
+)
+def test_every_integer_field_has_one_bound(url, path, body, field, huge):
+    answer = httpx.post(
+        f"{url}{path}", content=json.dumps(body(huge)), headers={"content-type": "application/json"}, timeout=30
+    )
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["error"]["field"] == field
+
+
+def test_the_openapi_document_states_the_limits_the_server_enforces(url):
+    document = httpx.get(f"{url}/openapi.json", timeout=10).json()
+
+    def body(path: str) -> dict:
+        return document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+
+    pack = body("/v1/pack")
+    assert pack["properties"]["seq_len"]["minimum"] == 2 and pack["properties"]["seq_len"]["maximum"] == 131072
+    assert pack["then"]["properties"]["carry"] == {"type": "null"}  # no carry with best_fit
+    assert pack["dependentRequired"] == {"carry_document_starts": ["carry"]}
+    assert body("/v1/tokenize")["properties"]["max_length"]["anyOf"][0]["maximum"] == 2**31 - 1
