@@ -143,7 +143,7 @@ def _send_all(connection: socket.socket, buffers: Sequence[Buffer]) -> None:
 class Job:
     """One message for a worker, and the future its reply settles."""
 
-    __slots__ = ("future", "kind", "number", "parts", "queued_at", "sent", "stamp", "units")
+    __slots__ = ("deadline", "future", "kind", "number", "parts", "queued_at", "sent", "stamp", "units")
 
     def __init__(
         self,
@@ -152,8 +152,10 @@ class Job:
         units: int,
         future: asyncio.Future[tuple[int, Buffer]],
         stamp: Callable[[int], Buffer] | None = None,
+        deadline: float | None = None,
     ) -> None:
         self.kind = kind
+        self.deadline = deadline  # seconds it may run; None: the lane's stall deadline for its units
         self.parts = parts
         self.stamp = stamp  # builds parts[0] at hand-off from the number of idle workers then
         self.units = units
@@ -237,7 +239,8 @@ class Worker:
     def _start_clock(self, job: Job) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._timer = self.lane.loop.call_later(self.lane.deadline(job.units), self._stall, job)
+        deadline = self.lane.deadline(job.units) if job.deadline is None else job.deadline
+        self._timer = self.lane.loop.call_later(deadline, self._stall, job)
 
     def _stall(self, job: Job) -> None:
         if self.gone or not self.inflight or self.inflight[0] is not job:
@@ -352,10 +355,14 @@ class Lane:
             raise
 
     async def _ready(self, worker: Worker) -> None:
-        """Connect, ping, and put the worker to work once it answers."""
+        """Connect, ping, and put the worker to work once it answers.
+
+        The first ping is answered once the worker has imported the libraries and loaded every model (with
+        the fast encoder's check): seconds for large tokenizer.json files, more on a busy machine. It is
+        bounded by the start timeout, not the stall deadline of a job."""
         await worker.connect()
         future: asyncio.Future[tuple[int, Buffer]] = self.loop.create_future()
-        worker.send(Job(channel.PING, [b""], 0, future))
+        worker.send(Job(channel.PING, [b""], 0, future, deadline=START_TIMEOUT_SECONDS))
         kind, _ = await future
         if kind != channel.PONG:
             raise RuntimeError(f"{self.name} worker {worker.pid} answered its first ping with kind {kind}")
