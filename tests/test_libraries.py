@@ -279,3 +279,94 @@ def test_fast_paths_equal_the_library_on_5000_documents(models, documents, multi
         expected = reference.encode_many(texts)
         for index, text in enumerate(texts):
             assert got[index] == expected[index], (name, index, text[:80])
+
+
+def test_a_hub_cache_layout_of_symlinks_loads_in_the_workers_too(models, tmp_path):
+    """The Hub cache links snapshots/REV/tokenizer.json to blobs/HASH: the config beside the link belongs to it."""
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "rev"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        blob = blobs / hashlib.sha256(name.encode()).hexdigest()
+        blob.write_bytes((models["hfbpe"] / name).read_bytes())
+        (snapshot / name).symlink_to(blob)
+    ranks = blobs / "ranks"
+    ranks.write_bytes(models["tt"].read_bytes())
+    (tmp_path / "m.tiktoken").symlink_to(ranks)
+    Path(f"{tmp_path / 'm.tiktoken'}.json").write_text(Path(f"{models['tt']}.json").read_text())
+    from app import worker
+
+    infos = [inspect_model(name, path) for name, path in [("file", snapshot / "tokenizer.json"), ("dir", snapshot)]]
+    infos.append(inspect_model("ranks", tmp_path / "m.tiktoken"))
+    assert infos[0].sha256 == infos[1].sha256 == inspect_model("orig", models["hfbpe"]).sha256
+    assert infos[0].eos_id >= 0  # the config beside the link was read
+    worker.load_models(infos)  # what each worker does with the announced models: no ModelChanged
+    assert worker.library("ranks").eos_id == infos[2].eos_id >= 0
+
+
+def test_an_older_tokenizer_json_without_a_model_type_is_served(models, tmp_path):
+    document = json.loads((models["hfbpe"] / "tokenizer.json").read_text())
+    del document["model"]["type"]
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(document))
+    info = inspect_model("old", path)
+    assert (info.library, info.type) == ("tokenizers", "bpe")
+
+
+def test_added_tokens_that_strip_whitespace_are_served_exactly(documents, tmp_path):
+    """lstrip/rstrip added tokens beside a whitespace-only added token: where fastokens 0.3.5 differs, the
+    check set catches it and tokenizers serves the model; either way the ids are the library's."""
+    from tokenizers import AddedToken
+
+    from tests.tokenizer_models import byte_level_bpe
+
+    tokenizer = byte_level_bpe(documents[:500], 600)
+    tokenizer.add_special_tokens([AddedToken("<mask>", lstrip=True, rstrip=True)])
+    tokenizer.add_special_tokens([AddedToken("<sep>", single_word=True, normalized=True)])
+    tokenizer.add_tokens([AddedToken("</think>", rstrip=True), AddedToken("  ")])  # a whitespace-only added token
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+    library = libraries.load(find_model_files("m", path))
+    reference = Reference(path)
+    texts = [*documents[:50], "x  <mask>", "  <mask>  ", "a <mask> b", "<mask>  <sep>", "  <sep>x", "</think>  y"]
+    for parse_special in (False, True):
+        got = rows(*library.encode(texts, EncodeOptions(parse_special_tokens=parse_special)))
+        assert got == [reference.encode(text, parse_special) for text in texts], library.encoder
+
+
+def test_models_whose_ids_are_not_well_defined_are_refused_in_one_line(models, tmp_path):
+    document = json.loads((models["hfbpe"] / "tokenizer.json").read_text())
+    document["model"]["dropout"] = 0.1
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(document))
+    with pytest.raises(ModelLoadError, match="dropout"):
+        inspect_model("d", path)
+    ranks = tmp_path / "m.tiktoken"
+    ranks.write_bytes(models["tt"].read_bytes())
+    sidecar = json.loads(Path(f"{models['tt']}.json").read_text())
+    Path(f"{ranks}.json").write_text(json.dumps({**sidecar, "special_tokens": {"<|endoftext|>": 5}}))
+    with pytest.raises(ModelLoadError, match="which an ordinary token already has"):
+        inspect_model("m", ranks)
+
+
+def test_ids_in_a_gap_of_the_ranks_are_refused_naming_the_row(models, tmp_path):
+    lines = models["tt"].read_text().splitlines()
+    ranks = tmp_path / "gap.tiktoken"
+    ranks.write_text("\n".join(line for line in lines if not line.endswith(" 400")) + "\n")  # rank 400: a gap
+    Path(f"{ranks}.json").write_text(Path(f"{models['tt']}.json").read_text())
+    library = libraries.load(find_model_files("gap", ranks))
+    assert library.decode([[1, 2]]) == [Reference(ranks).decode([1, 2])]
+    with pytest.raises(InvalidField, match=r"ids\[1\] holds 400, an id no token of this model has"):
+        library.decode([[1, 2], [3, 400]])
+
+
+def test_a_text_too_long_for_tokenizers_memory_is_a_413_naming_it(models):
+    from app.errors import PayloadTooLarge
+
+    library = libraries.load(find_model_files("u", models["hfuni"]))  # encoded by tokenizers itself
+    assert library.encoder == "tokenizers" and library.max_text_chars is not None
+    with pytest.raises(PayloadTooLarge) as caught:
+        library.encode(["ok", "x" * (library.max_text_chars + 1)], EncodeOptions(), first_index=10)
+    assert caught.value.index == 11 and caught.value.field == "texts"
+    fast = libraries.load(find_model_files("b", models["hfbpe"]))
+    assert fast.encoder == "fastokens" and fast.max_text_chars is None  # fastokens: 0.4 GiB for 32 MiB

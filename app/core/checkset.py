@@ -9,6 +9,7 @@ position. `texts(special)` adds those strings to the fixed ones.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 
 FIXED = (
@@ -67,6 +68,10 @@ def texts(special: Iterable[str] = ()) -> list[str]:
         tokens = tokens[: MOST_TOKENS // 2] + tokens[-MOST_TOKENS // 2 :]
     for token in tokens:
         out += [token, f"a{token}b", f" {token} ", token * 3, f"Hello{token}\n{token}world", f"{token}日本語 {token}👍"]
+        # whitespace around it, where lstrip/rstrip tokens and whitespace-only added tokens meet
+        out += [f"  {token}  ", f"\n\t {token} \t\n", f"x  {token}", f"{token}  x", f"x {token} {token} x"]
     if tokens:
         out.append(" ".join(tokens) + "".join(tokens))
+        out += [f"{first}{second}" for first, second in itertools.pairwise(tokens)]  # adjacent pairs
+        out += [f"{first}  {second}" for first, second in itertools.pairwise(tokens)]
     return out

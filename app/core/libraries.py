@@ -22,6 +22,7 @@ Every library runs single-threaded in a worker (`single_threaded`): one process 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -44,7 +45,7 @@ from app.core.models import (
     tiktoken_ranks,
     tiktoken_spec,
 )
-from app.errors import InvalidField
+from app.errors import InvalidField, PayloadTooLarge
 
 logger = logging.getLogger("tokenizer")
 
@@ -123,6 +124,8 @@ class Library(ABC):
     def __init__(self, files: ModelFiles, encoder: str = FAST) -> None:
         """Load the model from its files' bytes; `encoder` fast puts fastokens in front where it passes its gate."""
 
+    max_text_chars: int | None = None  # a longer text is refused (413): what the encoder's memory allows
+
     def encode(self, texts: list[str], options: Any, first_index: int = 0) -> Encoded:
         """Ids of each text exactly as the library gives them in-process, then BOS and EOS, then max_length."""
         if options.sample is not None:
@@ -130,6 +133,16 @@ class Library(ABC):
                 f"sample (subword regularization) is SentencePiece's; this model is a {self.library} model",
                 field="sample",
             )
+        if self.max_text_chars is not None:
+            for position, text in enumerate(texts):
+                if len(text) > self.max_text_chars:
+                    raise PayloadTooLarge(
+                        f"texts[{first_index + position}] has {len(text):,} characters; this model, encoded by "
+                        f"{self.encoder}, takes at most {self.max_text_chars:,} a text (the library needs about 170 "
+                        "bytes of memory per byte of text): split it",
+                        field="texts",
+                        index=first_index + position,
+                    )
         ids, lengths = self.encode_plain(texts, bool(options.parse_special_tokens))
         ids, lengths = frame(
             ids, lengths, self.bos_id if options.add_bos else None, self.eos_id if options.add_eos else None
@@ -278,14 +291,25 @@ def _fastokens() -> Any | None:
 
 # -- Hugging Face tokenizers ------------------------------------------------------------------------------
 
+REFERENCE_GROUP_CHARS = 1 << 20
+# tokenizers holds about 170 bytes per byte of text while it encodes one (offsets, tokens, word ids):
+# a text encoded by tokenizers itself is refused above this (a 4 MiB text: about 0.7 GiB in a worker)
+REFERENCE_MAX_TEXT_CHARS = 4 << 20
+
 
 class HuggingFace(Library):
     library = TOKENIZERS
 
     def __init__(self, files: ModelFiles, encoder: str = FAST) -> None:
         self.files = files
-        self.type = hf_model_type(files)
+        document = json.loads(files.contents[0])
+        if document["model"].get("dropout") not in (None, 0, 0.0):
+            raise ModelLoadError(
+                f"{files.main}: BPE dropout ({document['model']['dropout']}) makes its ids random; set "
+                '"dropout": null in the file to serve it'
+            )
         reference = self._load_reference()
+        self.type = hf_model_type(files, reference)
         vocab = reference.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values(), default=-1) + 1
         ids = {}
@@ -300,13 +324,12 @@ class HuggingFace(Library):
                 )
             ids[role] = found
         self.bos_id, self.eos_id, self.pad_id, self.unk_id = ids["bos"], ids["eos"], ids["pad"], ids["unk"]
-        import json
-
-        self.normalizes = json.loads(files.contents[0]).get("normalizer") is not None
+        self.normalizes = document.get("normalizer") is not None
         self.special = [added.content for added in reference.get_added_tokens_decoder().values()]
         self._reference: Any | None = reference
         self.fast: Any | None = None
         self.encoder = TOKENIZERS
+        self.max_text_chars = REFERENCE_MAX_TEXT_CHARS
         if encoder == FAST:
             self._try_fast(files)
 
@@ -344,6 +367,7 @@ class HuggingFace(Library):
             logger.warning("%s: fastokens differs from tokenizers (%s); encoding with tokenizers", files.path, differs)
             return
         self.fast, self.encoder, self._reference = fast, FASTOKENS, None
+        self.max_text_chars = None
 
     def _reference_rows(self, texts: list[str], parse_special: bool) -> list[list[int]]:
         reference = self.reference
@@ -353,7 +377,24 @@ class HuggingFace(Library):
     def encode_plain(self, texts: list[str], parse_special: bool) -> Encoded:
         if self.fast is not None:
             return _fast_flat(self.fast, texts, parse_special)
-        return flatten(self._reference_rows(texts, parse_special))
+        # tokenizers keeps an Encoding (offsets, tokens, masks) of every text of a batch alive: encoded a
+        # group of about 1 MiB of text at a time, so its memory is bounded by the group, not the request
+        id_parts, length_parts, group, size = [], [], [], 0
+        for text in texts:
+            group.append(text)
+            size += len(text)
+            if size >= REFERENCE_GROUP_CHARS:
+                ids, lengths = flatten(self._reference_rows(group, parse_special))
+                id_parts.append(ids)
+                length_parts.append(lengths)
+                group, size = [], 0
+        if group or not id_parts:
+            ids, lengths = flatten(self._reference_rows(group, parse_special))
+            id_parts.append(ids)
+            length_parts.append(lengths)
+        if len(id_parts) == 1:
+            return id_parts[0], length_parts[0]
+        return np.concatenate(id_parts), np.concatenate(length_parts)
 
     def decode(self, rows: list[list[int]]) -> list[str]:
         return list(self.reference.decode_batch(rows, skip_special_tokens=False)) if rows else []
@@ -410,11 +451,19 @@ class Tiktoken(Library):
     def _load_reference(self) -> Any:
         import tiktoken
 
+        ranks = tiktoken_ranks(self.files.contents[0], self.files.main)
+        taken = set(ranks.values())
+        overlap = sorted(token for token, rank in self.spec.special_tokens.items() if rank in taken)
+        if overlap:
+            raise ModelLoadError(
+                f"{self.files.path}: special token {overlap[0]!r} has id {self.spec.special_tokens[overlap[0]]}, "
+                "which an ordinary token already has; special tokens need ids of their own"
+            )
         try:
             return tiktoken.Encoding(
                 self.spec.encoding or self.files.main.stem,
                 pat_str=self.spec.pat_str,
-                mergeable_ranks=tiktoken_ranks(self.files.contents[0], self.files.main),
+                mergeable_ranks=ranks,
                 special_tokens=self.spec.special_tokens,
             )
         except ValueError as exc:  # a bad pattern, ranks and special tokens that overlap
@@ -462,11 +511,20 @@ class Tiktoken(Library):
         for index, row in enumerate(rows):
             try:
                 texts.append(reference.decode(row))
-            except KeyError as exc:  # an id in a gap of the ranks: no token has it
+            except KeyError:  # an id in a gap of the ranks: no token has it
+                missing = next((i for i in row if not _has_token(reference, i)), None)
                 raise InvalidField(
-                    f"ids[{index}] holds {exc.args[0]}, which no token has", field="ids", index=index
+                    f"ids[{index}] holds {missing}, an id no token of this model has", field="ids", index=index
                 ) from None
         return texts
+
+
+def _has_token(encoding: Any, token: int) -> bool:
+    try:
+        encoding.decode_single_token_bytes(token)
+    except KeyError:
+        return False
+    return True
 
 
 LIBRARIES: dict[str, type[Library]] = {SENTENCEPIECE: SentencePiece, TOKENIZERS: HuggingFace, TIKTOKEN: Tiktoken}

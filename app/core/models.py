@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import importlib.util
 import json
 import re
 from dataclasses import dataclass, field, fields
@@ -150,7 +151,9 @@ def _read(name: str, path: Path) -> bytes:
 
 def find_model_files(name: str, path: Path) -> ModelFiles:
     """Recognize the model at `path` by its content (not its name), with every file that changes its ids."""
-    path = path.expanduser()
+    # Absolute but not resolved: a Hub cache links snapshots/REV/tokenizer.json to blobs/HASH, and the
+    # config or sidecar beside the link is what belongs to it (workers read the model again by this path).
+    path = path.expanduser().absolute()
     main = path / HF_FILE if path.is_dir() else path
     if path.is_dir() and not main.is_file():
         raise ModelLoadError(f"model {name!r}: the directory {path} holds no {HF_FILE}; a model is {KINDS}")
@@ -158,15 +161,15 @@ def find_model_files(name: str, path: Path) -> ModelFiles:
     library = sniff(content)
     if library is None:
         raise ModelLoadError(f"model {name!r}: {path} is not a model file; a model is {KINDS}")
-    files, contents = [main.resolve()], [content]
+    files, contents = [main], [content]
     beside = {
         TOKENIZERS: main.parent / HF_CONFIG,
         TIKTOKEN: main.with_name(main.name + ".json"),
     }.get(library)
     if beside is not None and beside.is_file():
-        files.append(beside.resolve())
+        files.append(beside)
         contents.append(_read(name, beside))
-    found = ModelFiles(library, path.resolve(), tuple(files), tuple(contents))
+    found = ModelFiles(library, path, tuple(files), tuple(contents))
     if library == TIKTOKEN:
         tiktoken_spec(found, name)  # refuse a file without its pattern now, in one line
     return found
@@ -180,7 +183,7 @@ def sniff(content: bytes) -> str | None:
         except ValueError:
             document = None
         model = document.get("model") if isinstance(document, dict) else None
-        if isinstance(model, dict) and "type" in model:
+        if isinstance(model, dict) and ("type" in model or "vocab" in model):  # older files have no type
             return TOKENIZERS
         if document is not None:
             return None  # JSON, but not a tokenizer.json
@@ -215,9 +218,12 @@ def hf_special_tokens(files: ModelFiles) -> dict[str, str | None]:
     return roles
 
 
-def hf_model_type(files: ModelFiles) -> str:
+def hf_model_type(files: ModelFiles, loaded: Any = None) -> str:
+    """The algorithm a tokenizer.json names (files from older tokenizers releases do not: then the loaded model's)."""
     document = json.loads(files.contents[0])
-    return str(document["model"]["type"]).lower()
+    if "type" in document["model"]:
+        return str(document["model"]["type"]).lower()
+    return type(loaded.model).__name__.lower() if loaded is not None else "unknown"
 
 
 # -- tiktoken ranks ------------------------------------------------------------------------------------
@@ -248,9 +254,14 @@ def known_encoding(sha256: str) -> tuple[str, str, dict[str, int]] | None:
     answers only for this file (and loads nothing), which yields its pattern and special tokens offline.
     """
     try:
-        from tiktoken_ext import openai_public
+        spec = importlib.util.find_spec("tiktoken_ext.openai_public")
     except ImportError:
         return None
+    if spec is None or spec.loader is None:
+        return None
+    # A private copy of tiktoken's module, so that patching its loaders touches nothing anyone else uses.
+    openai_public = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(openai_public)
 
     class NotThisOne(Exception):
         pass
@@ -263,17 +274,15 @@ def known_encoding(sha256: str) -> tuple[str, str, dict[str, int]] | None:
     def never(*_args: Any, **_kwargs: Any) -> dict[bytes, int]:
         raise NotThisOne
 
-    saved = openai_public.load_tiktoken_bpe, openai_public.data_gym_to_mergeable_bpe_ranks
-    openai_public.load_tiktoken_bpe, openai_public.data_gym_to_mergeable_bpe_ranks = loader, never
-    try:
-        for name, constructor in openai_public.ENCODING_CONSTRUCTORS.items():
-            try:
-                spec = constructor()
-            except NotThisOne:
-                continue
-            return name, spec["pat_str"], dict(spec["special_tokens"])
-    finally:
-        openai_public.load_tiktoken_bpe, openai_public.data_gym_to_mergeable_bpe_ranks = saved
+    openai_public.load_tiktoken_bpe, openai_public.data_gym_to_mergeable_bpe_ranks = loader, never  # type: ignore[attr-defined]
+    for name, constructor in openai_public.ENCODING_CONSTRUCTORS.items():
+        try:
+            encoding = constructor()
+        except NotThisOne:
+            continue
+        except Exception:  # a constructor that loads its file another way (a newer tiktoken): not known here
+            continue
+        return name, encoding["pat_str"], dict(encoding["special_tokens"])
     return None
 
 

@@ -99,7 +99,7 @@ def resolve_local_model(name_or_path: str | None) -> ModelInfo:
     """A model file's path, or a model name as the server's options (TOKENIZER_* / bundled) resolve it."""
     if name_or_path is not None and Path(name_or_path).expanduser().exists():
         path = Path(name_or_path).expanduser()
-        return inspect_model(path.stem, path)
+        return inspect_model(path.name if path.is_dir() else path.stem, path)  # as --models-dir names them
     try:
         settings = Settings()  # type: ignore[call-arg]  # every field has a default or comes from TOKENIZER_*
     except ValidationError as exc:
