@@ -4,8 +4,9 @@ A block preceded by an ``<!-- excerpt: why -->`` line is not run: it needs somet
 model files, datasets, training loop, docker or a cluster), or serves until stopped. Every other block runs,
 in order, in one scratch directory that looks like the repository's root (``tests/`` linked in), with the
 test server's URL in place of ``http://127.0.0.1:8000``: bash blocks with ``bash -euo pipefail``, Python
-blocks with this interpreter. docs/pretokenize.md's blocks follow the same rule (its "Mixtures" section
-excepted, which is not this file's to check) and run after README's, whose output directory they read.
+blocks with this interpreter. docs/pretokenize.md's blocks follow the same rule and run after README's,
+whose output directory they read; every block of the other documents (and of pretokenize.md's "Mixtures",
+which needs the reader's datasets) is marked as an excerpt.
 """
 
 from __future__ import annotations
@@ -60,6 +61,15 @@ def test_every_block_is_run_or_marked_as_an_excerpt() -> None:
     for path, stop in ((ROOT / "README.md", None), (ROOT / "docs" / "pretokenize.md", "### Mixtures")):
         for language, code, excerpt in blocks(path, stop):
             assert excerpt or language in ("bash", "python"), f"{path.name}: a {language!r} block:\n{code}"
+    # The other documents' blocks are not run here: each must say it is an excerpt, and why.
+    pretokenize = (ROOT / "docs" / "pretokenize.md").read_text(encoding="utf-8")
+    others = [(path.name, path.read_text(encoding="utf-8")) for path in sorted((ROOT / "docs").glob("*.md"))]
+    others = [(name, text) for name, text in others if name != "pretokenize.md"]
+    others.append(("pretokenize.md (Mixtures)", pretokenize[pretokenize.index("### Mixtures") :]))
+    for name, text in others:
+        for match in FENCE.finditer(text):
+            before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1]
+            assert before.lstrip().startswith(EXCERPT), f"{name}: a block neither run nor marked:\n{match[2][:200]}"
 
 
 def test_readme_and_pretokenize_docs_run_as_written(server: Server, tmp_path: Path) -> None:
