@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import socket
 import threading
 import time
 from pathlib import Path
@@ -105,6 +106,83 @@ def test_peak_memory_stays_under_the_documented_bound(tmp_path: Path, documents,
         assert set(statuses) <= {200, 503} and statuses[200] >= 1, statuses
         assert retry_after <= {"1"}
         assert peak <= DOCUMENTED_PEAK_BYTES, f"peak {peak / 2**20:.0f} MiB"
+        assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
+    finally:
+        stop_server(process)
+
+
+def held_uploads(url: str, server: psutil.Process, clients: int, seconds: float, chunked: bool) -> tuple[int, int]:
+    """`clients` raw connections each uploading a 32 MiB body: chunked as fast as the server reads it, or
+    declared with Content-Length and trickled a byte at a time (a slow sender). Returns (peak RSS of the
+    tree, connections the server answered). Each stops sending once it is answered."""
+    host, port = url.removeprefix("http://").split(":")
+    stop = threading.Event()
+    answered = []
+
+    def upload() -> None:
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {MAX_REQUEST_BYTES}"
+            sock.sendall(
+                f"POST /v1/tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{framing}\r\n\r\n".encode()
+            )
+            piece = b'{"texts": ["' + b"a" * (1 << 20)
+            chunk = b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else b"{"
+            sent = 0
+            sock.settimeout(0.05 if chunked else 0.5)
+            while not stop.is_set() and sent < MAX_REQUEST_BYTES:
+                try:
+                    if sock.recv(1, socket.MSG_PEEK):  # an answer: this upload is over
+                        answered.append(1)
+                        return
+                    return  # closed by the server
+                except (TimeoutError, BlockingIOError):
+                    pass
+                except OSError:
+                    return
+                try:
+                    sock.sendall(chunk)
+                except OSError:
+                    return
+                sent += len(chunk)
+
+    threads = [threading.Thread(target=upload, daemon=True) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    peak = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        peak = max(peak, tree_rss(server))
+        time.sleep(0.02)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=30)
+    return peak, len(answered)
+
+
+@pytest.mark.parametrize("chunked", [True, False], ids=["64-chunked-uploads", "64-slow-senders"])
+def test_held_uploads_stay_under_the_documented_bound_and_others_are_served(tmp_path: Path, documents, chunked):
+    """Chunked bodies count in the byte budget as they arrive; declared lengths not sent hold nothing."""
+    url, process = start_server(["--workers", "2", "--log-level", "warning"], tmp_path / "server.log")
+    try:
+        server = psutil.Process(process.pid)
+        served = []
+
+        def ordinary() -> None:  # meanwhile, a normal request every half second
+            with httpx.Client(timeout=30) as http:
+                for _ in range(8):
+                    answer = http.post(f"{url}/v1/tokenize", json={"texts": documents[:20]})
+                    served.append(answer.status_code)
+                    time.sleep(0.5)
+
+        thread = threading.Thread(target=ordinary, daemon=True)
+        thread.start()
+        peak, answered = held_uploads(url, server, 64, seconds=6.0, chunked=chunked)
+        thread.join(timeout=60)
+        print(f"\n{'chunked' if chunked else 'slow'}: peak {peak / 2**20:,.0f} MiB, {answered} answered, {served}")
+        assert process.poll() is None, "the server died"
+        assert peak <= DOCUMENTED_PEAK_BYTES, f"peak {peak / 2**20:.0f} MiB"
+        if not chunked:  # slow senders hold no budget: ordinary requests are served meanwhile
+            assert served.count(200) >= 1, served
         assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
     finally:
         stop_server(process)
