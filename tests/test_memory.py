@@ -55,6 +55,16 @@ def tree_rss(process: psutil.Process) -> int:
     return total
 
 
+def peak_rss(server: psutil.Process, seconds: float) -> int:
+    """The largest resident set of the server's process tree, sampled every 20 ms for `seconds`."""
+    peak = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        peak = max(peak, tree_rss(server))
+        time.sleep(0.02)
+    return peak
+
+
 def peak_under_load(url: str, server: psutil.Process, body: bytes, clients: int, seconds: float):
     statuses: collections.Counter[int] = collections.Counter()
     retry_after: set[str | None] = set()
@@ -76,11 +86,7 @@ def peak_under_load(url: str, server: psutil.Process, body: bytes, clients: int,
     threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
     for thread in threads:
         thread.start()
-    peak = 0
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        peak = max(peak, tree_rss(server))
-        time.sleep(0.02)
+    peak = peak_rss(server, seconds)
     stop.set()
     for thread in threads:
         thread.join(timeout=120)
@@ -148,11 +154,7 @@ def held_uploads(url: str, server: psutil.Process, clients: int, seconds: float,
     threads = [threading.Thread(target=upload, daemon=True) for _ in range(clients)]
     for thread in threads:
         thread.start()
-    peak = 0
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        peak = max(peak, tree_rss(server))
-        time.sleep(0.02)
+    peak = peak_rss(server, seconds)
     stop.set()
     for thread in threads:
         thread.join(timeout=30)

@@ -289,6 +289,28 @@ def _fastokens() -> Any | None:
     return fastokens
 
 
+def _adopt_fast(library: Any, build: Callable[[Any], Any], special: list[str]) -> bool:
+    """Put fastokens in front of `library` if it loads the model and passes the gate; else log why not, once.
+
+    On success the reference library's copy is dropped (loaded again only to decode)."""
+    where, name = library.files.path, library.library
+    fastokens = _fastokens()
+    if fastokens is None:
+        logger.warning("%s: fastokens is not installed; encoding with %s", where, name)
+        return False
+    try:
+        fast = build(fastokens)
+    except Exception as exc:  # a model fastokens does not support (a normalizer, a pattern): the library serves it
+        logger.warning("%s: fastokens cannot load it (%s); encoding with %s", where, exc, name)
+        return False
+    differs = gate(str(where), library._reference_rows, _fast_rows(fast), checkset.texts(special))
+    if differs is not None:
+        logger.warning("%s: fastokens differs from %s (%s); encoding with %s", where, name, differs, name)
+        return False
+    library.fast, library.encoder, library._reference = fast, FASTOKENS, None
+    return True
+
+
 # -- Hugging Face tokenizers ------------------------------------------------------------------------------
 
 REFERENCE_GROUP_CHARS = 1 << 20
@@ -351,23 +373,14 @@ class HuggingFace(Library):
         return self._reference
 
     def _try_fast(self, files: ModelFiles) -> None:
-        fastokens = _fastokens()
-        if fastokens is None:
-            logger.warning("%s: fastokens is not installed; encoding with tokenizers", files.path)
-            return
-        try:
+        def build(fastokens: Any) -> Any:
             fast = fastokens.Tokenizer.from_json_str(files.contents[0].decode("utf-8"))
             fast.no_truncation()
             fast.no_padding()
-        except Exception as exc:  # a tokenizer fastokens does not support: the reference serves it
-            logger.warning("%s: fastokens cannot load it (%s); encoding with tokenizers", files.path, exc)
-            return
-        differs = gate(str(files.path), self._reference_rows, _fast_rows(fast), checkset.texts(self.special))
-        if differs is not None:
-            logger.warning("%s: fastokens differs from tokenizers (%s); encoding with tokenizers", files.path, differs)
-            return
-        self.fast, self.encoder, self._reference = fast, FASTOKENS, None
-        self.max_text_chars = None
+            return fast
+
+        if _adopt_fast(self, build, self.special):
+            self.max_text_chars = None
 
     def _reference_rows(self, texts: list[str], parse_special: bool) -> list[list[int]]:
         reference = self.reference
@@ -476,23 +489,12 @@ class Tiktoken(Library):
         return self._reference
 
     def _try_fast(self, files: ModelFiles) -> None:
-        fastokens = _fastokens()
-        if fastokens is None:
-            logger.warning("%s: fastokens is not installed; encoding with tiktoken", files.path)
-            return
-        try:
-            fast = fastokens.Tokenizer.from_tiktoken(
+        def build(fastokens: Any) -> Any:
+            return fastokens.Tokenizer.from_tiktoken(
                 str(files.main), pattern=self.spec.pat_str, special_tokens=self.spec.special_tokens
             )
-        except Exception as exc:  # a pattern fastokens does not support: the reference serves it
-            logger.warning("%s: fastokens cannot load it (%s); encoding with tiktoken", files.path, exc)
-            return
-        special = list(self.spec.special_tokens)
-        differs = gate(str(files.path), self._reference_rows, _fast_rows(fast), checkset.texts(special))
-        if differs is not None:
-            logger.warning("%s: fastokens differs from tiktoken (%s); encoding with tiktoken", files.path, differs)
-            return
-        self.fast, self.encoder, self._reference = fast, FASTOKENS, None
+
+        _adopt_fast(self, build, list(self.spec.special_tokens))
 
     def _reference_rows(self, texts: list[str], parse_special: bool) -> list[list[int]]:
         reference = self.reference
