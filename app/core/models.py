@@ -151,16 +151,17 @@ def _read(name: str, path: Path) -> bytes:
 
 def find_model_files(name: str, path: Path) -> ModelFiles:
     """Recognize the model at `path` by its content (not its name), with every file that changes its ids."""
-    # Absolute but not resolved: a Hub cache links snapshots/REV/tokenizer.json to blobs/HASH, and the
-    # config or sidecar beside the link is what belongs to it (workers read the model again by this path).
-    path = path.expanduser().absolute()
-    main = path / HF_FILE if path.is_dir() else path
-    if path.is_dir() and not main.is_file():
-        raise ModelLoadError(f"model {name!r}: the directory {path} holds no {HF_FILE}; a model is {KINDS}")
-    content = _read(name, main)
+    given = path.expanduser()  # what messages name: the path as the user wrote it
+    if given.is_dir() and not (given / HF_FILE).is_file():
+        raise ModelLoadError(f"model {name!r}: the directory {given} holds no {HF_FILE}; a model is {KINDS}")
+    content = _read(name, given / HF_FILE if given.is_dir() else given)
     library = sniff(content)
     if library is None:
-        raise ModelLoadError(f"model {name!r}: {path} is not a model file; a model is {KINDS}")
+        raise ModelLoadError(f"model {name!r}: {given} is not a model file; a model is {KINDS}")
+    # Absolute but not resolved: a Hub cache links snapshots/REV/tokenizer.json to blobs/HASH, and the
+    # config or sidecar beside the link is what belongs to it (workers read the model again by this path).
+    path = given.absolute()
+    main = path / HF_FILE if path.is_dir() else path
     files, contents = [main], [content]
     beside = {
         TOKENIZERS: main.parent / HF_CONFIG,
