@@ -205,7 +205,8 @@ def _documented_answers() -> list[dict]:
     """The JSON answers docs/api.md shows (each ```json block after a line that mentions an answer)."""
     text = (Path(__file__).parent.parent / "docs" / "api.md").read_text()
     answers = []
-    for block in re.findall(r"JSON answer[^\n]*\n(?:[^\n]*\n)*?\n```json\n(.*?)```", text, flags=re.S):
+    pattern = r"JSON answer[^\n]*\n(?:[^\n]*\n)*?\n(?:<!-- excerpt[^\n]*-->\n)?```json\n(.*?)```"
+    for block in re.findall(pattern, text, flags=re.S):
         answers.append(json.loads(block.replace("[...]", "[]")))
     return answers
 
