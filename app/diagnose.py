@@ -156,7 +156,7 @@ def table(candidates: list[Method], seconds: dict[str, list[float]], tokens: dic
         pairs = zip(seconds[method.name], seconds[BASELINE], strict=True)
         ratio = statistics.median(baseline / spent for spent, baseline in pairs)
         lines.append(
-            f"| {method.name} | {method.how} | {docs / best:,.0f} | {tokens[method.name] / best / 1e6:.2f} | "
+            f"| {method.name} | {method.how} | {docs / best:,.0f} | {tokens[method.name] / best / 1e6:.3g} | "
             f"{ratio:.2f} |"
         )
     return "\n".join(lines)
