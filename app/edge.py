@@ -29,6 +29,7 @@ from app.admission import Admission
 from app.answers import Answer
 from app.auth import OPEN_PATHS, ApiKeys, bearer_token, route_path
 from app.core.models import ModelInfo
+from app.core.protocol import ROUTES
 from app.errors import (
     Overloaded,
     PayloadTooLarge,
@@ -39,7 +40,6 @@ from app.errors import (
     Unavailable,
 )
 from app.http import CLIENT_CLOSED_REQUEST, send_error
-from app.core.protocol import ROUTES
 from app.metrics import Metrics
 from app.pool import WorkerPool
 from app.responses import MODEL_SHA256_HEADER, wants_binary

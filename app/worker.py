@@ -13,9 +13,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from app.core import libraries
-from app.core.libraries import Library, ragged_offsets
+from app.core.libraries import Library
 from app.core.models import ModelInfo, find_model_files
 from app.schemas import EncodeOptions
+from client.wire import ragged_offsets
 
 if TYPE_CHECKING:
     from client import TokenizedBatch

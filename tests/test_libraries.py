@@ -22,6 +22,7 @@ from app.core.models import ModelLoadError, find_model_files
 from app.errors import InvalidField
 from app.registry import inspect_model
 from app.schemas import EncodeOptions, SampleOptions
+from client import wire
 from tests.conftest import EDGE_CASES
 from tests.tokenizer_models import ADDED, BPE_SPECIAL, TIKTOKEN_SPECIAL
 
@@ -80,7 +81,7 @@ class Reference:
 
 
 def rows(ids: np.ndarray, lengths: np.ndarray) -> list[list[int]]:
-    offsets = libraries.ragged_offsets(lengths)
+    offsets = wire.ragged_offsets(lengths)
     return [ids[offsets[i] : offsets[i + 1]].tolist() for i in range(len(lengths))]
 
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app.core.libraries import frame, ragged_offsets, truncate
+from app.core.libraries import frame, truncate
 from app.jobs import DECOMPOSING_BELOW, NFKC_MAX_GROWTH, chunk_bounds, growth_bound
 from app.settings import BUNDLED_MODELS_DIR, ConfigError, Settings
 from client import wire
@@ -106,7 +106,7 @@ def test_flat_framing_equals_framing_each_text(rows, bos, eos, max_length):
         if max_length is not None and len(row) > max_length:
             row = [*row[: max_length - 1], eos] if eos is not None and max_length > 0 else row[:max_length]
         expected.append(row)
-    offsets = ragged_offsets(lengths)
+    offsets = wire.ragged_offsets(lengths)
     assert [ids[offsets[i] : offsets[i + 1]].tolist() for i in range(len(rows))] == expected
     assert ids.dtype == np.int32 and lengths.dtype == np.int64
 

@@ -46,6 +46,7 @@ from app.core.models import (
     tiktoken_spec,
 )
 from app.errors import InvalidField, PayloadTooLarge
+from client.wire import ragged_offsets
 
 logger = logging.getLogger("tokenizer")
 
@@ -62,12 +63,6 @@ def single_threaded() -> None:
     os.environ["RAYON_NUM_THREADS"] = "1"
     os.environ["FASTOKENS_BPE_THREADS"] = "1"
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-
-
-def ragged_offsets(lengths: np.ndarray) -> np.ndarray:
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    return offsets
 
 
 def flatten(rows: Sequence[Sequence[int] | np.ndarray]) -> Encoded:
@@ -331,7 +326,7 @@ class HuggingFace(Library):
                 '"dropout": null in the file to serve it'
             )
         reference = self._load_reference()
-        self.type = hf_model_type(files, reference)
+        self.type = hf_model_type(document, reference)
         vocab = reference.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values(), default=-1) + 1
         ids = {}

@@ -198,17 +198,23 @@ def sniff(content: bytes) -> str | None:
 # -- Hugging Face tokenizer.json -----------------------------------------------------------------------
 
 
+def json_object(path: Path, content: bytes) -> dict[str, Any]:
+    """A config or sidecar file's JSON object; ModelLoadError naming the file otherwise."""
+    try:
+        document = json.loads(content)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(document, dict):
+        raise ModelLoadError(f"{path} is not a JSON object")
+    return document
+
+
 def hf_special_tokens(files: ModelFiles) -> dict[str, str | None]:
     """BOS, EOS, PAD and UNK as tokenizer_config.json names them (a string or an AddedToken object)."""
     roles: dict[str, str | None] = dict.fromkeys(SPECIAL_ROLES)
     if len(files.files) < 2:
         return roles
-    try:
-        config = json.loads(files.contents[1])
-    except ValueError as exc:
-        raise ModelLoadError(f"{files.files[1]} is not valid JSON: {exc}") from exc
-    if not isinstance(config, dict):
-        raise ModelLoadError(f"{files.files[1]} is not a JSON object")
+    config = json_object(files.files[1], files.contents[1])
     for role in SPECIAL_ROLES:
         value = config.get(f"{role}_token")
         if isinstance(value, dict):
@@ -219,9 +225,8 @@ def hf_special_tokens(files: ModelFiles) -> dict[str, str | None]:
     return roles
 
 
-def hf_model_type(files: ModelFiles, loaded: Any = None) -> str:
-    """The algorithm a tokenizer.json names (files from older tokenizers releases do not: then the loaded model's)."""
-    document = json.loads(files.contents[0])
+def hf_model_type(document: dict[str, Any], loaded: Any = None) -> str:
+    """The algorithm a parsed tokenizer.json names (older tokenizers releases wrote none: then the loaded model's)."""
     if "type" in document["model"]:
         return str(document["model"]["type"]).lower()
     return type(loaded.model).__name__.lower() if loaded is not None else "unknown"
@@ -293,12 +298,7 @@ def tiktoken_spec(files: ModelFiles, name: str | None = None) -> TiktokenSpec:
     sidecar: dict[str, Any] = {}
     sidecar_path = files.main.with_name(files.main.name + ".json")
     if len(files.files) > 1:
-        try:
-            sidecar = json.loads(files.contents[1])
-        except ValueError as exc:
-            raise ModelLoadError(f"{sidecar_path} is not valid JSON: {exc}") from exc
-        if not isinstance(sidecar, dict):
-            raise ModelLoadError(f"{sidecar_path} is not a JSON object")
+        sidecar = json_object(sidecar_path, files.contents[1])
     if known is None and "pat_str" not in sidecar:
         what = f"model {name!r}: " if name else ""
         raise ModelLoadError(
