@@ -20,10 +20,10 @@ import uvicorn
 from pydantic import ValidationError
 from pydantic_settings import CliSettingsSource
 
-from app.connections import uvicorn_options
 from app.core.models import ModelLoadError
+from app.core.registry import ModelRegistry
 from app.entry import USAGE_ERROR
-from app.registry import ModelRegistry
+from app.http.connections import uvicorn_options
 from app.settings import BUNDLED, ConfigError, Settings, describe_error
 
 PROG = "tokenizer-server"
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         from app.frontends import supervise
 
         return supervise(settings)
-    from app.main import create_app
+    from app.http.factory import create_app
 
     signal.signal(signal.SIGTERM, _stopped)
     signal.signal(signal.SIGINT, _stopped)

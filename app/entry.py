@@ -37,6 +37,6 @@ def _command(name: str, module: str, extra: str) -> Callable[[], None]:
 
 
 server = _command("tokenizer-server", "app.cli", "server")
-pretokenize = _command("tokenizer-pretokenize", "app.pretokenize.cli", "tools")
-shards = _command("tokenizer-shards", "app.pretokenize.shards_cli", "tools")
-bench = _command("tokenizer-bench", "app.diagnose", "tools")
+pretokenize = _command("tokenizer-pretokenize", "app.tools.pretokenize.cli", "tools")
+shards = _command("tokenizer-shards", "app.tools.pretokenize.shards_cli", "tools")
+bench = _command("tokenizer-bench", "app.tools.bench", "tools")

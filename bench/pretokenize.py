@@ -34,8 +34,8 @@ from pathlib import Path
 import orjson
 import sentencepiece as spm
 
-from app.pretokenize.ranks import merge
-from app.pretokenize.run import Options, run
+from app.tools.pretokenize.ranks import merge
+from app.tools.pretokenize.run import Options, run
 from bench.throughput import FALLBACK_CORPUS, SHARED_CORPUS, bench_model, load_documents, start_server
 from client.dataset import TokenDataset
 
@@ -78,7 +78,7 @@ def ranks_versus_one_run(docs: list[str], model: Path, ranks: int, rounds: int) 
     corpus.mkdir()
     for part in range(16):
         write_jsonl(docs[part::16], corpus / f"part-{part:02d}.jsonl")
-    base = [sys.executable, "-m", "app.pretokenize", str(corpus), "--local", "--model", str(model), "-q"]
+    base = [sys.executable, "-m", "app.tools.pretokenize", str(corpus), "--local", "--model", str(model), "-q"]
 
     def one_run() -> float:
         shutil.rmtree(scratch / "one", ignore_errors=True)

@@ -39,7 +39,7 @@ import psutil
 from app.core import libraries
 from app.core.models import SENTENCEPIECE, find_model_files
 from app.core.reference import InProcess
-from app.schemas import EncodeOptions
+from app.core.requests import EncodeOptions
 from bench.throughput import bench_model, default_corpus, load_documents, not_nfkc, start_server
 from client import TokenizerClient
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
-from app.launcher import ServerProcess
+from app.tools.launcher import ServerProcess
 from client import TokenizerClient
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,7 +112,7 @@ def bench_model(corpus: Path, vocab_size: int = 32000) -> Path:
 
 
 def start_server(model: Path, workers: int, *extra: str) -> tuple[str, subprocess.Popen[bytes]]:
-    """A server on a free loopback port serving `model` as "bench" (app.launcher, as the tests start theirs)."""
+    """A server on a free loopback port serving `model` as "bench" (app.tools.launcher, as the tests start theirs)."""
     args = ["--workers", str(workers), "--model", f"bench={model}", "--log-level", "warning", *extra]
     server = ServerProcess(args).start(timeout=120)
     assert server.process is not None

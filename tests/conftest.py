@@ -11,8 +11,8 @@ import orjson
 import pytest
 import sentencepiece as spm
 
-from app.launcher import ServerProcess, free_port, stop, wait_ready  # noqa: F401 - re-exported to tests
 from app.settings import BUNDLED_MODELS_DIR
+from app.tools.launcher import ServerProcess, free_port, stop, wait_ready  # noqa: F401 - re-exported to tests
 
 DATA = Path(__file__).parent / "data"
 ROOT = Path(__file__).parent.parent

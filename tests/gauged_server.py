@@ -1,6 +1,6 @@
 """tokenizer-service (create_app, settings from TOKENIZER_*) behind a gauge of concurrent /v1/ requests.
 
-The client tests' own server (tests/client_servers.py starts it with app.launcher.ServerProcess).
+The client tests' own server (tests/client_servers.py starts it with app.tools.launcher.ServerProcess).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 
 import uvicorn
 
-from app.main import create_app
+from app.http.factory import create_app
 from app.settings import Settings
 
 

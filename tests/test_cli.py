@@ -14,8 +14,8 @@ import httpx
 import pytest
 import sentencepiece as spm
 
-from app.launcher import ServerProcess
 from app.settings import BUNDLED_MODELS_DIR
+from app.tools.launcher import ServerProcess
 from tests.conftest import free_port, stop_server, wait_ready
 
 CLEAN_ENV = {key: value for key, value in os.environ.items() if not key.startswith("TOKENIZER_")}

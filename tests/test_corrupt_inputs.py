@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import zstandard
 
-from app.pretokenize import main as pretokenize_main
-from app.pretokenize.shards_cli import main as shards
 from app.settings import BUNDLED_MODELS_DIR
+from app.tools.pretokenize import main as pretokenize_main
+from app.tools.pretokenize.shards_cli import main as shards
 from client.dataset import IDX_HEADER, TokenDataset
 from tests.test_pretokenize import write_parquet
 

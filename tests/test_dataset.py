@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from app.pretokenize import main
+from app.tools.pretokenize import main
 from client.dataset import IDX_HEADER, TokenDataset
 from tests.conftest import ROOT
 
@@ -214,6 +214,6 @@ def test_a_path_that_is_no_output_says_what_it_is(tmp_path: Path, where: str, me
     with pytest.raises(ValueError, match=message):
         TokenDataset(path)
     result = subprocess.run(
-        [sys.executable, "-m", "app.pretokenize.shards_cli", "info", str(path)], capture_output=True, text=True
+        [sys.executable, "-m", "app.tools.pretokenize.shards_cli", "info", str(path)], capture_output=True, text=True
     )
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr

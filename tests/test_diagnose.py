@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from app.diagnose import main
+from app.tools.bench import main
 from tests.conftest import Server
 
 METHODS = ["per-sample loop", "batched", "service", "prefetch", "pretokenize", "pre-tokenized read"]

@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.pretokenize import main as pretokenize
-from app.pretokenize.export import ExportError, check_exportable
-from app.pretokenize.shards_cli import main as shards
 from app.settings import BUNDLED_MODELS_DIR
+from app.tools.pretokenize import main as pretokenize
+from app.tools.pretokenize.export import ExportError, check_exportable
+from app.tools.pretokenize.shards_cli import main as shards
 from client.dataset import TokenDataset
 
 MODEL = BUNDLED_MODELS_DIR / "default.model"

@@ -1,4 +1,4 @@
-"""The hot path's pure pieces, without a server: framing, worker jobs, joined answers, Accept.
+"""The hot path's pure pieces, without a server: framing, worker handler, joined answers, Accept.
 
 The property that matters most: a request split over workers answers byte for byte what the same
 request answers unsplit, in JSON and in the binary frame, for tokenize, detokenize and pack.
@@ -17,12 +17,12 @@ import sentencepiece as spm
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app import channel, worker
-from app.answers import join_detokenize, join_tokenize, read_done, read_part
+from app.core import channel, process
+from app.core.handler import Handler, Limits, Progress
+from app.core.join import join_detokenize, join_tokenize, read_done, read_part
 from app.core.protocol import CHUNK_HEAD, DETOKENIZE, PACK, REQUEST_HEAD, SPLIT_HEAD, TOKENIZE
-from app.jobs import Jobs, Limits, Progress
-from app.registry import inspect_model
-from app.responses import wants_binary
+from app.core.registry import inspect_model
+from app.http.negotiation import wants_binary
 from app.settings import BUNDLED_MODELS_DIR
 from client import wire
 
@@ -60,14 +60,15 @@ def test_blobs_round_trip():
         channel.split_blobs(payload + b"x", 4)
 
 
-# -- worker jobs -----------------------------------------------------------------------------------------
+# -- worker handler -----------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def jobs() -> Jobs:
+def handler() -> Handler:
     info = inspect_model("default", MODEL)
-    worker.load_models([info])
-    return Jobs([info], "default", Limits(max_texts=8192, max_seq_len=131072, min_chunk_chars=2000), Progress(None))
+    process.load_models([info])
+    limits = Limits(max_texts=8192, max_seq_len=131072, min_chunk_chars=2000)
+    return Handler([info], [process.library("default")], "default", limits, Progress(None))
 
 
 @pytest.fixture(scope="module")
@@ -75,23 +76,25 @@ def sp() -> spm.SentencePieceProcessor:
     return spm.SentencePieceProcessor(model_file=str(MODEL))
 
 
-def run(jobs: Jobs, kind: int, payload: list) -> tuple[int, bytes]:
-    reply, parts = jobs.handle(kind, b"".join(bytes(part) for part in payload))
+def run(handler: Handler, kind: int, payload: list) -> tuple[int, bytes]:
+    reply, parts = handler.handle(kind, b"".join(bytes(part) for part in payload))
     return reply, b"".join(bytes(part) for part in parts)
 
 
-def request(jobs: Jobs, route: int, document: dict, *, binary: bool = False, parts: int = 1, careful: bool = False):
-    return run(jobs, channel.REQUEST, [REQUEST_HEAD.pack(route, binary, parts, careful), orjson.dumps(document)])
+def request(
+    handler: Handler, route: int, document: dict, *, binary: bool = False, parts: int = 1, careful: bool = False
+):
+    return run(handler, channel.REQUEST, [REQUEST_HEAD.pack(route, binary, parts, careful), orjson.dumps(document)])
 
 
-def answered_whole(jobs: Jobs, route: int, document: dict, binary: bool) -> bytes:
-    kind, payload = request(jobs, route, document, binary=binary, parts=1)
+def answered_whole(handler: Handler, route: int, document: dict, binary: bool) -> bytes:
+    kind, payload = request(handler, route, document, binary=binary, parts=1)
     assert kind == channel.DONE
     return b"".join(bytes(part) for part in read_done(payload).body)
 
 
-def answered_split(jobs: Jobs, route: int, document: dict, binary: bool, parts: int) -> bytes:
-    kind, payload = request(jobs, route, document, binary=binary, parts=parts)
+def answered_split(handler: Handler, route: int, document: dict, binary: bool, parts: int) -> bytes:
+    kind, payload = request(handler, route, document, binary=binary, parts=parts)
     assert kind == channel.SPLIT, "the request should be large enough to split"
     model, split_route, texts, seeded = SPLIT_HEAD.unpack_from(payload)
     assert (split_route, seeded) == (route, False)
@@ -100,14 +103,14 @@ def answered_split(jobs: Jobs, route: int, document: dict, binary: bool, parts: 
     assert 1 < len(chunks) <= parts and len(chunks) == len(units)
     replies = []
     for chunk in chunks:
-        reply, part = run(jobs, channel.CHUNK, [CHUNK_HEAD.pack(False), chunk])
+        reply, part = run(handler, channel.CHUNK, [CHUNK_HEAD.pack(False), chunk])
         assert reply == channel.PART
         replies.append(part)
     if route == DETOKENIZE:
         answer = join_detokenize(model, "default", [read_part(part, blobs=False) for part in replies])
     elif route == PACK:
         finish = channel.join_blobs([context, *replies])
-        reply, done = run(jobs, channel.FINISH, finish)
+        reply, done = run(handler, channel.FINISH, finish)
         assert reply == channel.DONE
         answer = read_done(done)
     else:
@@ -118,10 +121,10 @@ def answered_split(jobs: Jobs, route: int, document: dict, binary: bool, parts: 
 
 @pytest.mark.parametrize("binary", [False, True])
 @pytest.mark.parametrize("parts", [2, 3, 5])
-def test_a_split_tokenize_answers_byte_for_byte_what_a_whole_one_does(jobs, sp, documents, binary, parts):
+def test_a_split_tokenize_answers_byte_for_byte_what_a_whole_one_does(handler, sp, documents, binary, parts):
     document = {"texts": documents[:200], "add_bos": True, "max_length": 30}
-    whole = answered_whole(jobs, TOKENIZE, document, binary)
-    assert answered_split(jobs, TOKENIZE, document, binary, parts) == whole
+    whole = answered_whole(handler, TOKENIZE, document, binary)
+    assert answered_split(handler, TOKENIZE, document, binary, parts) == whole
     expected = [ids[:30] for ids in sp.encode(documents[:200], add_bos=True)]
     if binary:
         frame = wire.decode(whole)
@@ -133,29 +136,29 @@ def test_a_split_tokenize_answers_byte_for_byte_what_a_whole_one_does(jobs, sp, 
 
 @pytest.mark.parametrize("binary", [False, True])
 @pytest.mark.parametrize("strategy", ["concat", "best_fit"])
-def test_a_split_pack_answers_what_a_whole_one_does(jobs, documents, binary, strategy):
+def test_a_split_pack_answers_what_a_whole_one_does(handler, documents, binary, strategy):
     document = {"texts": documents[:200], "seq_len": 128, "strategy": strategy}
     if strategy == "concat":
         document |= {"carry": [5, 6, 7], "carry_document_starts": [1]}
-    assert answered_split(jobs, PACK, document, binary, 3) == answered_whole(jobs, PACK, document, binary)
+    assert answered_split(handler, PACK, document, binary, 3) == answered_whole(handler, PACK, document, binary)
 
 
-def test_a_split_detokenize_answers_what_a_whole_one_does(jobs, sp, documents):
+def test_a_split_detokenize_answers_what_a_whole_one_does(handler, sp, documents):
     ids = sp.encode(documents[:60])
-    whole = answered_whole(jobs, DETOKENIZE, {"ids": ids}, False)
+    whole = answered_whole(handler, DETOKENIZE, {"ids": ids}, False)
     assert orjson.loads(whole)["texts"] == sp.decode(ids)
-    assert answered_split(jobs, DETOKENIZE, {"ids": ids}, False, 4) == whole
+    assert answered_split(handler, DETOKENIZE, {"ids": ids}, False, 4) == whole
 
 
-def test_a_careful_run_gives_the_same_ids(jobs, documents):
+def test_a_careful_run_gives_the_same_ids(handler, documents):
     document = {"texts": documents[:40]}
-    kind, payload = request(jobs, TOKENIZE, document, parts=4, careful=True)
+    kind, payload = request(handler, TOKENIZE, document, parts=4, careful=True)
     assert kind == channel.DONE  # careful: never split, one text at a time
-    assert b"".join(bytes(p) for p in read_done(payload).body) == answered_whole(jobs, TOKENIZE, document, False)
+    assert b"".join(bytes(p) for p in read_done(payload).body) == answered_whole(handler, TOKENIZE, document, False)
 
 
-def test_seeded_sampling_is_handed_to_the_sampler_in_one_chunk(jobs, documents):
-    kind, payload = request(jobs, TOKENIZE, {"texts": documents[:40], "sample": {"seed": 3}}, parts=4)
+def test_seeded_sampling_is_handed_to_the_sampler_in_one_chunk(handler, documents):
+    kind, payload = request(handler, TOKENIZE, {"texts": documents[:40], "sample": {"seed": 3}}, parts=4)
     assert kind == channel.SPLIT
     _, _, texts, seeded = SPLIT_HEAD.unpack_from(payload)
     chunks = channel.split_blobs(payload, SPLIT_HEAD.size)[2:]
@@ -172,31 +175,31 @@ def test_seeded_sampling_is_handed_to_the_sampler_in_one_chunk(jobs, documents):
         (b'{"texts": ["a"], "add_bos": "yes"}', {"type": "invalid_field", "field": "add_bos"}),
     ],
 )
-def test_bad_input_is_a_failed_reply_naming_what_was_wrong(jobs, document, expected):
-    kind, payload = run(jobs, channel.REQUEST, [REQUEST_HEAD.pack(TOKENIZE, False, 1, False), document])
+def test_bad_input_is_a_failed_reply_naming_what_was_wrong(handler, document, expected):
+    kind, payload = run(handler, channel.REQUEST, [REQUEST_HEAD.pack(TOKENIZE, False, 1, False), document])
     assert kind == channel.FAILED
     error = orjson.loads(payload)
     assert {key: error[key] for key in expected} == expected and error["message"]
 
 
-def test_a_remembered_poison_text_is_refused_before_tokenizing(jobs):
+def test_a_remembered_poison_text_is_refused_before_tokenizing(handler):
     import hashlib
     import struct
 
     text = "a text that once killed a worker"
     digest = hashlib.sha256(text.encode()).digest()
-    jobs.remember_poison(struct.pack("<HQ", 0, len(text)) + digest)
-    kind, payload = request(jobs, TOKENIZE, {"texts": ["fine", text]})
+    handler.remember_poison(struct.pack("<HQ", 0, len(text)) + digest)
+    kind, payload = request(handler, TOKENIZE, {"texts": ["fine", text]})
     assert kind == channel.FAILED
     assert orjson.loads(payload)["type"] == "poison_input" and orjson.loads(payload)["index"] == 1
 
 
-def test_done_carries_what_the_metrics_need(jobs, documents):
-    _, payload = request(jobs, PACK, {"texts": documents[:3], "seq_len": 64})
+def test_done_carries_what_the_metrics_need(handler, documents):
+    _, payload = request(handler, PACK, {"texts": documents[:3], "seq_len": 64})
     answer = read_done(payload)
     assert (answer.model, answer.texts, answer.binary) == (0, 3, False)
     assert answer.tokens > 0 and 0 <= answer.padding <= 1
-    _, payload = request(jobs, TOKENIZE, {"texts": documents[:3]})
+    _, payload = request(handler, TOKENIZE, {"texts": documents[:3]})
     assert math.isnan(read_done(payload).padding)
 
 

@@ -18,10 +18,10 @@ import tiktoken
 from tokenizers import Tokenizer
 
 from app.core import checkset, libraries
+from app.core.errors import InvalidField
 from app.core.models import ModelLoadError, find_model_files
-from app.errors import InvalidField
-from app.registry import inspect_model
-from app.schemas import EncodeOptions, SampleOptions
+from app.core.registry import inspect_model
+from app.core.requests import EncodeOptions, SampleOptions
 from client import wire
 from tests.conftest import EDGE_CASES
 from tests.tokenizer_models import ADDED, BPE_SPECIAL, TIKTOKEN_SPECIAL
@@ -295,14 +295,15 @@ def test_a_hub_cache_layout_of_symlinks_loads_in_the_workers_too(models, tmp_pat
     ranks.write_bytes(models["tt"].read_bytes())
     (tmp_path / "m.tiktoken").symlink_to(ranks)
     Path(f"{tmp_path / 'm.tiktoken'}.json").write_text(Path(f"{models['tt']}.json").read_text())
-    from app import worker
+
+    from app.core import process
 
     infos = [inspect_model(name, path) for name, path in [("file", snapshot / "tokenizer.json"), ("dir", snapshot)]]
     infos.append(inspect_model("ranks", tmp_path / "m.tiktoken"))
     assert infos[0].sha256 == infos[1].sha256 == inspect_model("orig", models["hfbpe"]).sha256
     assert infos[0].eos_id >= 0  # the config beside the link was read
-    worker.load_models(infos)  # what each worker does with the announced models: no ModelChanged
-    assert worker.library("ranks").eos_id == infos[2].eos_id >= 0
+    process.load_models(infos)  # what each worker does with the announced models: no ModelChanged
+    assert process.library("ranks").eos_id == infos[2].eos_id >= 0
 
 
 def test_an_older_tokenizer_json_without_a_model_type_is_served(models, tmp_path):
@@ -362,7 +363,7 @@ def test_ids_in_a_gap_of_the_ranks_are_refused_naming_the_row(models, tmp_path):
 
 
 def test_a_text_too_long_for_tokenizers_memory_is_a_413_naming_it(models):
-    from app.errors import PayloadTooLarge
+    from app.core.errors import PayloadTooLarge
 
     library = libraries.load(find_model_files("u", models["hfuni"]))  # encoded by tokenizers itself
     assert library.encoder == "tokenizers" and library.max_text_chars is not None

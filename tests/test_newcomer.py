@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.pretokenize import main as pretokenize_main
-from app.pretokenize.cli import BadRecordLog
-from app.pretokenize.shards_cli import main as shards
 from app.settings import BUNDLED_MODELS_DIR
+from app.tools.pretokenize import main as pretokenize_main
+from app.tools.pretokenize.cli import BadRecordLog
+from app.tools.pretokenize.shards_cli import main as shards
 from client.dataset import TokenDataset
 from tests.test_pretokenize import write_parquet, zstd_open
 

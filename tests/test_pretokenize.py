@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from app.pretokenize import main
-from app.pretokenize.ranks import merge
-from app.pretokenize.sources import DocumentReader, Source
 from app.settings import BUNDLED_MODELS_DIR
+from app.tools.pretokenize import main
+from app.tools.pretokenize.ranks import merge
+from app.tools.pretokenize.sources import DocumentReader, Source
 from client.dataset import TokenDataset
 from client.packing import pack_best_fit, pack_concat
 from client.wire import ragged_offsets
@@ -274,7 +274,7 @@ def interrupt_after_first_shard(args: list[str], out: Path, stop: signal.Signals
 
     A session of its own: the signal reaches the workers too, as kill -9 of a job or Ctrl-C would.
     """
-    command = [sys.executable, "-m", "app.pretokenize", *args]
+    command = [sys.executable, "-m", "app.tools.pretokenize", *args]
     process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, start_new_session=True)
     try:
         wait_for_first_shard(out, process)
@@ -435,7 +435,7 @@ def test_a_write_that_fails_is_one_line_and_the_rerun_resumes_byte_identical(big
     args = [str(big_input), "--local", "--model", str(model), "--shard-tokens", "200000", "--workers", "1", "-q"]
     reference, limited = tmp_path / "reference", tmp_path / "limited"
     assert pretokenize(*args, "--output", reference) == 0
-    command = [sys.executable, "-m", "app.pretokenize", *args, "--output", str(limited)]
+    command = [sys.executable, "-m", "app.tools.pretokenize", *args, "--output", str(limited)]
     failed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, preexec_fn=_limit_file_size)
     assert failed.returncode == 1, failed.stderr
     *bad_records, last = failed.stderr.strip().splitlines()

@@ -587,10 +587,10 @@ def test_a_process_that_never_closes_its_pool_still_exits(tmp_path):
     program = tmp_path / "leave.py"
     program.write_text(
         "import asyncio\n"
-        "from app.jobs import Limits\n"
+        "from app.core.handler import Limits\n"
         "from app.metrics import Metrics\n"
-        "from app.pool import WorkerPool\n"
-        "from app.registry import ModelRegistry\n"
+        "from app.core.pool import WorkerPool\n"
+        "from app.core.registry import ModelRegistry\n"
         "from app.settings import BUNDLED\n\n"
         "async def main():\n"
         "    registry = ModelRegistry.from_paths(dict(BUNDLED))\n"

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from app.core.handler import DECOMPOSING_BELOW, NFKC_MAX_GROWTH, chunk_bounds, growth_bound
 from app.core.libraries import frame, truncate
-from app.jobs import DECOMPOSING_BELOW, NFKC_MAX_GROWTH, chunk_bounds, growth_bound
 from app.settings import BUNDLED_MODELS_DIR, ConfigError, Settings
 from client import wire
 
@@ -161,8 +161,8 @@ def test_settings_reject_a_bad_model_spec():
 
 
 def test_admission_counts_bytes_and_refuses_beyond_the_budget():
-    from app.admission import Admission
-    from app.errors import Overloaded
+    from app.core.errors import Overloaded
+    from app.http.admission import Admission
     from app.metrics import Metrics
 
     admission = Admission(limit=100, metrics=Metrics())
@@ -297,7 +297,7 @@ def test_every_timeout_httpx_takes_is_taken(timeout):
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "", "::1"])
 def test_an_address_uvicorn_can_listen_on_passes_the_start_check(host):
     from app.cli import check_address
-    from app.launcher import free_port
+    from app.tools.launcher import free_port
 
     assert check_address(host, free_port()) is None
 

@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from app.core import checkset
+from app.core.errors import InvalidField, PayloadTooLarge
 from app.core.models import (
     KINDS,
     SENTENCEPIECE,
@@ -45,7 +46,6 @@ from app.core.models import (
     tiktoken_ranks,
     tiktoken_spec,
 )
-from app.errors import InvalidField, PayloadTooLarge
 from client.wire import ragged_offsets
 
 logger = logging.getLogger("tokenizer")

@@ -1,6 +1,6 @@
 """Every payload between the server process and its workers: layout, writer and reader in one place.
 
-A frame (app.channel: a 9-byte header, then the payload) carries one of these, by kind:
+A frame (app.core.channel: a 9-byte header, then the payload) carries one of these, by kind:
 
 =========  ===========  ==========================================================================
 kind       direction    payload
@@ -30,8 +30,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from app import channel
-from app.schemas import EncodeOptions
+from app.core import channel
+from app.core.requests import EncodeOptions
 
 Buffer = bytes | bytearray | memoryview
 

@@ -1,0 +1,254 @@
+"""The worker pool: a request's body in, its answer's bytes out, with crashes and stalls survived.
+
+Two lanes of worker processes (app.core.lanes): `workers` tokenizers, and one seeded sampler
+(sentencepiece 0.2.3 mixes per-process random state into its sampler, so a seed reproduces ids
+only within one process). A request goes to a tokenizer as raw bytes; a large one comes back
+split into chunks that run in parallel on the least busy workers (app.core.handler, app.core.join).
+
+Supervision, per job: a job whose worker died runs once more; one that dies again, or stalls,
+runs *carefully* (one text at a time, its position in shared memory), and if that worker dies
+too, the text it was on is poison: refused with its index (PoisonInput), remembered by every
+worker, and refused at once when sent again. Everyone else's jobs are retried, not failed.
+Only domain errors leave this module (app.core.errors); app.http.edge maps them to HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+import orjson
+
+from app.core import channel
+from app.core.errors import PoisonInput, ServiceError, Unavailable
+from app.core.handler import Limits
+from app.core.join import Answer, Part, join_detokenize, join_tokenize, read_done, read_part
+from app.core.lanes import Lane, WorkerCrashed
+from app.core.models import ModelInfo
+from app.core.poison import text_digest
+from app.core.process import Startup
+from app.core.protocol import (
+    DETOKENIZE,
+    PACK,
+    chunk_head,
+    finish_payload,
+    load_chunk,
+    poison_payload,
+    read_split,
+    request_head,
+)
+from app.metrics import Metrics
+
+logger = logging.getLogger("tokenizer.pool")
+
+T = TypeVar("T")
+Buffer = bytes | bytearray | memoryview
+Culprit = tuple[str, int | None, str | None]  # field, model index, text
+
+# A job may run this long per character (or id) on top of --stall-timeout before it counts as
+# stalled: 50 times what BPE needs on a busy core, so only a real hang ever reaches it.
+STALL_SECONDS_PER_UNIT = 10e-6
+DEFAULT_STALL_TIMEOUT = 15.0
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        models: Sequence[ModelInfo],
+        default: str,
+        workers: int,
+        metrics: Metrics,
+        limits: Limits,
+        *,
+        stall_timeout: float = DEFAULT_STALL_TIMEOUT,
+    ) -> None:
+        self.models = list(models)
+        self.default = default
+        self.size = workers
+        self.metrics = metrics
+        self.on_change: Callable[[], None] = _nothing  # called when `ready` may have changed
+        startup = Startup(tuple(models), default, limits)
+        common = {"stall_timeout": stall_timeout, "stall_seconds_per_unit": STALL_SECONDS_PER_UNIT}
+        self.tokenizers = Lane("tokenizer", workers, startup, metrics, on_change=self._changed, **common)
+        self.sampler = Lane("seeded-sampler", 1, startup, metrics, on_change=self._changed, **common)
+
+    async def start(self) -> None:
+        try:
+            await asyncio.gather(self.tokenizers.start(), self.sampler.start())
+        except BaseException:
+            self.close(grace=0.0)
+            raise
+        self.metrics.workers.set(self.size)
+
+    def close(self, grace: float = 2.0) -> None:
+        for lane in (self.tokenizers, self.sampler):
+            lane.close(grace)
+        self.metrics.workers.set(0)
+
+    @property
+    def ready(self) -> bool:
+        """Tokenizers serve, and the seeded sampler serves or is restarting (not failing)."""
+        tokenizers, sampler = self.tokenizers, self.sampler
+        return bool(tokenizers.serving) and not tokenizers.closed and not (sampler.failing and not sampler.serving)
+
+    def _changed(self) -> None:
+        self.on_change()
+
+    def pids(self) -> list[int]:
+        return sorted([*self.tokenizers.pids(), *self.sampler.pids()])
+
+    # -- requests --------------------------------------------------------------------------------
+
+    async def request(self, route: int, body: bytes, binary: bool) -> Answer:
+        """The answer to one /v1 request body; raises ServiceError (bad input, poison, unavailable).
+
+        A large request is split over the workers idle when it is handed over (the one taking it
+        and every idle other): under load nothing is split and nothing travels twice, while a lone
+        large request still runs on every core.
+        """
+
+        def head(careful: bool) -> Callable[[int], bytes]:
+            return lambda idle: request_head(route, binary, max(idle, 1), careful)
+
+        kind, payload = await self._supervised(
+            self.tokenizers, channel.REQUEST, head, [body], len(body), lambda index: self._text_at(body, route, index)
+        )
+        if kind == channel.DONE:
+            return read_done(payload)
+        if kind == channel.SPLIT:
+            return await self._split(payload, binary)
+        raise _failure(kind, payload)
+
+    async def _split(self, payload: Buffer, binary: bool) -> Answer:
+        split = read_split(payload)
+        model, route, units, context, chunks = split.model, split.route, split.units, split.context, split.chunks
+        lane = self.sampler if split.seeded else self.tokenizers
+
+        def run(chunk: memoryview, size: int) -> Awaitable[tuple[int, Buffer]]:
+            return self._supervised(
+                lane, channel.CHUNK, _chunk_head, [chunk], size, lambda index: _chunk_text(chunk, index)
+            )
+
+        replies = await _all_or_none([run(chunk, size) for chunk, size in zip(chunks, units, strict=True)])
+        for kind, reply in replies:
+            if kind != channel.PART:
+                raise _failure(kind, reply)
+        name = self.models[model].name
+        if route == DETOKENIZE:
+            return join_detokenize(model, name, [read_part(reply, blobs=False) for _, reply in replies])
+        parts = [read_part(reply) for _, reply in replies]
+        if route == PACK:
+            return await self._finish(context, parts)
+        return join_tokenize(model, name, parts, binary)
+
+    async def _finish(self, context: Buffer, parts: list[Part]) -> Answer:
+        """Pack a split /v1/pack request's parts on one worker."""
+        payload = finish_payload(context, [part.payload for part in parts])
+        units = sum(part.tokens for part in parts)
+        kind, reply = await self._supervised(
+            self.tokenizers, channel.FINISH, _no_head, payload, units, lambda index: ("texts", None, None)
+        )
+        if kind != channel.DONE:
+            raise _failure(kind, reply)
+        answer = read_done(reply)
+        answer.work = [part.work for part in parts]  # the packing job's own seconds are counted in its parts
+        return answer
+
+    # -- supervision -------------------------------------------------------------------------------
+
+    async def _supervised(
+        self,
+        lane: Lane,
+        kind: int,
+        head: Callable[[bool], Callable[[int], bytes]],
+        body: Sequence[Buffer],
+        units: int,
+        culprit: Callable[[int], Culprit],
+    ) -> tuple[int, Buffer]:
+        """Run a job: once more if its worker died, then carefully; a text that kills that is poison.
+
+        `culprit(index)` names the field, model and text at `index`; it runs (in a thread) only
+        when a careful run died, so the hot path never looks at texts.
+        """
+        for attempt in (1, 2):
+            try:
+                return await lane.submit(kind, [b"", *body], units, head(False))
+            except WorkerCrashed as crash:
+                if crash.stalled:
+                    logger.warning("a job stalled its worker; running it carefully")
+                    break
+                if attempt == 2:
+                    logger.warning("a job was running in two worker crashes; running it carefully")
+                    break
+                self.metrics.chunk_retries.inc()
+        try:
+            return await lane.submit(kind, [b"", *body], units, head(True))
+        except WorkerCrashed as crash:
+            if crash.progress < 0:  # the worker died between texts: nothing to blame
+                raise Unavailable("a tokenizer worker died; retry") from None
+            index = crash.progress
+        self.metrics.poison_inputs.inc()
+        field, model, text = await asyncio.to_thread(culprit, index)
+        if model is not None and text is not None:
+            self._remember(model, text)
+        raise PoisonInput(
+            f"{field}[{index}] crashed or hung a tokenizer worker twice; it is refused", field=field, index=index
+        )
+
+    def _remember(self, model: int, text: str) -> None:
+        payload = poison_payload(model, len(text), text_digest(text))
+        for lane in (self.tokenizers, self.sampler):
+            lane.broadcast_poison(payload)
+
+    def _text_at(self, body: bytes, route: int, index: int) -> Culprit:
+        """Slow path, only after a careful run died: the request's text at `index`, parsed here."""
+        if route == DETOKENIZE:
+            return "ids", None, None
+        try:
+            document = orjson.loads(body)
+            name = document.get("model") or self.default
+            model = next(position for position, info in enumerate(self.models) if info.name == name)
+            return "texts", model, document["texts"][index]
+        except Exception:
+            return "texts", None, None
+
+
+def _nothing() -> None:
+    pass
+
+
+def _chunk_head(careful: bool) -> Callable[[int], bytes]:
+    head = chunk_head(careful)
+    return lambda idle: head
+
+
+def _no_head(careful: bool) -> Callable[[int], bytes]:
+    return lambda idle: b""
+
+
+def _failure(kind: int, payload: Buffer) -> ServiceError:
+    if kind == channel.FAILED:
+        return ServiceError.from_dict(orjson.loads(payload))
+    return ServiceError(f"a worker answered with message kind {kind}")
+
+
+def _chunk_text(chunk: memoryview, index: int) -> Culprit:
+    item = load_chunk(chunk)
+    if item.texts is None:
+        return "ids", None, None
+    return "texts", item.model, item.texts[index - item.first_index]
+
+
+async def _all_or_none(jobs: list[Awaitable[T]]) -> list[T]:
+    """Await every job; on the first failure (or cancellation) withdraw the others."""
+    if len(jobs) == 1:
+        return [await jobs[0]]
+    tasks = [asyncio.ensure_future(job) for job in jobs]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise

@@ -1,0 +1,195 @@
+"""A worker process's life: it starts deaf to Ctrl-C and bound to its parent, loads its models, then
+answers jobs from its socket (app.core.handler does the work) until the server closes it.
+
+Ctrl-C in a terminal sends SIGINT to the whole process group. The server drains and then stops its
+workers itself; a worker that died of KeyboardInterrupt first would only look like a crash and
+trigger a pointless rebuild in the middle of the shutdown.
+
+An idle `ProcessPoolExecutor` worker waits on its call queue forever: if its parent is killed
+(`kill -9`, the OOM killer), it would live on, orphaned, holding every model in memory. A daemon
+thread waits on the parent's sentinel and ends the worker when the parent is gone.
+
+Workers started after a crash load the model files again. A file replaced on disk meanwhile would
+give ids from another model than the one whose sha256 the server announces, so a worker refuses to
+start on a file whose sha256 changed (the pool then answers 503 until the server is restarted).
+
+`load_models` reads each model's files again, refuses any whose bytes changed since the server
+announced their sha256, and loads it in its library (app.core.libraries, with the fast encoder behind
+its check). `encode_chunk` answers the pre-tokenizer's pool with a TokenizedBatch: flat numpy buffers
+(int32 ids plus int64 offsets pickle as two memcpy'd blobs, where lists of Python ints would cost about
+a quarter of the tokenization time again).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from app.core import channel, libraries, memory
+from app.core.handler import Handler, Limits, Progress
+from app.core.libraries import Library
+from app.core.models import ModelInfo, find_model_files
+from app.core.requests import EncodeOptions
+from client.wire import ragged_offsets
+
+if TYPE_CHECKING:
+    from client import TokenizedBatch
+
+logger = logging.getLogger("tokenizer.pool")
+
+INTERNAL_ERROR = orjson.dumps({"type": "internal_error", "message": "internal server error"})
+
+Buffer = bytes | bytearray | memoryview
+
+_libraries: dict[str, Library] = {}
+
+
+# -- starting: signals, the parent's life, the models ----------------------------------------------------
+
+
+def _exit_now() -> None:
+    os._exit(1)
+
+
+def exit_with_parent(leave: Callable[[], None] = _exit_now) -> None:
+    """Call `leave` (by default: exit at once) in a daemon thread when the parent process is gone."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        leave()
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def start(models: Sequence[ModelInfo]) -> None:
+    """Pool initializer, for the server's pools and the pre-tokenizer's."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_with_parent()
+    load_models(models)
+
+
+class ModelChanged(RuntimeError):
+    """A model file no longer holds the bytes the server announced at startup."""
+
+
+def load_models(models: Sequence[ModelInfo]) -> None:
+    """Pool initializer: load each model once per worker process, single-threaded, with the encoder the
+    model was announced with (fastokens passes its check again here, in the process that uses it)."""
+    libraries.single_threaded()
+    _libraries.clear()
+    for info in models:
+        files = find_model_files(info.name, info.path)
+        if files.sha256 != info.sha256:
+            raise ModelChanged(
+                f"model {info.name!r}: {info.path} changed since the server started (sha256 {files.sha256}, "
+                f"announced {info.sha256}); restart the server to serve the new file"
+            )
+        encoder = libraries.FAST if info.encoder == libraries.FASTOKENS else libraries.REFERENCE
+        _libraries[info.name] = libraries.load(files, encoder)
+
+
+def ping() -> int:
+    """A round trip that starts a worker process and proves it loaded its models (their number)."""
+    return len(_libraries)
+
+
+def library(name: str) -> Library:
+    return _libraries[name]
+
+
+def encode_chunk(model: str, texts: list[str], options: EncodeOptions) -> TokenizedBatch:
+    """Tokenize texts[i] exactly as the model's library would in-process (the pre-tokenizer's pool)."""
+    from client import TokenizedBatch  # here, not at import: the server's workers never load the client
+
+    ids, lengths = _libraries[model].encode(texts, options)
+    return TokenizedBatch(ids, ragged_offsets(lengths), model, None)
+
+
+# -- serving jobs ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Startup:
+    """What a worker process needs to start: models (checked against their sha256), default, limits."""
+
+    models: tuple[ModelInfo, ...]
+    default: str
+    limits: Limits
+
+
+def serve(connection: socket.socket, startup: Startup, progress: Any) -> None:
+    """A worker process's whole life: load the models, then answer jobs until the socket closes."""
+    # A process group of its own: a signal to the server's group (`timeout`, `kill -- -PGID`, Ctrl-C)
+    # must not kill workers ahead of the drain; the server stops them after it, by closing their
+    # sockets or with SIGKILL, and a worker whose server is gone exits on its own (exit_with_parent).
+    os.setpgrp()
+    try:
+        start(startup.models)
+    except (OSError, RuntimeError) as exc:  # ModelChanged, ModelLoadError among them
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logger.error("worker %d cannot start: %s", os.getpid(), exc)
+        sys.exit(1)
+    memory.keep_freed_memory()
+    libraries_of_models = [library(info.name) for info in startup.models]
+    handler = Handler(startup.models, libraries_of_models, startup.default, startup.limits, Progress(progress))
+    reader = channel.FrameReader()
+    connection.setblocking(True)
+    while True:
+        received = connection.recv_into(reader.buffer())
+        if not received:
+            return  # the server closed our socket: it is stopping
+        frames = reader.advance(received)
+        big = False
+        while frames:
+            number, kind, payload = frames.pop(0)
+            if kind == channel.POISON:
+                handler.remember_poison(payload)
+                continue
+            try:
+                reply, parts = handler.handle(kind, payload)
+            except Exception:
+                traceback.print_exc()
+                reply, parts = channel.FAILED, [INTERNAL_ERROR]
+            big = big or len(payload) >= memory.TRIM_AFTER_BYTES
+            del payload
+            try:
+                _send_all(connection, channel.frame_parts(number, reply, parts))
+            except (BrokenPipeError, ConnectionResetError):
+                return  # the server stopped while this job ran
+            del parts
+        if big and not _waiting(connection):  # everything of the last jobs is freed by now
+            memory.trim()
+
+
+def _waiting(connection: socket.socket) -> bool:
+    """Is another job already on the socket?"""
+    ready, _, _ = select.select([connection], [], [], 0)
+    return bool(ready)
+
+
+def _send_all(connection: socket.socket, buffers: Sequence[Buffer]) -> None:
+    views = [memoryview(buffer).cast("B") for buffer in buffers if len(buffer)]
+    while views:
+        sent = connection.sendmsg(views[:512])
+        while sent:
+            if sent >= len(views[0]):
+                sent -= len(views[0])
+                views.pop(0)
+            else:
+                views[0] = views[0][sent:]
+                sent = 0

@@ -1,0 +1,222 @@
+"""Request bodies: their pydantic schemas (validated in Rust), and parsing them from bytes in the workers.
+
+orjson parses on the fast path; every refusal says where (the field and the index).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, TypeVar
+
+import orjson
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    WithJsonSchema,
+)
+
+from app.core.errors import InvalidField, InvalidJSON, PayloadTooLarge
+
+MAX_NBEST_SIZE = 512
+"""sentencepiece's kMaxNBestSize; it raises on 0, 1 or more."""
+
+INT32_MAX = (1 << 31) - 1
+"""One bound for every integer field that is a length, a position or an id: ids and lengths travel as int32."""
+
+Id = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]  # a token id (the model's vocabulary is checked later)
+Count = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]  # a length or a position
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _check_nbest_size(value: int) -> int:
+    if value == -1 or 2 <= value <= MAX_NBEST_SIZE:
+        return value
+    raise ValueError(f"must be -1 (sample from every segmentation) or between 2 and {MAX_NBEST_SIZE}, got {value}")
+
+
+NBestSize = Annotated[
+    StrictInt,
+    AfterValidator(_check_nbest_size),
+    WithJsonSchema(
+        {"anyOf": [{"type": "integer", "const": -1}, {"type": "integer", "minimum": 2, "maximum": MAX_NBEST_SIZE}]}
+    ),
+]
+
+
+class SampleOptions(_Body):
+    """SentencePiece subword regularization; the same seed gives the same ids."""
+
+    alpha: Annotated[float, Field(strict=True, gt=0, le=1)] = 0.1  # strict float still takes a JSON 1
+    nbest_size: NBestSize = -1
+    seed: Annotated[StrictInt, Field(ge=0, lt=1 << 32)] | None = None
+
+
+class EncodeOptions(_Body):
+    """How texts become ids: the options of /v1/tokenize, declared once, and what a worker encodes with."""
+
+    add_bos: StrictBool = False
+    add_eos: StrictBool = False
+    max_length: Count | None = None
+    sample: SampleOptions | None = None
+    parse_special_tokens: StrictBool = False  # special-token strings in the text become their ids
+
+    @property
+    def seed(self) -> int | None:
+        return None if self.sample is None else self.sample.seed
+
+    def without_texts(self) -> EncodeOptions:
+        """The options alone (what each chunk of a split request carries): these are."""
+        return self
+
+
+class _TextsAndModel(_Body):
+    texts: list[StrictStr]
+    model: StrictStr | None = None
+
+
+class TokenizeRequest(EncodeOptions, _TextsAndModel):  # texts and model first, as before EncodeOptions
+    def without_texts(self) -> EncodeOptions:
+        """The options alone, without the texts (what each chunk of a split request carries)."""
+        return EncodeOptions.model_construct(**{name: getattr(self, name) for name in EncodeOptions.model_fields})
+
+
+class DetokenizeRequest(_Body):
+    ids: list[list[Id]]
+    model: StrictStr | None = None
+
+
+def openapi_body(model: type[BaseModel]) -> dict[str, object]:
+    """`openapi_extra` for a route that parses its own body, so the schema still documents it."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    definitions = schema.pop("$defs", {})
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+        "x-components": definitions,
+    }
+
+
+# What JSON Schema can say of /v1/pack beyond each field: the carry and its document starts belong to
+# concat, and the starts need the carry they describe (the server refuses the rest with a 422).
+PACK_CONSTRAINTS: dict[str, object] = {
+    "dependentRequired": {"carry_document_starts": ["carry"]},
+    "if": {"properties": {"strategy": {"const": "best_fit"}}, "required": ["strategy"]},
+    "then": {"properties": {"carry": {"type": "null"}, "carry_document_starts": {"type": "null"}}},
+}
+
+
+class PackRequest(_Body):
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=PACK_CONSTRAINTS)
+
+    texts: list[StrictStr]
+    seq_len: Annotated[StrictInt, Field(ge=2, le=INT32_MAX)]  # and at most --max-seq-len (in the published schema)
+    strategy: Literal["concat", "best_fit"] = "concat"
+    model: StrictStr | None = None
+    add_bos: StrictBool = False
+    add_eos: StrictBool | None = None  # EOS after each document when the model has one
+    carry: list[Id] | None = None
+    carry_document_starts: list[Count] | None = None
+    mask_document_start: StrictBool = False
+    parse_special_tokens: StrictBool = False
+
+
+# -- parsing a body --------------------------------------------------------------------------------
+
+Body = TypeVar("Body", bound=BaseModel)
+
+JSON_MAX_DEPTH = 1024  # orjson's limit; the stdlib fallback never sees a deeper body
+
+
+def parse_request(raw: bytes | bytearray | memoryview, model: type[Body], items: str, max_items: int) -> Body:
+    """Parse and validate a body whose list field `items` (texts, id rows) is capped at `max_items`.
+
+    Runs in a worker process; the server checked the byte limit. Every refusal says where: 413 over
+    the item limit, 400 for bad JSON, 422 with the field and index (a lone surrogate in a text
+    included, which SentencePiece cannot take).
+    """
+    document, lenient = parse_json(raw)
+    check_item_count(document, items, max_items)
+    body = validate(model, document)
+    texts = getattr(body, "texts", None)
+    if lenient and texts is not None and (found := find_lone_surrogate(texts)) is not None:
+        index, position = found
+        raise InvalidField(
+            f"texts[{index}] has a lone surrogate at character {position}; text must be valid Unicode",
+            field="texts",
+            index=index,
+        )
+    return body
+
+
+def check_item_count(document: object, field: str, limit: int) -> None:
+    """413 before validation, so an oversized list costs no per-item work."""
+    if isinstance(document, dict):
+        items = document.get(field)
+        if isinstance(items, list) and len(items) > limit:
+            raise PayloadTooLarge(f"{len(items)} {field} in one request exceed the limit of {limit}", field=field)
+
+
+def parse_json(raw: bytes | bytearray | memoryview) -> tuple[Any, bool]:
+    """Parse with orjson; fall back to the stdlib only to explain what orjson refused.
+
+    Returns the document and whether it came from the fallback (which, unlike orjson, lets lone
+    surrogates through as str, so the caller must look for them). The body must be UTF-8: the
+    stdlib would also take UTF-16 and UTF-32, which the API does not. JSON nested deeper than
+    orjson's limit (1,024 levels) is refused as such, never parsed by a recursive fallback.
+    """
+    try:
+        return orjson.loads(raw), False
+    except orjson.JSONDecodeError as fast_error:
+        if "depth limit" in str(fast_error):
+            raise InvalidJSON(f"request body nests deeper than {JSON_MAX_DEPTH} levels") from None
+        try:
+            text = bytes(raw).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidJSON(f"request body is not valid UTF-8 (byte {exc.start})") from exc
+        try:
+            return json.loads(text), True
+        except RecursionError:
+            raise InvalidJSON(f"request body nests deeper than {JSON_MAX_DEPTH} levels") from None
+        except ValueError:
+            raise InvalidJSON(f"request body is not valid JSON: {fast_error}") from fast_error
+
+
+def _field_path(location: tuple[int | str, ...]) -> tuple[str, int | None]:
+    names = [str(part) for part in location if isinstance(part, str)]
+    indices = [part for part in location if isinstance(part, int)]
+    return ".".join(names), (indices[0] if indices else None)
+
+
+def validate(model: type[Body], document: Any) -> Body:
+    """Validate a parsed document, turning the first pydantic error into a 422 naming field and index."""
+    if not isinstance(document, dict):
+        raise InvalidField(f"request body must be a JSON object, not {type(document).__name__}")
+    try:
+        return model.model_validate(document)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        field, index = _field_path(tuple(error["loc"]))
+        message = error["msg"]
+        if index is not None:
+            message = f"{field}[{index}]: {message}"
+        elif field:
+            message = f"{field}: {message}"
+        raise InvalidField(message, field=field or None, index=index) from None
+
+
+def find_lone_surrogate(texts: list[str]) -> tuple[int, int] | None:
+    """(text index, character index) of the first lone surrogate, which SentencePiece cannot take."""
+    for index, text in enumerate(texts):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return index, exc.start
+    return None

@@ -1,0 +1,114 @@
+"""Assemble the app: the edge serves the hot routes, FastAPI the rest; the lifespan starts the pool."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.routing import APIRoute
+from starlette.middleware.cors import CORSMiddleware
+
+from app import __version__
+from app.core import memory
+from app.core.handler import Limits
+from app.core.pool import WorkerPool
+from app.core.readiness import ServiceState
+from app.core.registry import ModelRegistry
+from app.http.auth import ApiKeys
+from app.http.edge import Edge
+from app.http.negotiation import MODEL_SHA256_HEADER
+from app.http.openapi import publish
+from app.http.routes import health, models, tokenize
+from app.http.state import Service
+from app.http.status import install_error_handlers
+from app.metrics import Metrics
+from app.settings import Settings
+
+logger = logging.getLogger("tokenizer")
+
+
+def create_app(settings: Settings | None = None, registry: ModelRegistry | None = None) -> Any:
+    """The ASGI app uvicorn runs: Edge(FastAPI), in CORS when origins are configured.
+
+    `registry`: the models as tokenizer-server already read them to check its configuration; without
+    it the lifespan reads them."""
+    settings = settings or Settings()
+    metrics = Metrics()
+    state = ServiceState(metrics)
+    if settings.max_queued_texts is not None:
+        logger.warning("--max-queued-texts is deprecated and ignored: the server bounds bytes (--max-queued-bytes)")
+    memory.keep_freed_memory()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Service]]:
+        models = registry or ModelRegistry.from_paths(settings.model_paths(), settings.default_model, settings.encoder)
+        for info in models.models.values():
+            metrics.model_info.labels(info.name, info.sha256, str(info.vocab_size), info.library, info.encoder).set(1)
+        limits = Limits(
+            max_texts=settings.max_texts,
+            max_seq_len=settings.max_seq_len,
+            min_chunk_chars=settings.min_chunk_chars,
+            max_request_bytes=settings.max_request_bytes,
+        )
+        served = list(models.models.values())
+        pool = WorkerPool(
+            served, models.default, settings.workers, metrics, limits, stall_timeout=settings.stall_timeout
+        )
+        service = Service(settings=settings, registry=models, metrics=metrics, pool=pool, state=state)
+        started = time.perf_counter()
+        await pool.start()
+        edge.open(served)
+        state.serving(pool)
+        logger.info(
+            "serving models %s (default %r) on %d workers, ready in %.2fs",
+            sorted(models.models),
+            models.default,
+            settings.workers,
+            time.perf_counter() - started,
+        )
+        try:
+            yield {"service": service}
+        finally:
+            state.stopping()
+            pool.close()
+
+    app = FastAPI(
+        title="tokenizer-service",
+        version=__version__,
+        description="Batched SentencePiece tokenization for LLM training.",
+        lifespan=lifespan,
+    )
+    install_error_handlers(app)
+    routers = (tokenize.router, models.router, health.router)
+    for router in routers:
+        app.include_router(router)
+    paths = frozenset(route.path for router in routers for route in router.routes if isinstance(route, APIRoute))
+    publish(app, bearer_auth=bool(settings.api_keys), max_seq_len=settings.max_seq_len)
+    keys = ApiKeys([key.get_secret_value() for key in settings.api_keys]) if settings.api_keys else None
+    edge = Edge(
+        app,
+        state=state,
+        metrics=metrics,
+        keys=keys,
+        max_request_bytes=settings.max_request_bytes,
+        max_queued_bytes=settings.queued_bytes_limit,
+        max_concurrent=settings.max_concurrent_requests,
+        timeout=settings.request_timeout,
+        paths=paths,
+        min_body_rate=settings.min_body_rate,
+        body_grace=settings.header_timeout,
+    )
+    if not settings.cors_origins:
+        return edge
+    return CORSMiddleware(
+        edge,
+        allow_origins=settings.cors_origins,
+        allow_methods=["GET", "POST"],
+        allow_headers=["Authorization", "Content-Type", "Accept"],
+        expose_headers=[MODEL_SHA256_HEADER, "Retry-After"],
+        max_age=600,
+    )

@@ -1,6 +1,0 @@
-"""`python -m app.pretokenize`: the same as `tokenizer-pretokenize`."""
-
-from app.entry import pretokenize
-
-if __name__ == "__main__":
-    pretokenize()

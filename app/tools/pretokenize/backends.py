@@ -1,0 +1,141 @@
+"""Where the ids come from: a process pool running the server's own worker code, or the service over HTTP.
+
+Both take a stream of texts and yield TokenizedBatch (the client's ragged type) in order, with a
+bounded number in flight, so reading the next texts and writing shards overlap with tokenizing.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import signal
+import sys
+import threading
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import TypeVar
+
+from app.core import process
+from app.core.models import SENTENCEPIECE, ModelInfo
+from app.core.requests import EncodeOptions
+from client import TokenizedBatch, TokenizerClient
+
+Result = TypeVar("Result")
+
+
+class ServiceError(Exception):
+    """The service answered with another model file than the one the output was started with."""
+
+
+def chunks(texts: Iterable[str], max_chars: int, max_texts: int) -> Iterator[list[str]]:
+    """Consecutive texts in lists of at most `max_texts` texts and about `max_chars` characters."""
+    chunk: list[str] = []
+    size = 0
+    for text in texts:
+        chunk.append(text)
+        size += len(text)
+        if size >= max_chars or len(chunk) >= max_texts:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def start_method(model: ModelInfo) -> str:
+    """fork where it is safe (Linux, no other thread yet, a SentencePiece model): a forked worker starts in
+    milliseconds with sentencepiece already imported, where a spawned one spends about half a second
+    importing it again. Rust libraries (tokenizers, fastokens) may have started threads that a fork
+    does not copy: their models get fresh processes."""
+    if sys.platform == "linux" and threading.active_count() == 1 and model.library == SENTENCEPIECE:
+        return "fork"
+    return "spawn"
+
+
+def local_pool(model: ModelInfo, workers: int) -> ProcessPoolExecutor:
+    """Start every worker now, with SIGINT ignored from birth: Ctrl-C reaches the whole process group,
+    and a worker still starting up would otherwise die with a traceback instead of finishing its chunk."""
+    pool = ProcessPoolExecutor(
+        max_workers=workers,
+        mp_context=multiprocessing.get_context(start_method(model)),
+        initializer=process.start,
+        initargs=((model,),),
+    )
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        for _ in range(workers):  # each submit starts one more process until there are `workers`
+            pool.submit(process.ping)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return pool
+
+
+def in_order(submitted: Iterator[Future[Result]], depth: int) -> Iterator[Result]:
+    """Results of futures in submission order, keeping at most `depth` submitted ahead."""
+    pending: deque[Future[Result]] = deque()
+    try:
+        for future in submitted:
+            pending.append(future)
+            if len(pending) >= depth:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        for future in pending:
+            future.cancel()
+
+
+def tokenize_locally(
+    pool: ProcessPoolExecutor,
+    model: str,
+    texts: Iterable[str],
+    *,
+    add_bos: bool,
+    add_eos: bool,
+    parse_special_tokens: bool = False,
+    chunk_chars: int,
+    depth: int,
+) -> Iterator[TokenizedBatch]:
+    """Tokenize on the pool in chunks of about `chunk_chars` characters, `depth` chunks in flight."""
+    options = EncodeOptions(add_bos=add_bos, add_eos=add_eos, parse_special_tokens=parse_special_tokens)
+    submitted = (
+        pool.submit(process.encode_chunk, model, chunk, options) for chunk in chunks(texts, chunk_chars, 1 << 16)
+    )
+    return in_order(submitted, depth)
+
+
+def tokenize_via_service(
+    client: TokenizerClient,
+    texts: Iterable[str],
+    *,
+    model: str,
+    sha256: str,
+    add_bos: bool,
+    add_eos: bool,
+    parse_special_tokens: bool = False,
+    batch_size: int,
+    depth: int,
+) -> Iterator[TokenizedBatch]:
+    """Tokenize through the service with the client's prefetch: `batch_size` texts a request, `depth` in
+    flight, over all of the client's URLs, with its retries and failover.
+
+    Every answer must come from the model file the output was started with (its sha256).
+    """
+    with client.prefetch(
+        texts,
+        batch_size=batch_size,
+        depth=depth,
+        model=model,
+        add_bos=add_bos,
+        add_eos=add_eos,
+        parse_special_tokens=parse_special_tokens,
+    ) as batches:
+        for batch in batches:
+            if not isinstance(batch, TokenizedBatch):  # only with pack=, which is not asked for here
+                raise TypeError(f"prefetch handed out a {type(batch).__name__}, not a TokenizedBatch")
+            answered = batch.model_sha256
+            if answered is not None and answered != sha256:
+                raise ServiceError(
+                    f"the service answered with model {model!r} sha256 {answered[:12]}…, "
+                    f"but this output is tokenized with {sha256[:12]}…"
+                )
+            yield batch

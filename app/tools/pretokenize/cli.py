@@ -1,0 +1,342 @@
+"""`tokenizer-pretokenize`: flags -> Options -> run, with a progress bar, a summary and exit codes.
+
+Exit codes: 0 done (or nothing to do), 1 failed (a bad record under --strict, an unreadable input, the
+service), 2 refused (bad flags, an input that does not exist or is of an unknown kind, or an output
+directory that holds another run), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tqdm import tqdm
+
+from app.core.models import ModelLoadError
+from app.settings import usable_cpus
+from app.tools.pretokenize.backends import ServiceError
+from app.tools.pretokenize.ranks import RankError, rank_from_environment
+from app.tools.pretokenize.run import DEFAULT_SHARD_TOKENS, Options, Progress, Summary, run
+from app.tools.pretokenize.sources import KINDS, BadRecordError, InputError, InputRefused, peek
+from app.tools.pretokenize.store import OutputError
+from client.errors import TokenizerError
+
+EPILOG = """\
+Inputs: .jsonl or .json (one JSON object a line; the text in --text-field), .txt (one document per
+block of lines between blank lines), each optionally compressed (.gz, or .zst with the corpora extra),
+.parquet (the text in column --text-field; corpora extra: pip install 'tokenizer-service[corpora]'),
+or a directory (every such file below it, sorted by path). Output: NNNNN.bin/.idx shards and
+metadata.json (see the client.dataset module for the format; read it with client.dataset.TokenDataset).
+Run the same command again after an interruption to resume; a finished output is left as it is.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tokenizer-pretokenize",
+        description="Tokenize a corpus once into memory-mapped shards, with the service's tokenizer and packing.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help=f"input files ({KINDS}) or directories of them (every such file below, sorted by path)",
+    )
+    parser.add_argument("--output", "-o", type=Path, metavar="DIR", help="output directory (required)")
+    parser.add_argument(
+        "--model",
+        metavar="NAME",
+        help="model name on the service; with --local a model file, or a name the server's options know "
+        "(TOKENIZER_MODEL / TOKENIZER_MODELS_DIR, else the bundled 'default')",
+    )
+    where = parser.add_mutually_exclusive_group()  # one of them is required, except with --peek
+    where.add_argument("--url", action="append", dest="urls", metavar="URL", help="a tokenizer-service (repeatable)")
+    where.add_argument("--local", action="store_true", help="tokenize in-process on a pool of the server's workers")
+    parser.add_argument(
+        "--text-field", default="text", help="JSON field or Parquet column holding the text (default: text)"
+    )
+    parser.add_argument("--seq-len", type=int, metavar="L", help="pack into rows of exactly L ids, as /v1/pack does")
+    parser.add_argument("--strategy", choices=["concat", "best_fit"], help="packing with --seq-len (default: concat)")
+    parser.add_argument(
+        "--workers", type=int, default=usable_cpus(), metavar="N", help="--local worker processes (default: cores)"
+    )
+    parser.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=DEFAULT_SHARD_TOKENS,
+        metavar="N",
+        help=f"ids a shard holds, at least (default: {DEFAULT_SHARD_TOKENS}); best_fit packs each shard's documents",
+    )
+    parser.add_argument("--strict", action="store_true", help="stop at the first bad record instead of skipping it")
+    parser.add_argument(
+        "--add-bos", action=argparse.BooleanOptionalAction, default=False, help="begin each document with BOS"
+    )
+    parser.add_argument(
+        "--add-eos",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="end each document with EOS (default: when the model has an EOS piece)",
+    )
+    parser.add_argument(
+        "--parse-special-tokens",
+        action="store_true",
+        help="special-token strings in the text become their ids (chat-formatted data); by default they are "
+        "ordinary text, so that training data cannot inject control tokens",
+    )
+    parser.add_argument(
+        "--rank",
+        type=int,
+        help="this run is rank R of --world-size W: it tokenizes the R-th of W blocks of the inputs (balanced by "
+        "bytes) into OUTPUT/rank-RRRRR; default: RANK, SLURM_ARRAY_TASK_ID or JOB_COMPLETION_INDEX if set",
+    )
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        metavar="W",
+        help="ranks in all (default: WORLD_SIZE or SLURM_ARRAY_TASK_COUNT); merge them with tokenizer-shards merge",
+    )
+    parser.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        help="run the --world-size ranks as tasks of the Ray cluster at ADDRESS (or `local`: a Ray on this "
+        "machine, on 127.0.0.1 only), then merge them; needs pip install 'tokenizer-service[ray]'",
+    )
+    parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary")
+    parser.add_argument(
+        "--peek",
+        action="store_true",
+        help="tokenize nothing: print the kind of each INPUT and its first record's fields and types (Parquet: "
+        "its columns), to choose --text-field",
+    )
+    return parser
+
+
+class BadRecordLog:
+    """Bad records on stderr without a flood: the first few in full (file:line: reason), then a count at most
+    every `every` seconds, and the total at the end (`close`)."""
+
+    FIRST = 10
+    EVERY = 10.0
+
+    def __init__(self, write: Callable[[str], None], clock: Callable[[], float] = time.monotonic) -> None:
+        self.write = write
+        self.clock = clock
+        self.count = 0
+        self.said = 0  # the count at the last line written
+        self._last_line = 0.0
+        self._last = ""
+
+    def __call__(self, message: str) -> None:
+        self.count += 1
+        self._last = message
+        if self.count <= self.FIRST:
+            self.write(message)
+            if self.count == self.FIRST:
+                self.write(f"(further bad records are counted, a line every {self.EVERY:.0f} s; --strict stops at one)")
+            self.said, self._last_line = self.count, self.clock()
+            return
+        now = self.clock()
+        if now - self._last_line >= self.EVERY:
+            self.write(f"{self.count:,} bad records so far (the last: {message})")
+            self.said, self._last_line = self.count, now
+
+    def close(self) -> None:
+        if self.count > self.said:
+            self.write(f"{self.count:,} bad records in all (the last: {self._last})")
+            self.said = self.count
+
+
+class ProgressBar:
+    """tqdm over input bytes (so the ETA is known), with documents/s and tokens/s beside it."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._bar: tqdm[None] | None = None
+        self._started = time.monotonic()
+
+    def update(self, progress: Progress) -> None:
+        if not self.enabled:
+            return
+        if self._bar is None:
+            self._bar = tqdm(
+                total=progress.total_bytes,
+                initial=progress.initial_bytes,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                desc="pretokenize",
+                file=sys.stderr,
+                dynamic_ncols=True,
+            )
+        elapsed = max(time.monotonic() - self._started, 1e-9)
+        self._bar.set_postfix_str(
+            f"{progress.documents / elapsed:,.0f} docs/s, {progress.tokens / elapsed / 1e6:.2f} M tokens/s",
+            refresh=False,
+        )
+        self._bar.update(max(0, min(progress.input_bytes, progress.total_bytes) - self._bar.n))
+
+    def write(self, message: str) -> None:
+        """A line to stderr that does not tear the bar."""
+        tqdm.write(message, file=sys.stderr)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+RESUME_HINT = "the complete shards are kept: make room (or raise the limit) and run the same command again"
+
+
+def describe_os_error(exc: OSError, output: Path, hint: str = RESUME_HINT) -> str:
+    """One line for a failed read or write: what, where, the room left on the output's filesystem, and,
+    when the filesystem is full or a limit was hit, `hint`."""
+    where = exc.filename or output
+    what = exc.strerror or str(exc)
+    try:
+        free = shutil.disk_usage(output if output.exists() else output.parent).free
+        room = f"; {free / 2**20:,.1f} MiB free on the output's filesystem"
+    except OSError:
+        room = ""
+    then = f"; {hint}" if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else ""
+    return f"cannot write {where}: {what}{room}{then}"
+
+
+def describe(summary: Summary) -> str:
+    meta = summary.metadata
+    shards = len(meta["shards"])
+    what = f"{meta['rows']:,} rows of {meta['seq_len']} ({meta['strategy']})" if meta["seq_len"] else "ragged"
+    plural = "" if shards == 1 else "s"
+    totals = (
+        f"{summary.output}: {shards} shard{plural}, {meta['documents']:,} documents, {meta['tokens']:,} tokens, "
+        f"{what}, dtype {meta['dtype']}, model {meta['model']['name']} ({meta['model']['sha256'][:12]}…)"
+    )
+    if meta["bad_records"]:
+        totals += f"; {meta['bad_records']:,} bad records skipped"
+    if summary.already_complete:
+        return f"already complete, nothing to do: {totals}"
+    rate = f"{summary.documents / summary.seconds:,.0f} docs/s, {summary.tokens / summary.seconds / 1e6:.2f} M tokens/s"
+    resumed = f" (resumed after {summary.shards_before} complete shards)" if summary.shards_before else ""
+    return (
+        f"tokenized {summary.documents:,} documents, {summary.tokens:,} tokens in {summary.seconds:.1f} s "
+        f"({rate}){resumed}\n{totals}"
+    )
+
+
+def run_ranks_on_ray(options: Options, address: str, world_size: int, *, quiet: bool) -> int:
+    from app.tools.pretokenize.on_ray import run_on_ray
+
+    try:
+        merged = run_on_ray(options, address, world_size, report=(lambda line: None) if quiet else print)
+    except (InputError, OutputError, RankError, ModelLoadError) as exc:
+        print(f"tokenizer-pretokenize: {exc}", file=sys.stderr)
+        return 1
+    if not quiet:
+        print(
+            f"{options.output}: {world_size} ranks merged, {merged['documents']:,} documents, "
+            f"{merged['tokens']:,} tokens in {len(merged['shards'])} shards"
+        )
+    return 0
+
+
+def peek_inputs(inputs: list[str], text_field: str) -> int:
+    try:
+        for path in inputs:
+            print("\n".join(peek(path, text_field)))
+    except InputRefused as exc:
+        print(f"tokenizer-pretokenize: {exc}", file=sys.stderr)
+        return 2
+    except (InputError, OSError) as exc:
+        print(f"tokenizer-pretokenize: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.peek:
+        return peek_inputs(args.inputs, args.text_field)
+    if args.output is None:
+        parser.error("the following arguments are required: --output/-o")
+    if not args.urls and not args.local:
+        parser.error("one of the arguments --url --local is required")
+    if args.strategy is not None and args.seq_len is None:
+        parser.error("--strategy needs --seq-len")
+    if args.ray is not None:
+        if args.world_size is None or args.rank is not None:
+            parser.error("--ray runs every rank: give --world-size W, and no --rank")
+        ranked = None
+    else:
+        try:
+            ranked = rank_from_environment(args.rank, args.world_size)
+        except RankError as exc:
+            parser.error(str(exc))
+    rank, world_size = ranked if ranked is not None else (None, None)
+    try:
+        options = Options(
+            inputs=args.inputs,
+            output=args.output,
+            model=args.model,
+            urls=args.urls or [],
+            text_field=args.text_field,
+            seq_len=args.seq_len,
+            strategy=args.strategy or "concat",
+            workers=args.workers,
+            shard_tokens=args.shard_tokens,
+            strict=args.strict,
+            add_bos=args.add_bos,
+            add_eos=args.add_eos,
+            parse_special_tokens=args.parse_special_tokens,
+            rank=rank,
+            world_size=world_size,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.ray is not None:
+        return run_ranks_on_ray(options, args.ray, args.world_size, quiet=args.quiet)
+    bar = ProgressBar(enabled=not args.quiet)
+    bad_records = BadRecordLog(bar.write)
+    try:
+        try:
+            summary = run(options, report_bad=bad_records, progress=bar.update, warn=bar.write)
+        finally:
+            bad_records.close()
+    except KeyboardInterrupt:
+        bar.close()
+        print(
+            f"interrupted: the complete shards in {args.output} are kept; run the same command again to go on",
+            file=sys.stderr,
+        )
+        return 130
+    except OutputError as exc:
+        bar.close()
+        print(f"tokenizer-pretokenize: {exc}", file=sys.stderr)
+        return 2
+    except BadRecordError as exc:
+        bar.close()
+        print(f"tokenizer-pretokenize: bad record (--strict): {exc}", file=sys.stderr)
+        return 1
+    except InputRefused as exc:
+        bar.close()
+        print(f"tokenizer-pretokenize: {exc}", file=sys.stderr)
+        return 2
+    except (InputError, ModelLoadError, ServiceError, TokenizerError) as exc:
+        bar.close()
+        print(f"tokenizer-pretokenize: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # disk full, file too large, quota, read-only: say what, where, how much room
+        bar.close()
+        print(f"tokenizer-pretokenize: {describe_os_error(exc, args.output)}", file=sys.stderr)
+        return 1
+    bar.close()
+    if not args.quiet:
+        print(describe(summary))
+    return 0

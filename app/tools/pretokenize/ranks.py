@@ -1,0 +1,165 @@
+"""Pre-tokenizing as W ranks of a cluster job, and merging their outputs into one dataset.
+
+A rank is told R and W by flags, else by its job system's environment (see `rank_from_environment`).
+The inputs, expanded and sorted exactly as one run sees them, are cut into W contiguous blocks of
+about equal bytes (a file is never split); rank R writes `DIR/rank-RRRRR/`, a complete, resumable
+output of its own (its metadata.json records R, W and the whole input list, so ranks that disagree
+refuse to mix). `merge` then writes `DIR/metadata.json` naming every rank's shards in rank order:
+`TokenDataset(DIR)` reads them all, no id copied. Ragged documents come out exactly as one run over the
+same inputs makes them; `concat` packing ends each rank's stream with its own leftover (in
+`leftovers`, by rank), and `best_fit` packs each shard's documents, as one run does.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from app.tools.pretokenize.store import identity
+from client.dataset import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, check_metadata
+
+RANK_DIRECTORY = "rank-{:05d}"
+
+
+class RankError(Exception):
+    """Rank and world size are missing, contradictory, or out of range; or ranks cannot be merged."""
+
+
+def rank_from_environment(
+    rank: int | None, world_size: int | None, environ: Mapping[str, str] = os.environ
+) -> tuple[int, int] | None:
+    """(rank, world size) from the flags, else the environment; None when this is not a ranked run.
+
+    Conventions: RANK and WORLD_SIZE (torchrun); SLURM_ARRAY_TASK_ID minus SLURM_ARRAY_TASK_MIN, and
+    SLURM_ARRAY_TASK_COUNT (a Slurm job array); JOB_COMPLETION_INDEX (a Kubernetes Indexed Job), whose
+    world size must come from --world-size.
+    """
+    source = "--rank"
+    if rank is None:
+        if "RANK" in environ and "WORLD_SIZE" in environ:
+            rank, source = _integer(environ, "RANK"), "RANK"
+            world_size = world_size if world_size is not None else _integer(environ, "WORLD_SIZE")
+        elif "SLURM_ARRAY_TASK_ID" in environ:
+            rank = _integer(environ, "SLURM_ARRAY_TASK_ID") - _integer(environ, "SLURM_ARRAY_TASK_MIN", 0)
+            source = "SLURM_ARRAY_TASK_ID"
+            if world_size is None and "SLURM_ARRAY_TASK_COUNT" in environ:
+                world_size = _integer(environ, "SLURM_ARRAY_TASK_COUNT")
+        elif "JOB_COMPLETION_INDEX" in environ:
+            rank, source = _integer(environ, "JOB_COMPLETION_INDEX"), "JOB_COMPLETION_INDEX"
+    if rank is None:
+        if world_size is not None:
+            raise RankError("--world-size needs a rank: --rank, or RANK, SLURM_ARRAY_TASK_ID or JOB_COMPLETION_INDEX")
+        return None
+    if world_size is None:
+        raise RankError(f"rank {rank} (from {source}) needs a world size: --world-size W")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise RankError(f"rank {rank} (from {source}) is not in [0, {world_size}) for world size {world_size}")
+    return rank, world_size
+
+
+def _integer(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
+    value = environ.get(name)
+    if value is None:
+        if default is None:
+            raise RankError(f"{name} is not set")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise RankError(f"{name}={value!r} is not an integer") from None
+
+
+def blocks(sizes: Sequence[int], world_size: int) -> list[tuple[int, int]]:
+    """W contiguous [start, end) blocks of files with these sizes, about equal in bytes (some may be empty)."""
+    cumulative = list(itertools.accumulate(sizes))
+    total = cumulative[-1] if cumulative else 0
+    edges = [0]
+    for rank in range(1, world_size):
+        target = total * rank / world_size
+        # the first file whose end passes the target goes to the earlier block when it is mostly before it
+        index = bisect.bisect_left(cumulative, target)
+        if index < len(cumulative):
+            start = cumulative[index - 1] if index else 0
+            if target - start > cumulative[index] - target:
+                index += 1
+        edges.append(max(edges[-1], min(index, len(sizes))))
+    edges.append(len(sizes))
+    return list(itertools.pairwise(edges))
+
+
+def rank_directory(output: Path, rank: int) -> Path:
+    return output / RANK_DIRECTORY.format(rank)
+
+
+def merge(directory: Path) -> dict[str, Any]:
+    """Write DIR/metadata.json over every rank's output; RankError naming each rank that is not ready."""
+    ranks = sorted(path for path in directory.glob("rank-*") if path.is_dir())
+    if not ranks:
+        raise RankError(f"{directory} holds no rank-RRRRR directories: run the ranks first")
+    metadata = []
+    problems = []
+    for path in ranks:
+        try:
+            file = path / METADATA_FILE
+            metadata.append(check_metadata(json.loads(file.read_text(encoding="utf-8")), file))
+        except (OSError, ValueError) as exc:
+            problems.append(f"{path.name}: no readable {METADATA_FILE} ({exc})")
+    if problems:
+        raise RankError("cannot merge: " + "; ".join(problems))
+    world_sizes = {meta.get("rank", {}).get("world_size") for meta in metadata}
+    if len(world_sizes) != 1 or None in world_sizes:
+        raise RankError(f"cannot merge: the ranks disagree on the world size ({sorted(map(str, world_sizes))})")
+    world_size = int(world_sizes.pop())
+    present = {meta["rank"]["index"]: meta for meta in metadata}
+    missing = [RANK_DIRECTORY.format(rank) for rank in range(world_size) if rank not in present]
+    incomplete = [RANK_DIRECTORY.format(rank) for rank, meta in sorted(present.items()) if not meta.get("complete")]
+    if missing or incomplete:
+        parts = []
+        if missing:
+            parts.append("missing: " + ", ".join(missing))
+        if incomplete:
+            parts.append("incomplete: " + ", ".join(incomplete))
+        raise RankError(f"cannot merge {world_size} ranks yet; " + "; ".join(parts) + " (run or rerun those ranks)")
+    ordered = [present[rank] for rank in range(world_size)]
+    first = ordered[0]
+
+    def agreed(meta: dict[str, Any]) -> dict[str, Any]:  # each rank reads its own block of the inputs
+        return {key: value for key, value in identity(meta).items() if key != "inputs"}
+
+    for rank, meta in enumerate(ordered[1:], start=1):
+        if agreed(meta) != agreed(first):
+            raise RankError(f"cannot merge: {RANK_DIRECTORY.format(rank)} was made with other inputs, model or options")
+    merged = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "complete": True,
+        "layout": first["layout"],
+        "dtype": first["dtype"],
+        "seq_len": first["seq_len"],
+        "strategy": first["strategy"],
+        "model": first["model"],
+        "options": first["options"],
+        "merged": {"world_size": world_size, "ranks": [RANK_DIRECTORY.format(rank) for rank in range(world_size)]},
+        "documents": sum(meta["documents"] for meta in ordered),
+        "tokens": sum(meta["tokens"] for meta in ordered),
+        "bad_records": sum(meta["bad_records"] for meta in ordered),
+        "shards": [
+            {**shard, "name": f"{RANK_DIRECTORY.format(rank)}/{shard['name']}"}
+            for rank, meta in enumerate(ordered)
+            for shard in meta["shards"]
+        ],
+        "sources": [source for meta in ordered for source in meta["sources"]],
+    }
+    if first["layout"] == "packed":
+        merged["rows"] = sum(meta["rows"] for meta in ordered)
+    if any("leftover" in meta for meta in ordered):
+        merged["leftovers"] = [meta.get("leftover") for meta in ordered]
+    temporary = directory / f".{METADATA_FILE}.tmp"
+    temporary.write_text(json.dumps(merged, indent=1), encoding="utf-8")
+    os.replace(temporary, directory / METADATA_FILE)
+    return merged

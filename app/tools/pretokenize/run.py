@@ -1,0 +1,376 @@
+"""One pre-tokenization run: resolve the model, open or resume the output, stream documents into shards."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import ValidationError
+
+from app.core.models import ModelInfo, ModelLoadError
+from app.core.registry import inspect_model
+from app.settings import ConfigError, Settings, describe_error, usable_cpus
+from app.tools.pretokenize.backends import local_pool, tokenize_locally, tokenize_via_service
+from app.tools.pretokenize.ranks import blocks, rank_directory
+from app.tools.pretokenize.shards import BestFitShards, ConcatShards, RaggedShards, ShardSink
+from app.tools.pretokenize.sources import (
+    BadRecordError,
+    DocumentReader,
+    NoTextError,
+    Position,
+    Source,
+    expand_inputs,
+    holds_text,
+)
+from app.tools.pretokenize.store import OutputDir, OutputError, differences
+from client import TokenizerClient
+from client._protocol import parse_urls
+from client.dataset import FORMAT_NAME, FORMAT_VERSION, id_dtype
+
+DEFAULT_SHARD_TOKENS = 1 << 24
+SERVICE_BATCH = 256
+SERVICE_DEPTH = 4  # requests in flight per URL
+LOCAL_CHUNK_CHARS = (1 << 16, 1 << 20)  # a chunk for one worker: at least 64 KiB, at most 1 MiB of text
+EARLY_BAD_RECORDS = 1000  # a run whose first this many records are all bad stops then (see text_ahead)
+LOOK_AHEAD_FILES = 8
+
+
+@dataclass(frozen=True)
+class Options:
+    inputs: list[str]
+    output: Path
+    model: str | None = None
+    urls: list[str] = field(default_factory=list)  # empty: tokenize in-process (--local)
+    text_field: str = "text"
+    seq_len: int | None = None
+    strategy: str = "concat"
+    workers: int = field(default_factory=usable_cpus)
+    shard_tokens: int = DEFAULT_SHARD_TOKENS
+    strict: bool = False
+    add_bos: bool = False
+    add_eos: bool | None = None  # EOS after each document when the model has one
+    parse_special_tokens: bool = False
+    rank: int | None = None  # with world_size: this run is rank `rank` of `world_size` (app.tools.pretokenize.ranks)
+    world_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.inputs:
+            raise ValueError("no input files")
+        if self.seq_len is not None and self.seq_len < 2:
+            raise ValueError(f"--seq-len must be at least 2, got {self.seq_len}")
+        if self.strategy not in ("concat", "best_fit"):
+            raise ValueError(f"--strategy must be concat or best_fit, got {self.strategy!r}")
+        if self.workers < 1 or self.shard_tokens < 1:
+            raise ValueError("--workers and --shard-tokens must be positive")
+        if self.urls:
+            parse_urls(self.urls)  # a URL without http(s):// is refused here, with the fix
+
+
+@dataclass(frozen=True)
+class Progress:
+    """So far in this run; input bytes are of the files on disk (compressed bytes for .gz), all runs together."""
+
+    documents: int
+    tokens: int
+    input_bytes: int
+    initial_bytes: int  # read by earlier runs of this output
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class Summary:
+    output: Path
+    metadata: dict[str, Any]
+    shards_before: int  # complete shards found at the start (a resumed run)
+    documents: int  # documents tokenized by this run
+    tokens: int
+    seconds: float
+    already_complete: bool = False
+
+
+def resolve_local_model(name_or_path: str | None) -> ModelInfo:
+    """A model file's path, or a model name as the server's options (TOKENIZER_* / bundled) resolve it."""
+    if name_or_path is not None and Path(name_or_path).expanduser().exists():
+        path = Path(name_or_path).expanduser()
+        return inspect_model(path.name if path.is_dir() else path.stem, path)  # as --models-dir names them
+    try:
+        settings = Settings()  # type: ignore[call-arg]  # every field has a default or comes from TOKENIZER_*
+    except ValidationError as exc:
+        problems = "; ".join(describe_error(error) for error in exc.errors(include_url=False))
+        raise ModelLoadError(f"the server's options are invalid: {problems}") from exc
+    try:
+        paths = settings.model_paths()
+    except ConfigError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    name = name_or_path or settings.default_model or ("default" if "default" in paths else next(iter(paths)))
+    if name not in paths:
+        raise ModelLoadError(
+            f"--model {name!r} is neither a model file nor a model the server's options know ({', '.join(paths)})"
+        )
+    return inspect_model(name, paths[name])
+
+
+def resolve_service_model(urls: list[str], name: str | None) -> ModelInfo:
+    """The model as every URL serves it; they must agree on its sha256."""
+    infos = []
+    for url in urls:
+        with TokenizerClient(url) as client:
+            answer = client.models()
+        wanted = name or answer["default"]
+        entry = next((model for model in answer["models"] if model["name"] == wanted), None)
+        if entry is None:
+            served = ", ".join(model["name"] for model in answer["models"])
+            raise ModelLoadError(f"{url} does not serve model {wanted!r} (it serves {served})")
+        infos.append(ModelInfo.from_dict(entry, Path(url)))
+    if len({info.sha256 for info in infos}) > 1:
+        found = ", ".join(f"{url}: {info.sha256[:12]}…" for url, info in zip(urls, infos, strict=True))
+        raise ModelLoadError(f"the URLs serve different files as model {infos[0].name!r} ({found})")
+    return infos[0]
+
+
+def new_metadata(model: ModelInfo, sources: list[Source], options: Options) -> dict[str, Any]:
+    strategy = options.strategy if options.seq_len else None
+    metadata: dict[str, Any] = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "complete": False,
+        "layout": "packed" if options.seq_len else "ragged",
+        "dtype": id_dtype(model.vocab_size).str,
+        "seq_len": options.seq_len,
+        "strategy": strategy,
+        # where a local run read the model (what `tokenizer-shards verify` looks for, checked by sha256)
+        "model": {**model.as_dict(), **({} if options.urls else {"path": str(model.path)})},
+        "options": {
+            "text_field": options.text_field,
+            "add_bos": options.add_bos,
+            "add_eos": options.add_eos,
+            "seq_len": options.seq_len,
+            "strategy": strategy,
+            "shard_tokens": options.shard_tokens,
+            # only when set: outputs from before the option resume with the same options
+            **({"parse_special_tokens": True} if options.parse_special_tokens else {}),
+        },
+        "documents": 0,
+        "tokens": 0,
+        "bad_records": 0,
+        "shards": [],
+        "sources": [source.as_dict() for source in sources],
+    }
+    if options.seq_len:
+        metadata["rows"] = 0
+    return metadata
+
+
+def resume_position(sources: list[Source]) -> Position | None:
+    """Where the reader starts again: inside the first source not read to its end."""
+    for index, source in enumerate(sources):
+        if not source.done or index == len(sources) - 1:
+            return Position(index, source.read_bytes, source.lines, source.documents, source.bad_records)
+    return None
+
+
+def make_sink(out: OutputDir, metadata: dict[str, Any], sources: list[Source], model: ModelInfo) -> ShardSink:
+    if metadata["layout"] == "ragged":
+        return RaggedShards(out, metadata, sources)
+    if metadata["strategy"] == "concat":
+        position = resume_position(sources) if metadata["shards"] else None
+        return ConcatShards(out, metadata, sources, position)
+    return BestFitShards(out, metadata, sources, model.padding_id)  # the same padding as /v1/pack
+
+
+def open_output(out: OutputDir, wanted: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """The metadata to go on with, and whether the output is already complete; refuses to mix runs."""
+    existing = out.load()
+    if existing is None:
+        out.prepare(0)
+        out.write_metadata(wanted)
+        return wanted, False
+    problems = differences(existing, wanted)
+    if problems and not existing.get("shards") and not existing.get("complete"):
+        # another run's output that never got to its first shard (a wrong option, a killed run): nothing in it
+        # is worth keeping, and refusing would block the corrected command
+        out.prepare(0)
+        out.write_metadata(wanted)
+        return wanted, False
+    if problems:
+        raise OutputError(
+            f"{out.path} holds another run's output; refusing to mix:\n  "
+            + "\n  ".join(problems)
+            + "\nuse another --output, or the same model, inputs and options"
+        )
+    if not existing.get("complete"):
+        out.prepare(len(existing["shards"]))
+    return existing, bool(existing.get("complete"))
+
+
+def special_tokens(options: Options, model: ModelInfo) -> Options:
+    """Options with `add_eos` decided (EOS when the model has one), refusing what the model cannot do."""
+    add_eos = model.eos_id >= 0 if options.add_eos is None else options.add_eos
+    if add_eos and model.eos_id < 0:
+        raise ModelLoadError(f"model {model.name!r} has no EOS piece: leave out --add-eos (or pass --no-add-eos)")
+    if options.add_bos and model.bos_id < 0:
+        raise ModelLoadError(f"model {model.name!r} has no BOS piece: leave out --add-bos")
+    return dataclasses.replace(options, add_eos=add_eos)
+
+
+def all_bad(bad: int, last_bad: str, reader: DocumentReader, options: Options, *, early: bool) -> NoTextError:
+    """The error of a run whose records were all bad: how many, the last, the fields they had instead."""
+    if early:
+        what = f"the first {bad:,} records are all bad, so the run stops here (the last: {last_bad})"
+    else:
+        what = f"all {bad:,} records are bad, so nothing was tokenized (the last: {last_bad})"
+    fields = ""
+    if reader.records_without_field:
+        common = ", ".join(f"{name!r} ({count:,})" for name, count in reader.fields.most_common(8))
+        fields = f"; {reader.records_without_field:,} of them lack the field, and have: {common}"
+    return NoTextError(f"{what}{fields}; is --text-field {options.text_field!r} the field that holds the text?")
+
+
+def run(
+    options: Options,
+    *,
+    report_bad: Callable[[str], None],
+    progress: Callable[[Progress], None] | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> Summary:
+    """Pre-tokenize `options.inputs` into `options.output`; resumes an interrupted output of the same run.
+
+    `report_bad` hears of each bad record, `warn` of anything else worth a line (default: `report_bad`)."""
+    started = time.monotonic()
+    warn = warn or report_bad
+    sources = [Source.from_path(path) for path in expand_inputs(options.inputs, warn)]
+    corpus = [source.path for source in sources]  # the whole input list, also of a rank
+    output, rank = options.output, None
+    if options.rank is not None and options.world_size is not None:
+        start, end = blocks([source.size for source in sources], options.world_size)[options.rank]
+        rank = {
+            "index": options.rank,
+            "world_size": options.world_size,
+            "inputs": [[source.path, source.size] for source in sources],
+        }
+        sources, output = sources[start:end], rank_directory(options.output, options.rank)
+    with ExitStack() as stack:
+        urls = options.urls
+        model = resolve_service_model(urls, options.model) if urls else resolve_local_model(options.model)
+        options = special_tokens(options, model)
+        out = OutputDir(output)
+        created = not out.path.exists()
+        wanted = new_metadata(model, sources, options)
+        if rank is not None:
+            wanted["rank"] = rank
+        metadata, complete = open_output(out, wanted)
+        if complete:
+            return Summary(out.path, metadata, len(metadata["shards"]), 0, 0, time.monotonic() - started, True)
+        sources = [Source(**source) for source in metadata["sources"]]
+        try:
+            return _tokenize(
+                options, model, out, metadata, sources, stack, rank, report_bad, progress, warn, started, corpus
+            )
+        except NoTextError:
+            if not metadata["shards"]:  # nothing of this output is worth keeping, and it would block a rerun
+                out.discard(created)
+            raise
+
+
+def _tokenize(
+    options: Options,
+    model: ModelInfo,
+    out: OutputDir,
+    metadata: dict[str, Any],
+    sources: list[Source],
+    stack: ExitStack,
+    rank: dict[str, Any] | None,
+    report_bad: Callable[[str], None],
+    progress: Callable[[Progress], None] | None,
+    warn: Callable[[str], None],
+    started: float,
+    corpus: list[str],
+) -> Summary:
+    """The reading, tokenizing and writing of `run`, into an output that is open."""
+    urls = options.urls
+    shards_before = len(metadata["shards"])
+    bad, last_bad, good = 0, "", 0
+
+    def on_bad(message: str) -> None:
+        nonlocal bad, last_bad
+        if options.strict:
+            raise BadRecordError(message)
+        bad, last_bad = bad + 1, message
+        report_bad(message)
+        if bad == EARLY_BAD_RECORDS and not good and not shards_before and not text_ahead():
+            # a wrong --text-field or the wrong files: say so now, not after reading the whole corpus
+            raise all_bad(bad, last_bad, reader, options, early=True)
+
+    def text_ahead() -> bool:
+        """Whether one of the next few inputs of the whole corpus starts with a record that has the text field
+        (bad records first, then good ones: read on)."""
+        current = reader.current.path if reader.current is not None else None
+        after = corpus.index(current) + 1 if current in corpus else 0
+        return any(holds_text(path, options.text_field) for path in corpus[after : after + LOOK_AHEAD_FILES])
+
+    reader = DocumentReader(sources, options.text_field, on_bad, warn)
+    positions: deque[Position] = deque()
+
+    def texts() -> Iterator[str]:
+        nonlocal good
+        for text, position in reader:
+            good += 1
+            positions.append(position)
+            yield text
+
+    if urls:
+        batches = tokenize_via_service(
+            stack.enter_context(TokenizerClient(urls, timeout=300)),
+            texts(),
+            model=model.name,
+            sha256=model.sha256,
+            add_bos=options.add_bos,
+            add_eos=options.add_eos,
+            parse_special_tokens=options.parse_special_tokens,
+            batch_size=SERVICE_BATCH,
+            depth=SERVICE_DEPTH * len(urls),
+        )
+    else:
+        pool = stack.enter_context(local_pool(model, options.workers))
+        stack.callback(pool.shutdown, wait=True, cancel_futures=True)  # also on Ctrl-C: first, cancel the rest
+        remaining = sum(source.size for source in sources if not source.done)
+        chunk_chars = int(np.clip(remaining // (8 * options.workers), *LOCAL_CHUNK_CHARS))
+        batches = tokenize_locally(
+            pool,
+            model.name,
+            texts(),
+            add_bos=options.add_bos,
+            add_eos=options.add_eos,
+            parse_special_tokens=options.parse_special_tokens,
+            chunk_chars=chunk_chars,
+            depth=2 * options.workers,
+        )
+
+    sink = make_sink(out, metadata, sources, model)
+    total_bytes = sum(source.size for source in sources)
+    initial_bytes = sum(
+        source.size if source.done else 0 if source.compressed else source.read_bytes for source in sources
+    )
+    documents = tokens = 0
+    for batch in batches:
+        count = len(batch)
+        sink.add(batch.ids, batch.offsets, [positions.popleft() for _ in range(count)])
+        documents += count
+        tokens += batch.num_tokens
+        if progress is not None:
+            progress(Progress(documents, tokens, reader.compressed_bytes_read(), initial_bytes, total_bytes))
+    if documents == 0 and bad and shards_before == 0 and rank is None:
+        # Every record of a whole corpus bad: a wrong --text-field, or the wrong files. (A rank's
+        # block may hold only bad records; the merge sees the whole.) Nothing written is worth
+        # keeping, and leaving it would make the corrected command "another run's output" (run
+        # removes it on this error).
+        raise all_bad(bad, last_bad, reader, options, early=False)
+    sink.finish()
+    return Summary(out.path, metadata, shards_before, documents, tokens, time.monotonic() - started)

@@ -1,0 +1,384 @@
+"""`tokenizer-shards`: look at, check and export a tokenizer-pretokenize output directory.
+
+    tokenizer-shards info DIR
+    tokenizer-shards merge DIR
+    tokenizer-shards verify DIR [--sample N] [--model FILE_OR_NAME]
+    tokenizer-shards export DIR --to {megatron,litdata,nanogpt,llmc} --output OUT [--per-shard] [--shard-tokens N]
+                            [--val-documents N]
+
+A refusal or a broken output is one line on stderr: exit 2 for a refusal (a format that cannot hold
+the output, an incomplete output), 1 for an output that fails verification.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from app.core import libraries
+from app.core.models import ModelInfo, ModelLoadError, find_model_files
+from app.core.registry import inspect_model
+from app.core.requests import EncodeOptions
+from app.tools.pretokenize.cli import describe_os_error
+from app.tools.pretokenize.export import DEFAULT_LLMC_SHARD_TOKENS, FORMATS, NANOGPT_FILE, Exported, ExportError, export
+from app.tools.pretokenize.ranks import RankError, merge
+from app.tools.pretokenize.run import resolve_local_model
+from app.tools.pretokenize.sources import DocumentReader, InputError, Source
+from client.dataset import TokenDataset
+
+EXPORTS = """\
+export formats (ragged outputs go to all four; packed concat outputs too, a row being a sequence;
+packed best_fit outputs to none, their padding cannot be masked by these readers):
+  megatron  OUT.bin + OUT.idx, read by megatron.core.datasets.indexed_dataset.IndexedDataset(OUT)
+            (--per-shard: OUT_NNNNN.bin/.idx a shard); a whole shard's .bin is hard-linked
+  litdata   OUT/index.json + chunks, read by litdata StreamingDataset(OUT, item_loader=TokensLoader(n))
+  nanogpt   OUT (or OUT/train.bin for a directory), every id as uint16 (nanoGPT's train.bin);
+            hard-linked for one shard; vocabularies up to 65,536 pieces
+  llmc      OUT/train_NNNNNN.bin shards of --shard-tokens ids with llm.c's header; uint16 only
+Hard links are the shards' own read-only files: copy one before editing it. --val-documents N puts the
+first N documents in a validation set: nanogpt val.bin beside train.bin, llmc OUT/val_NNNNNN.bin,
+megatron OUT_val.bin/.idx, litdata OUT_val/. Every shard is checked before anything is written.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tokenizer-shards",
+        description="Look at, check and export a tokenizer-pretokenize output directory.",
+        epilog=EXPORTS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    info = commands.add_parser("info", help="documents, tokens, dtype, shards, model, options, complete or not")
+    info.add_argument("directory", type=Path)
+    verify = commands.add_parser("verify", help="every shard's header and sizes; optionally re-tokenize a sample")
+    verify.add_argument("directory", type=Path)
+    verify.add_argument("--sample", type=int, default=0, metavar="N", help="re-tokenize N documents and compare")
+    verify.add_argument("--model", help="the model file (default: the output's model, resolved as the server does)")
+    verify.add_argument("--seed", type=int, default=0, help="which documents --sample picks")
+    merger = commands.add_parser("merge", help="one dataset over the rank-RRRRR outputs of a ranked run")
+    merger.add_argument("directory", type=Path)
+    exporter = commands.add_parser(
+        "export",
+        help="write the output in a trainer's format",
+        epilog=EXPORTS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    exporter.add_argument("directory", type=Path)
+    exporter.add_argument("--to", required=True, choices=FORMATS)
+    exporter.add_argument(
+        "--output",
+        required=True,
+        help="prefix (megatron), file or directory (nanogpt: DIR/train.bin), directory (litdata, llmc)",
+    )
+    exporter.add_argument("--per-shard", action="store_true", help="megatron: one .bin/.idx pair a shard")
+    exporter.add_argument(
+        "--val-documents",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the first N documents to a validation set (nanogpt val.bin, llmc val_*.bin, megatron/litdata OUT_val)",
+    )
+    exporter.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=DEFAULT_LLMC_SHARD_TOKENS,
+        help=f"llmc: ids a shard file (default {DEFAULT_LLMC_SHARD_TOKENS:,})",
+    )
+    exporter.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    return parser
+
+
+HISTOGRAM_WIDTH = 40
+EXACT_PERCENTILES = 1 << 24  # lengths kept for percentiles; past this, an evenly strided sample
+
+
+def length_histogram(dataset: TokenDataset) -> list[str]:
+    """Lines of text: a histogram of document lengths in tokens (packed: of segments, a document or the piece of
+    one in a row), powers of two, with percentiles."""
+    counts = np.zeros(64, dtype=np.int64)
+    kept: list[np.ndarray] = []
+    total = len(dataset) if dataset.layout == "ragged" else 0
+    stride = 1
+    for shard in range(dataset.num_shards):
+        arrays = dataset.shard(shard)
+        if dataset.layout == "ragged":
+            lengths = np.diff(arrays.offsets)
+        else:
+            seg = arrays.seg if arrays.seg is not None else np.zeros(0, np.int32)
+            lengths = np.diff(seg.astype(np.int64))
+            lengths = lengths[lengths > 0]  # a row's first boundary follows the previous row's last
+        if not total and shard == 0:
+            total = max(1, len(lengths) * dataset.num_shards)
+        stride = max(1, -(-total // EXACT_PERCENTILES))
+        bins = np.zeros(len(lengths), dtype=np.int64)
+        positive = lengths > 0
+        bins[positive] = np.floor(np.log2(lengths[positive])).astype(np.int64) + 1
+        counts += np.bincount(bins, minlength=64)[:64]
+        kept.append(lengths[::stride])
+    lengths = np.concatenate(kept) if kept else np.zeros(0, dtype=np.int64)
+    if not lengths.size:
+        return []
+    what = "document lengths" if dataset.layout == "ragged" else "segment lengths (a document, or its piece in a row)"
+    sampled = "" if stride == 1 else f", percentiles of every {stride:,}th"
+    lines = [f"  {what} in tokens, {int(counts.sum()):,} in all{sampled}:"]
+    used = np.nonzero(counts)[0]
+    biggest = int(counts.max())
+    for index in range(int(used[0]), int(used[-1]) + 1):
+        low, high = (0, 0) if index == 0 else (1 << (index - 1), (1 << index) - 1)
+        share = counts[index] / counts.sum()
+        bar = "█" * max(1 if counts[index] else 0, round(HISTOGRAM_WIDTH * counts[index] / biggest))
+        lines.append(f"    {low:>9,}-{high:<9,} {bar:<{HISTOGRAM_WIDTH}} {share:6.1%}")
+    p10, p50, p90, p99 = (int(value) for value in np.percentile(lengths, [10, 50, 90, 99]))
+    lines.append(
+        f"    p10 {p10:,}, p50 {p50:,}, p90 {p90:,}, p99 {p99:,}, max {int(lengths.max()):,}, "
+        f"mean {float(lengths.mean()):,.1f}"
+    )
+    return lines
+
+
+def packing_lines(dataset: TokenDataset) -> list[str]:
+    """Packed output: the padding share of the stored ids and how often a row boundary cut a document."""
+    meta = dataset.metadata
+    stored = dataset.num_tokens
+    padding = sum(int(shard.get("padding", 0)) for shard in meta["shards"])
+    segments = 0
+    for shard in range(dataset.num_shards):
+        seg = dataset.shard(shard).seg
+        segments += (len(seg) if seg is not None else 0) - (len(dataset.shard(shard).offsets) - 1)
+    leftovers = [meta.get("leftover")] if "leftover" in meta else list(meta.get("leftovers") or [])
+    for leftover in leftovers:  # the pieces of documents in ids that did not fill a row (concat)
+        if leftover and leftover["ids"]:
+            starts = leftover["document_starts"]
+            segments += len(starts) + (0 if starts and starts[0] == 0 else 1)
+    documents = max(1, int(meta["documents"]))
+    cuts = max(0, segments - int(meta["documents"]))
+    return [
+        f"  padding: {padding:,} of {stored:,} ids stored ({padding / max(1, stored):.2%})",
+        f"  split documents: {cuts:,} cuts at a row boundary over {int(meta['documents']):,} documents "
+        f"({cuts / documents:.2%} per document; a document longer than a row is cut once per row it spans)",
+    ]
+
+
+def describe(dataset: TokenDataset) -> str:
+    meta = dataset.metadata
+    model = meta["model"]
+    layout = (
+        f"packed, {meta['rows']:,} rows of {meta['seq_len']} ({meta['strategy']})"
+        if dataset.layout == "packed"
+        else "ragged"
+    )
+    stored = f"{dataset.num_tokens:,} ids stored"
+    if dataset.layout == "packed":
+        leftover = sum(
+            len((item or {}).get("ids", []))
+            for item in ([meta.get("leftover")] if "leftover" in meta else meta.get("leftovers") or [])
+        )
+        padding = sum(int(shard.get("padding", 0)) for shard in meta["shards"])
+        stored += f" (padding included: {padding:,}; the {leftover:,} tokens after the last full row not stored)"
+    options = ", ".join(f"{key}={value}" for key, value in meta["options"].items())
+    state = "complete" if meta["complete"] else "INCOMPLETE (run tokenizer-pretokenize again to finish)"
+    lines = [
+        f"{dataset.path}: {state}",
+        f"  {meta['documents']:,} documents, {meta['tokens']:,} tokens tokenized, {stored}, {layout}",
+        f"  {dataset.num_shards} shards, dtype {meta['dtype']}, {meta['bad_records']:,} bad records skipped",
+        f"  model {model['name']} ({model.get('library', 'sentencepiece')} {model.get('type', '')}, encoded by "
+        f"{model.get('encoder', model.get('library', 'sentencepiece'))}, vocab {model['vocab_size']:,}, "
+        f"sha256 {model['sha256']})",
+        f"  options: {options}",
+        f"  inputs: {len(meta['sources'])} files",
+    ]
+    try:
+        lines += length_histogram(dataset)
+        if dataset.layout == "packed":
+            lines += packing_lines(dataset)
+    except (ValueError, OSError) as exc:
+        lines.append(f"  (no histogram: {exc}; tokenizer-shards verify {dataset.path} checks every shard)")
+    return "\n".join(lines)
+
+
+def model_of(dataset: TokenDataset, given: str | None) -> ModelInfo:
+    """The model the output was made with: --model when given, else the file metadata.json records (a local
+    run), else the model of that name in the server's options; each checked by sha256."""
+    wanted = dataset.model["sha256"]
+    if given is not None:
+        info = resolve_local_model(given)
+        if info.sha256 != wanted:
+            raise ValueError(f"model {info.path} has sha256 {info.sha256}, the output was made with {wanted}")
+        return info
+    recorded = dataset.model.get("path")
+    candidates = []
+    if recorded and Path(recorded).exists():
+        candidates.append(lambda: inspect_model(dataset.model["name"], Path(recorded), libraries.REFERENCE))
+    candidates.append(lambda: resolve_local_model(dataset.model["name"]))
+    for candidate in candidates:
+        try:
+            info = candidate()
+        except ModelLoadError:
+            continue
+        if info.sha256 == wanted:
+            return info
+    where = ""
+    if recorded:
+        now = "other bytes" if Path(recorded).exists() else "nothing"
+        where = f" (it was read from {recorded}, which holds {now} now)"
+    raise ValueError(
+        f"cannot find the model this output was made with{where}: pass --model FILE, the model with sha256 {wanted}"
+    )
+
+
+def verify(dataset: TokenDataset, sample: int, model: str | None, seed: int) -> str:
+    """Every shard against its header and metadata.json; then `sample` documents re-tokenized."""
+    tokens = 0
+    for shard in range(dataset.num_shards):
+        dataset.check(shard)  # header and sizes; offsets rising to the data's end; ids below the vocabulary
+        tokens += len(dataset.shard(shard).ids)
+    if tokens != dataset.num_tokens:
+        raise ValueError(f"the shards hold {tokens} ids, metadata.json says {dataset.num_tokens}")
+    checked = (
+        f"{dataset.num_shards} shards, {tokens:,} ids: headers and sizes agree with metadata.json, offsets rise to "
+        f"each shard's end, every id is below the vocabulary size {dataset.vocab_size:,}"
+    )
+    if not sample:
+        return checked
+    if dataset.layout != "ragged":
+        raise ValueError("--sample re-tokenizes documents: it needs a ragged output")
+    info = model_of(dataset, model)
+    # always the reference library, never the fast encoder whose ids are being checked
+    library = libraries.load(find_model_files(info.name, info.path), libraries.REFERENCE)
+    options: dict[str, Any] = dataset.metadata["options"]
+    encode_options = EncodeOptions(
+        add_bos=options["add_bos"],
+        add_eos=options["add_eos"],
+        parse_special_tokens=options.get("parse_special_tokens", False),
+    )
+    picks = set(random.Random(seed).sample(range(len(dataset)), min(sample, len(dataset))))
+    sources = [
+        Source(**{**source, "read_bytes": 0, "lines": 0, "documents": 0, "bad_records": 0, "done": False})
+        for source in dataset.metadata["sources"]
+    ]
+    reader = DocumentReader(sources, options["text_field"], on_bad=lambda message: None)
+    found = 0
+    for number, (text, _) in enumerate(reader):
+        if number in picks:
+            ids, _ = library.encode([text], encode_options)
+            if dataset[number].tolist() != ids.tolist():
+                raise ValueError(f"document {number} differs from what {info.name} makes of its text now")
+            found += 1
+            if found == len(picks):
+                break
+    return f"{checked}; {found} sampled documents re-tokenized to the same ids"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "merge":
+        try:
+            merged = merge(args.directory)
+        except RankError as exc:
+            print(f"tokenizer-shards: {exc}", file=sys.stderr)
+            return 2
+        print(
+            f"merged {merged['merged']['world_size']} ranks into {args.directory}: {len(merged['shards'])} shards, "
+            f"{merged['documents']:,} documents, {merged['tokens']:,} tokens"
+        )
+        return 0
+    try:
+        dataset = TokenDataset(args.directory, allow_partial=args.command != "export")
+    except (ValueError, OSError) as exc:
+        print(f"tokenizer-shards: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "info":
+        print(describe(dataset))
+        return 0
+    if args.command == "verify":
+        try:
+            print(verify(dataset, args.sample, args.model, args.seed))
+        except (ValueError, OSError, InputError, ModelLoadError) as exc:
+            print(f"tokenizer-shards: verify failed: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    if args.val_documents < 0:
+        print("tokenizer-shards: --val-documents must be 0 or more", file=sys.stderr)
+        return 2
+    try:
+        output = export_output(args.to, args.output)
+    except ExportError as exc:
+        print(f"tokenizer-shards: cannot export to {args.to}: {exc}", file=sys.stderr)
+        return 2
+    bar = tqdm(
+        total=dataset.num_tokens, desc="export", unit="ids", unit_scale=True, disable=args.quiet, file=sys.stderr
+    )
+
+    def stage(what: str, total: int) -> None:
+        bar.reset(total=total)
+        bar.set_description(what)
+
+    try:
+        done = export(
+            dataset,
+            args.to,
+            output,
+            per_shard=args.per_shard,
+            shard_tokens=args.shard_tokens,
+            val_documents=args.val_documents,
+            progress=bar.update,
+            stage=stage,
+        )
+    except ExportError as exc:
+        bar.close()
+        print(f"tokenizer-shards: cannot export to {args.to}: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        bar.close()
+        hint = "make room (or raise the limit) and export again"
+        print(f"tokenizer-shards: {describe_os_error(exc, output, hint)}", file=sys.stderr)
+        return 1
+    bar.close()
+    if not args.quiet:
+        print(describe_export(dataset, args.to, output, done, args.val_documents))
+    return 0
+
+
+def export_output(to: str, given: str) -> Path:
+    """Where the export goes; a directory where a format needs a prefix or a file is refused (megatron) or
+    used as the documented place (nanogpt: DIR/train.bin)."""
+    path = Path(given).expanduser()
+    is_directory = given.endswith(("/", os.sep)) or path.is_dir()
+    if to == "megatron" and is_directory:
+        raise ExportError(
+            f"--output {given} is a directory; megatron writes PREFIX.bin and PREFIX.idx: give a prefix, "
+            f"e.g. {path / 'corpus_text_document'}"
+        )
+    if to == "nanogpt" and is_directory:
+        return path / NANOGPT_FILE
+    if to in ("litdata", "llmc") and path.exists() and not path.is_dir():
+        raise ExportError(f"--output {given} is a file; {to} writes a directory of files there")
+    return path
+
+
+def describe_export(dataset: TokenDataset, to: str, output: Path, done: Exported, val_documents: int) -> str:
+    lines = [f"exported {dataset.num_tokens:,} ids to {to}: {len(done.files)} files at {output}"]
+    if val_documents:
+        lines[0] = (
+            f"exported {dataset.num_tokens:,} ids to {to}: the first {val_documents:,} documents to "
+            f"{', '.join(map(str, done.val_files[:2]))}{' ...' if len(done.val_files) > 2 else ''} (validation), "
+            f"the rest to {output}; {len(done.files)} files"
+        )
+    if done.linked:
+        lines.append(
+            f"{len(done.linked)} of them are hard links to the shards (the same bytes, no copy; read-only like the "
+            f"shards: copy a file before editing it)"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""The layers of the tree, held by walking its import graph (every import statement, lazy ones in functions
+included; only `if TYPE_CHECKING:` blocks, which never run, are left out).
+
+- app.core, the serving core, imports nothing of the HTTP edge (app.http) nor of fastapi, starlette, uvicorn;
+- client imports nothing of app (it is what a training job installs: numpy and httpx);
+- a worker process (what app.core.process imports, the entry point of the server's workers and of the
+  pre-tokenizer's pool) never imports httpx;
+- no import cycle anywhere in app/, client/ and bench/.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Iterator
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("app", "client", "bench")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+@cache
+def modules() -> dict[str, Path]:
+    return {module_name(path): path for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))}
+
+
+def _type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.AST, *, eager_only: bool) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Import statements that run: module level ones, and (unless eager_only) those inside functions."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and _type_checking(node):
+            yield from _imports(ast.Module(body=node.orelse, type_ignores=[]), eager_only=eager_only)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) and eager_only:
+            continue
+        else:
+            yield from _imports(node, eager_only=eager_only)
+
+
+@cache
+def imports(module: str, *, eager_only: bool = False) -> frozenset[str]:
+    """What `module` imports: project modules by their full name, anything else by its top-level name."""
+    path = modules()[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in _imports(ast.parse(path.read_text(), str(path)), eager_only=eager_only):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+            continue
+        base = node.module or ""
+        if node.level:
+            anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+            base = ".".join([*anchor, base] if base else anchor)
+        for alias in node.names:
+            submodule = f"{base}.{alias.name}"
+            found.add(submodule if submodule in modules() else base)
+    return frozenset(name if name in modules() else name.split(".")[0] for name in found)
+
+
+def _ancestors(module: str) -> Iterator[str]:
+    parts = module.split(".")
+    for end in range(1, len(parts)):
+        yield ".".join(parts[:end])
+
+
+def reach(seeds: Iterable[str]) -> set[str]:
+    """Everything importing `seeds` may import: lazy imports followed, and each package's own module-level
+    imports (importing a.b runs a/__init__.py first)."""
+    seen: set[str] = set()
+    todo = [(seed, False) for seed in seeds]
+    while todo:
+        module, eager_only = todo.pop()
+        key = module if not eager_only else f"{module}!eager"
+        if key in seen or module in seen:
+            continue
+        seen.add(key)
+        if module not in modules():
+            continue
+        todo.extend((parent, True) for parent in _ancestors(module))
+        todo.extend((target, False) for target in imports(module, eager_only=eager_only))
+    return {key.removesuffix("!eager") for key in seen}
+
+
+def _under(names: Iterable[str], prefix: str) -> list[str]:
+    return sorted(name for name in names if name == prefix or name.startswith(f"{prefix}."))
+
+
+def test_the_graph_is_read():
+    """The walker finds what it must, or the rules below would hold vacuously."""
+    assert {"app.core.handler", "app.http.edge", "client.wire", "app.tools.pretokenize.run"} <= set(modules())
+    assert "app.core.handler" in imports("app.core.process")
+    assert "fastapi" in imports("app.http.factory")
+    assert "httpx" in reach(["client"])
+
+
+def test_the_core_knows_nothing_of_http():
+    core = _under(modules(), "app.core")
+    reached = reach(core)
+    assert _under(reached, "app.http") == []
+    assert {"fastapi", "starlette", "uvicorn"} & reached == set()
+
+
+def test_the_client_imports_nothing_of_the_server():
+    assert _under(reach(_under(modules(), "client")), "app") == []
+
+
+def test_worker_processes_do_not_import_httpx():
+    reached = reach(["app.core.process"])
+    assert "app.core.handler" in reached
+    assert "httpx" not in reached
+    assert _under(reached, "app.http") == []
+
+
+def cycles(graph: dict[str, list[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module, or a module importing itself (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for target in graph[module]:
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in on_stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1 or module in graph[module]:
+                found.append(sorted(component))
+
+    for module in graph:
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_the_cycle_finder_finds_cycles():
+    graph = {"a": ["b"], "b": ["c"], "c": ["a", "d"], "d": [], "e": ["e"], "f": ["d"]}
+    assert sorted(cycles(graph)) == [["a", "b", "c"], ["e"]]
+
+
+def test_no_import_cycles():
+    graph = {module: sorted(name for name in imports(module) if name in modules()) for module in modules()}
+    assert cycles(graph) == []
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_package_is_walked(package):
+    assert len(_under(modules(), package)) > 5
