@@ -41,17 +41,17 @@ only; :meth:`Mixture.torch` imports torch when called.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import functools
 import hashlib
 import heapq
+import itertools
 import json
 import math
 import operator
 import os
 import tempfile
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -68,6 +68,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CACHE_FROM_ITEMS",
     "MAX_PERIOD",
+    "READ_AHEAD_IDS",
     "STATE_FORMAT",
     "STATE_VERSION",
     "Blend",
@@ -84,6 +85,9 @@ MAX_PERIOD = 1 << 16
 """Largest blend period D: weights are fractions p / D with D at most this."""
 CACHE_FROM_ITEMS = 1 << 16
 """Sources with fewer items (documents or rows) build their index arrays in memory: it takes microseconds."""
+READ_AHEAD_IDS = 1 << 16
+"""A loader of one rank (world_size 1) reads this many ids of rows at once, whole micro-batches (at least one),
+and hands them out one micro-batch at a time: the cost of a read is mostly per call on small batches."""
 STATE_FORMAT = "tokenizer-mixture"
 STATE_VERSION = 1
 
@@ -257,30 +261,78 @@ def cut_rows(ids: np.ndarray, document_starts: np.ndarray, seq_len: int) -> Rows
     return row_fields(ids.reshape(rows, seq_len), starts, np.full(rows, seq_len, np.int64))
 
 
-def row_fields(ids: np.ndarray, segment_starts: np.ndarray, used: np.ndarray) -> Rows:
+def row_fields(ids: np.ndarray, segment_starts: np.ndarray, used: np.ndarray | None = None) -> Rows:
     """The ``/v1/pack`` fields of rows of ids: [rows, seq_len] `ids`, the increasing flat positions where
     segments start (every row's start among them) and the ids each row uses (the rest is padding, where
-    ``labels`` are -100 and ``position_ids`` 0)."""
+    ``labels`` are -100 and ``position_ids`` 0; None: every row uses all its ids)."""
     rows, seq_len = ids.shape
     total = rows * seq_len
-    lengths = np.diff(np.append(segment_starts, total))
-    positions = np.arange(total, dtype=np.int32) - np.repeat(segment_starts.astype(np.int32), lengths)
+    segment_starts = segment_starts.astype(np.int64, copy=False)
+    lengths = np.diff(segment_starts, append=total)
+    flat_positions = np.repeat(segment_starts.astype(np.int32), lengths)  # each id's segment start, then
+    np.subtract(_arange(total), flat_positions, out=flat_positions)  # its place in the segment
+    positions = flat_positions.reshape(rows, seq_len)
     input_ids = ids.astype(np.int32, copy=False)
     labels = input_ids.copy()
-    positions = positions.reshape(rows, seq_len)
-    if (used < seq_len).any():
-        padding = np.arange(seq_len) >= used[:, None]
+    if used is None:
+        used = np.full(rows, seq_len, np.int64)
+    elif (used < seq_len).any():
+        padding = _arange(seq_len) >= used[:, None]
         labels[padding] = IGNORE_INDEX
         positions[padding] = 0
     # each row's cu_seqlens (its segment starts, then the ids it uses), all rows' in one flat array
     row_of = segment_starts // seq_len
-    bounds = np.zeros(rows + 1, np.int64)
-    np.cumsum(np.bincount(row_of, minlength=rows) + 1, out=bounds[1:])
-    flat = np.empty(int(bounds[-1]), np.int32)
-    flat[np.arange(segment_starts.size) + row_of] = segment_starts - row_of * seq_len  # the i-th, after r ends
-    flat[bounds[1:] - 1] = used
-    ends = bounds.tolist()
-    return Rows(input_ids, labels, positions, [flat[ends[r] : ends[r + 1]] for r in range(rows)])
+    ends = np.cumsum(np.bincount(row_of, minlength=rows) + 1)
+    flat = np.empty(segment_starts.size + rows, np.int32)
+    flat[_arange(segment_starts.size) + row_of] = segment_starts - row_of * seq_len  # the i-th, after r ends
+    flat[ends - 1] = used
+    bounds = [0, *ends.tolist()]
+    return Rows(input_ids, labels, positions, [flat[bounds[r] : bounds[r + 1]] for r in range(rows)])
+
+
+@functools.lru_cache(maxsize=16)
+def _arange(size: int) -> np.ndarray:
+    """0, 1, ..., size - 1 (int32, read-only): made once a size."""
+    numbers = np.arange(size, dtype=np.int32)
+    numbers.flags.writeable = False
+    return numbers
+
+
+_PIECE_IDS = 128
+"""Pieces of documents shorter than this on average are copied by one index computation over all their ids,
+longer ones a slice each (numpy's cost per slice is that of copying about this many ids)."""
+_PIECES_A_SHARD = 4
+"""Pieces from one shard (on average) under which a batch copies a slice each instead of grouping by shard."""
+
+
+def _runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``starts[i], starts[i] + 1, ..., starts[i] + lengths[i] - 1`` for each i, end to end (int64, lengths > 0).
+
+    One cumulative sum of steps: 1 inside a run, the jump to the next run's start at its first place.
+    """
+    ends = np.cumsum(lengths)
+    steps = np.ones(int(ends[-1]), np.int64)
+    steps[0] = starts[0]
+    steps[ends[:-1]] = starts[1:] - (starts[:-1] + lengths[:-1] - 1)
+    return np.cumsum(steps, out=steps)
+
+
+def _copy(
+    out: np.ndarray, ids: np.ndarray, froms: np.ndarray, takes: np.ndarray, targets: np.ndarray | None = None
+) -> None:
+    """``out[targets[i] : targets[i] + takes[i]] = ids[froms[i] : froms[i] + takes[i]]`` for every piece i
+    (``takes > 0``; without `targets` the pieces fill `out` end to end)."""
+    if takes.size * _PIECE_IDS > (out.size if targets is None else int(takes.sum())):
+        got = ids[_runs(froms, takes)]
+        if targets is None:
+            out[:] = got
+        else:
+            out[_runs(targets, takes)] = got
+        return
+    if targets is None:
+        targets = np.cumsum(takes) - takes
+    for source, target, take in zip(froms.tolist(), targets.tolist(), takes.tolist(), strict=True):
+        out[target : target + take] = ids[source : source + take]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -335,6 +387,7 @@ class _Source:
         self._id_starts = [0, *np.cumsum(sizes, dtype=np.int64).tolist()]
         self._id_starts_array = np.asarray(self._id_starts, np.int64)
         self._count_starts = [0, *np.cumsum(counts, dtype=np.int64).tolist()]
+        self._count_starts_array = np.asarray(self._count_starts, np.int64)
         self.items = self._count_starts[-1]  # documents or rows
         self.tokens = self._id_starts[-1]
         if self.packed and dataset.seq_len != seq_len:
@@ -433,60 +486,101 @@ class _Source:
         start, stop = first * length, (first + count) * length
         if out is None:
             out = np.empty(stop - start, np.int32)
-        document_starts = []
         documents = self.documents()
+        document_starts, froms, takes = [], [], []
         position = start
-        while position < stop:
+        while position < stop:  # once an epoch the rows reach into: once, unless they cross an epoch's end
             epoch, offset = divmod(position, self.tokens)
             order, ends = self.epoch(epoch)
             assert ends is not None
             end = min(self.tokens, offset + stop - position)
-            low = int(np.searchsorted(ends, offset, "right")) - 1
-            high = int(np.searchsorted(ends, end, "left"))
-            begins = ends[low:high]
-            sizes = ends[low + 1 : high + 1] - begins
-            document_starts.append(begins[(begins >= offset) & (sizes > 0)] - offset + (position - start))
-            # the pieces of documents in [offset, end): where each lies in all ids, how many ids of it
-            skip = np.maximum(offset - begins, 0)
-            takes = np.minimum(begins + sizes, end) - begins - skip
-            self._gather(
-                out[position - start : position - start + end - offset], documents[order[low:high]] + skip, takes
-            )
+            # documents low to high - 1 hold ids [offset, end): ends[low] <= offset < ends[low + 1], ends[high] >= end
+            low, high = ends.searchsorted([offset, end - 1], "right").tolist()
+            spans = ends[low - 1 : high + 1]
+            sizes = np.diff(spans)  # the pieces of them in [offset, end): how many ids, from where in all ids
+            here = documents[order[low - 1 : high]]
+            skip = offset - int(spans[0])
+            here[0] += skip
+            sizes[0] -= skip
+            sizes[-1] -= int(spans[-1]) - end
+            begins = spans[1:-1]  # the documents after the first start inside, where they are not empty
+            begins = begins[sizes[1:] > 0] - offset
+            if skip == 0:
+                begins = np.concatenate([[0], begins])
+            document_starts.append(begins + (position - start))
+            froms.append(here)
+            takes.append(sizes)
             position += end - offset
+        if len(froms) == 1:
+            self._gather(out, froms[0], takes[0])
+            return out, document_starts[0]
+        self._gather(out, np.concatenate(froms), np.concatenate(takes))
         return out, np.concatenate(document_starts)
 
-    def _gather(self, out: np.ndarray, sources: np.ndarray, takes: np.ndarray) -> None:
-        """Fill `out` with the pieces ``ids[sources[i] : sources[i] + takes[i]]`` of all ids, end to end."""
-        keep = takes > 0  # an empty document may start where the last shard ends
-        sources, takes = sources[keep], takes[keep]
+    def ragged_segments(self, first: int, count: int, out: np.ndarray) -> np.ndarray:
+        """Ids of rows ``first`` to ``first + count`` into `out` ([count, seq_len] int32), and the increasing
+        positions in them where segments start: row starts and document starts."""
+        length = self.seq_len
+        _, document_starts = self.ragged_ids(first, count, out.reshape(-1))
+        inside = document_starts[document_starts % length != 0]
+        starts = np.concatenate([_arange(count * length)[::length], inside])
+        starts.sort()
+        return starts
+
+    def _gather(self, out: np.ndarray, froms: np.ndarray, takes: np.ndarray) -> None:
+        """Fill `out` with the pieces ``ids[froms[i] : froms[i] + takes[i]]`` of all ids, end to end."""
+        keep = takes > 0  # empty documents
+        if not keep.all():
+            froms, takes = froms[keep], takes[keep]
         id_starts = self._id_starts_array
-        shards = np.searchsorted(id_starts, sources, "right") - 1
-        local = sources - id_starts[shards]
-        if shards[0] == shards[-1] and (shards.size < 3 or (shards == shards[0]).all()):
-            # one shard (the usual case): one gather. A document never spans two shards.
-            ids = self.shard(int(shards[0])).ids
-            out[:] = ids[np.repeat(local - (np.cumsum(takes) - takes), takes) + np.arange(out.size)]
+        shards = np.searchsorted(id_starts, froms, "right") - 1  # a document never spans two shards
+        local = froms - id_starts[shards]
+        if shards[0] == shards[-1] and (shards == shards[0]).all():  # one shard: most batches of most datasets
+            _copy(out, self.shard(int(shards[0])).ids, local, takes)
             return
-        targets = (np.cumsum(takes) - takes).tolist()
-        for shard, source, target, take in zip(shards.tolist(), local.tolist(), targets, takes.tolist(), strict=True):
-            out[target : target + take] = self.shard(shard).ids[source : source + take]
+        targets = np.cumsum(takes) - takes
+        order = np.argsort(shards, kind="stable")
+        grouped = shards[order]
+        cuts = [0, *(np.flatnonzero(grouped[1:] != grouped[:-1]) + 1).tolist(), order.size]
+        if (len(cuts) - 1) * _PIECES_A_SHARD > order.size:  # most pieces from shards of their own: a slice each
+            pieces = zip(shards.tolist(), local.tolist(), targets.tolist(), takes.tolist(), strict=True)
+            for shard, source, target, take in pieces:
+                out[target : target + take] = self.shard(shard).ids[source : source + take]
+            return
+        for low, high in itertools.pairwise(cuts):
+            pick = order[low:high]
+            _copy(out, self.shard(int(grouped[low])).ids, local[pick], takes[pick], targets[pick])
 
     def packed_rows(self, first: int, count: int, out: np.ndarray | None = None) -> list[np.ndarray]:
         """Rows ``first`` to ``first + count``: their ids into `out` ([count, seq_len] int32), their cu_seqlens."""
         length = self.seq_len
         if out is None:
             out = np.empty((count, length), np.int32)
-        cu_seqlens = []
-        for i in range(count):
-            epoch, place = divmod(first + i, self.items)
-            order, _ = self.epoch(epoch)
-            row = int(order[place])
-            shard_index = bisect.bisect_right(self._count_starts, row) - 1
-            local = row - self._count_starts[shard_index]
+        epoch, place = divmod(first, self.items)
+        if place + count <= self.items:  # in one epoch: one slice of its order
+            rows = self.epoch(epoch)[0][place : place + count].astype(np.int64)
+        else:
+            rows = np.empty(count, np.int64)
+            for i in range(count):
+                epoch, place = divmod(first + i, self.items)
+                rows[i] = self.epoch(epoch)[0][place]
+        count_starts = self._count_starts_array
+        shards = np.searchsorted(count_starts, rows, "right") - 1
+        local = rows - count_starts[shards]
+        cu_seqlens: list[np.ndarray] = [np.empty(0, np.int32)] * count
+        for shard_index in np.unique(shards).tolist():
+            pick = np.flatnonzero(shards == shard_index)
             shard = self.shard(shard_index)
             assert shard.seg is not None
-            out[i] = shard.ids[local * length : (local + 1) * length]
-            cu_seqlens.append(shard.seg[shard.offsets[local] : shard.offsets[local + 1]])
+            mine = local[pick]
+            if pick.size == count:
+                out[:] = shard.ids.reshape(-1, length)[mine]
+            else:
+                out[pick] = shard.ids.reshape(-1, length)[mine]
+            bounds = shard.offsets[np.concatenate([mine, mine + 1])].tolist()
+            seg = shard.seg
+            for i, low, high in zip(pick.tolist(), bounds[: pick.size], bounds[pick.size :], strict=True):
+                cu_seqlens[i] = seg[low:high]
         return cu_seqlens
 
 
@@ -633,33 +727,64 @@ class Mixture:
 
     def rows(self, start: int, stop: int) -> MixtureBatch:
         """Global rows ``start`` to ``stop`` (any, in any order of calls: nothing depends on what came before)."""
-        sources, local = self.blend(start, stop)
         count, length = stop - start, self.seq_len
+        groups: list[tuple[int, int, np.ndarray | None]] = []  # source, its first row, where in the batch (None: all)
+        if len(self._sources) == 1:
+            if not 0 <= start <= stop:
+                raise ValueError(f"rows [{start}, {stop}) are not a range of non-negative row numbers")
+            sources = np.zeros(count, np.int32)
+            if count:
+                groups = [(0, start, None)]
+        else:
+            sources, local = self.blend(start, stop)
+            if not count:
+                pass
+            elif sources[0] == sources[-1] and (sources == sources[0]).all():
+                groups = [(int(sources[0]), int(local[0]), None)]
+            else:  # a source's rows in a batch are consecutive rows of it
+                for source in np.unique(sources).tolist():
+                    mine = np.flatnonzero(sources == source)
+                    groups.append((source, int(local[mine[0]]), mine))
         ids = np.empty((count, length), np.int32)
-        used = np.full(count, length, np.int64)
-        segment_starts = []  # flat positions in the batch; ragged rows: row starts and document starts
-        for source in np.unique(sources).tolist():
-            where = np.flatnonzero(sources == source)  # a source's rows in a batch are consecutive rows of it
-            first, reader = int(local[where[0]]), self._sources[source]
-            together = where[-1] - where[0] + 1 == where.size
+        used: np.ndarray | None = None
+        segment_starts = []  # flat positions in the batch where segments start, each source's increasing
+        for source, first, where in groups:
+            reader = self._sources[source]
+            rows = count if where is None else where.size
+            together = where is None or where[-1] - where[0] + 1 == where.size
+            if together:
+                low = 0 if where is None else int(where[0])
+                out = ids[low : low + rows]
+            else:
+                out = np.empty((rows, length), np.int32)
             if reader.packed:
-                out = ids[where[0] : where[-1] + 1] if together else np.empty((where.size, length), np.int32)
-                bounds = reader.packed_rows(first, where.size, out)
-                if not together:
+                bounds = reader.packed_rows(first, rows, out)
+                sizes = np.fromiter(map(len, bounds), np.int64, rows)
+                flat = np.concatenate(bounds).astype(np.int64)
+                last = np.cumsum(sizes) - 1
+                if used is None:
+                    used = np.full(count, length, np.int64)
+                used[slice(None) if where is None else where] = flat[last]
+                keep = np.ones(flat.size, np.bool_)
+                keep[last] = False
+                starts = flat[keep] + np.repeat(_arange(rows) * np.int64(length), sizes - 1)
+            else:
+                starts = reader.ragged_segments(first, rows, out)
+            if where is not None:
+                if together:
+                    starts += int(where[0]) * length
+                else:
                     ids[where] = out
-                used[where] = [int(b[-1]) for b in bounds]
-                segment_starts += [b[:-1] + row * length for b, row in zip(bounds, where.tolist(), strict=True)]
-                continue
-            flat = ids[where[0] : where[-1] + 1].reshape(-1) if together else None
-            got, starts = reader.ragged_ids(first, where.size, flat)
-            if not together:
-                ids[where] = got.reshape(-1, length)
-            row = starts // length
-            segment_starts += [where * length, where[row] * length + (starts - row * length)]
-        marked = np.zeros(count * length, np.bool_)  # sorted and unique in one linear pass, not a sort
-        marked[np.concatenate(segment_starts)] = True
-        rows = row_fields(ids, np.flatnonzero(marked), used)
-        return MixtureBatch(rows.input_ids, rows.labels, rows.position_ids, rows.cu_seqlens, sources)
+                    row = starts // length
+                    starts += (where[row] - row) * length
+            segment_starts.append(starts)
+        if len(segment_starts) < 2:
+            flat_starts = segment_starts[0] if segment_starts else np.zeros(0, np.int64)
+        else:
+            flat_starts = np.concatenate(segment_starts)
+            flat_starts.sort()
+        fields = row_fields(ids, flat_starts, used)
+        return MixtureBatch(fields.input_ids, fields.labels, fields.position_ids, fields.cu_seqlens, sources)
 
     def state_dict(self, rows: int = 0, global_batch_size: int = 1) -> dict[str, Any]:
         """The state of a reader of this mixture that has consumed `rows` global rows."""
@@ -712,11 +837,32 @@ class Mixture:
 
     def batch(self, index: int, *, rank: int, batch_size: int, world_size: int) -> MixtureBatch:
         """Rank `rank`'s micro-batch of global batch `index`, with the state to resume after it."""
+        return self._batches(index, 1, rank=rank, batch_size=batch_size, world_size=world_size)[0]
+
+    def _batches(self, index: int, count: int, *, rank: int, batch_size: int, world_size: int) -> list[MixtureBatch]:
+        """Rank `rank`'s micro-batches of global batches ``index`` to ``index + count``: one read of their rows
+        when they are consecutive rows (world_size 1), the arrays of each a view of the read's."""
         size = batch_size * world_size
-        start = index * size + rank * batch_size
-        rows = self.rows(start, start + batch_size)
-        rows.__dict__.update(index=index, state=self.state_dict((index + 1) * size, size))  # frozen, made here
-        return rows
+        if world_size > 1 or count == 1:
+            batches = []
+            for number in range(index, index + count):
+                start = number * size + rank * batch_size
+                batches.append(self.rows(start, start + batch_size))
+        else:
+            rows = self.rows(index * size, (index + count) * size)
+            batches = [
+                MixtureBatch(
+                    rows.input_ids[low : low + size],
+                    rows.labels[low : low + size],
+                    rows.position_ids[low : low + size],
+                    rows.cu_seqlens[low : low + size],
+                    rows.sources[low : low + size],
+                )
+                for low in range(0, count * size, size)
+            ]
+        for number, batch in enumerate(batches, index):  # frozen, made here
+            batch.__dict__.update(index=number, state=self.state_dict((number + 1) * size, size))
+        return batches
 
     def loader(
         self, *, rank: int = 0, world_size: int = 1, batch_size: int, state: Mapping[str, Any] | None = None
@@ -766,12 +912,21 @@ class MixtureLoader:
         self.rank, self.world_size, self.batch_size = _ranks(rank, world_size, batch_size)
         self.global_batch_size = self.world_size * self.batch_size
         self._next = mixture.position(state, self.global_batch_size) // self.global_batch_size
+        self._ahead: deque[MixtureBatch] = deque()  # batches read and not yet handed out (world_size 1)
+        ids = self.batch_size * mixture.seq_len
+        self._read = max(1, READ_AHEAD_IDS // ids) if self.world_size == 1 else 1
 
     def __iter__(self) -> MixtureLoader:
         return self
 
     def __next__(self) -> MixtureBatch:
-        batch = self.mixture.batch(self._next, rank=self.rank, batch_size=self.batch_size, world_size=self.world_size)
+        if not self._ahead:
+            self._ahead.extend(
+                self.mixture._batches(
+                    self._next, self._read, rank=self.rank, batch_size=self.batch_size, world_size=self.world_size
+                )
+            )
+        batch = self._ahead.popleft()
         self._next += 1
         return batch
 
@@ -780,6 +935,7 @@ class MixtureLoader:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._next = self.mixture.position(state, self.global_batch_size) // self.global_batch_size
+        self._ahead.clear()
 
 
 @functools.cache

@@ -235,6 +235,106 @@ def test_every_document_once_per_epoch_cut_as_pack_concat_cuts(
         assert all(np.array_equal(rows.cu_seqlens[r], packed.row_cu_seqlens(r)) for r in range(count))
 
 
+def reference_rows(
+    mix: Mixture, docs: dict[str, list[np.ndarray]], packed: dict[str, TokenDataset], start: int, stop: int
+) -> MixtureBatch:
+    """Global rows ``start`` to ``stop`` as the module docstring says, one row at a time, slowly."""
+    sources, local = mix.blend(start, stop)
+    ids, labels, positions, cu = [], [], [], []
+    length = mix.seq_len
+    streams: dict[
+        str, tuple[np.ndarray, list[int]]
+    ] = {}  # a ragged source's ids, epoch after epoch, and its document starts
+    for name, rows in zip(mix.names, mix.blend.given(stop).tolist(), strict=True):
+        if name in packed or not rows:
+            continue
+        total = sum(doc.size for doc in docs[name])
+        stream, starts = [], []
+        at = 0
+        for epoch in range(rows * length // total + 1):
+            for i in epoch_permutation(len(docs[name]), mix.seed, name, epoch).tolist():
+                if docs[name][i].size:
+                    starts.append(at)
+                stream.append(docs[name][i])
+                at += docs[name][i].size
+        streams[name] = np.concatenate(stream), starts
+    for source, row in zip(sources.tolist(), local.tolist(), strict=True):
+        name = mix.names[source]
+        if name in packed:
+            dataset = packed[name]
+            epoch, place = divmod(row, len(dataset))
+            expected = dataset.row(int(epoch_permutation(len(dataset), mix.seed, name, epoch)[place]))
+            ids.append(expected.input_ids)
+            labels.append(expected.labels)
+            positions.append(expected.position_ids)
+            cu.append(np.asarray(expected.cu_seqlens))
+            continue
+        stream, starts = streams[name]
+        flat = stream[row * length : (row + 1) * length]
+        cuts = sorted({0, *(s - row * length for s in starts if row * length < s < (row + 1) * length)})
+        ids.append(flat)
+        labels.append(flat)
+        positions.append(np.concatenate([np.arange(b - a) for a, b in zip(cuts, [*cuts[1:], length], strict=True)]))
+        cu.append(np.array([*cuts, length]))
+    shape = (len(ids), length)
+    return MixtureBatch(*(np.array(x).reshape(shape) for x in (ids, labels, positions)), cu, sources)
+
+
+@FAST
+@given(
+    lengths=st.lists(st.integers(0, 70), min_size=1, max_size=14).filter(lambda x: sum(x) > 0),
+    other=st.lists(st.integers(1, 300), min_size=1, max_size=8),
+    per_shard=st.integers(1, 4),
+    seq_len=st.integers(1, 40),
+    weights=st.tuples(st.integers(1, 4), st.integers(1, 4), st.integers(0, 3)),
+    start=st.integers(0, 200),
+    count=st.integers(0, 40),
+    piece_ids=st.sampled_from([0, 128, 10**9]),
+    pieces_a_shard=st.sampled_from([0, 4, 10**9]),
+)
+def test_rows_equal_a_row_by_row_reference(
+    lengths: list[int],
+    other: list[int],
+    per_shard: int,
+    seq_len: int,
+    weights: tuple[int, int, int],
+    start: int,
+    count: int,
+    piece_ids: int,
+    pieces_a_shard: int,
+) -> None:
+    """Any range of rows, multi-shard sources, empty documents, every way of copying pieces (a slice each,
+    one index computation, grouped by shard or not): what a row-at-a-time reading of the definition gives."""
+    with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as patch:
+        patch.setattr("client.mixture._PIECE_IDS", piece_ids)
+        patch.setattr("client.mixture._PIECES_A_SHARD", pieces_a_shard)
+        docs = {"a": documents(1, lengths), "b": documents(2, other)}
+        sources = {name: make_dataset(Path(tmp) / name, d, per_shard=per_shard) for name, d in docs.items()}
+        packed = {}
+        if weights[2]:
+            books = documents(3, [5 + (7 * i) % 40 for i in range(2 * per_shard + 3)])
+            packed["p"] = make_dataset(
+                Path(tmp) / "p", books, per_shard=per_shard, seq_len=seq_len, strategy="best_fit"
+            )
+        chosen = {name: w for name, w in zip("abp", weights, strict=True) if w}
+        mix = Mixture({**sources, **packed}, weights=chosen, seq_len=seq_len, seed=start)
+        assert same(mix.rows(start, start + count), reference_rows(mix, docs, packed, start, start + count))
+
+
+def test_a_loader_reading_ahead_gives_the_batches_of_one_at_a_time(
+    mix: Mixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("client.mixture.READ_AHEAD_IDS", 5 * 3 * 32)  # five micro-batches a read
+    loader = mix.loader(batch_size=3, state=mix.state_dict(6, 3))
+    got = [next(loader) for _ in range(12)]
+    assert [b.index for b in got] == list(range(2, 14))
+    assert all(same(b, mix.batch(b.index, rank=0, batch_size=3, world_size=1)) for b in got)
+    assert all(b.state == mix.state_dict((b.index + 1) * 3, 3) for b in got)
+    assert loader.state_dict() == got[-1].state
+    loader.load_state_dict(got[3].state)  # mid-read: what was read ahead is dropped
+    assert same(next(loader), got[4]) and next(loader).index == 7
+
+
 def test_packed_rows_in_a_permutation_per_epoch(tmp_path: Path) -> None:
     rng = np.random.default_rng(3)
     packed = make_dataset(
