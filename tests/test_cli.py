@@ -21,6 +21,7 @@ from tests.conftest import free_port, stop_server, wait_ready
 CLEAN_ENV = {key: value for key, value in os.environ.items() if not key.startswith("TOKENIZER_")}
 
 
+@pytest.mark.slow  # a server process of its own; .ci/run's slow stage
 def test_bare_command_serves_the_bundled_model(tmp_path):
     executable = shutil.which("tokenizer-server")
     assert executable, "tokenizer-server is not installed (pip install -e '.[test]')"
@@ -202,6 +203,7 @@ def test_a_start_it_cannot_serve_is_one_line_and_exit_2(tmp_path, args, env, set
     assert expected in lines[0]
 
 
+@pytest.mark.slow  # a server process of its own; .ci/run's slow stage
 def test_log_level_debug_adds_the_traceback(tmp_path):
     result = _start(["--model", "foo=nope.model", "--log-level", "debug"], {}, tmp_path)
     assert result.returncode == 2
@@ -231,6 +233,7 @@ def test_a_missing_extra_names_what_to_install(entry, missing, extra):
     ]
 
 
+@pytest.mark.slow  # a server process of its own; .ci/run's slow stage
 @pytest.mark.parametrize("to", ["server", "process-group"])
 def test_sigterm_is_a_clean_stop(tmp_path, to):
     """compose down / Kubernetes send SIGTERM: exit 0; sent to the whole group (`timeout`), no worker dies first."""
@@ -249,6 +252,7 @@ def test_sigterm_is_a_clean_stop(tmp_path, to):
     assert "died" not in log and "restarting" not in log, log
 
 
+@pytest.mark.slow  # a server process of its own; .ci/run's slow stage
 def test_a_port_in_use_or_an_address_not_here_is_one_line_before_any_worker_starts(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -270,6 +274,7 @@ def test_a_port_in_use_or_an_address_not_here_is_one_line_before_any_worker_star
     assert "cannot listen on 192.0.2.1:8000: Cannot assign requested address; no interface" in result.stderr
 
 
+@pytest.mark.slow  # a server process of its own; .ci/run's slow stage
 def test_an_empty_models_dir_serves_the_bundled_model_only_when_asked(tmp_path):
     """The image sets TOKENIZER_EMPTY_MODELS_DIR=bundled: an empty mounted /models serves the bundled model."""
     (tmp_path / "models").mkdir()

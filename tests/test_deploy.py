@@ -424,6 +424,7 @@ def test_pretokenize_job_is_an_indexed_job_whose_world_size_is_its_completions()
         assert job["metadata"]["labels"]["app.kubernetes.io/part-of"] == "tokenizer-pretokenize"
 
 
+@pytest.mark.slow  # array tasks as processes; .ci/run's slow stage
 def test_the_slurm_script_runs_as_array_tasks_and_merges(tmp_path: Path, documents: list[str]) -> None:
     script = ROOT / "deploy" / "slurm" / "pretokenize.sbatch"
     assert run(["bash", "-n", str(script)]).returncode == 0

@@ -44,6 +44,7 @@ def corpus(documents: list[str], tmp_path_factory: pytest.TempPathFactory) -> Pa
     return path
 
 
+@pytest.mark.slow  # servers and pools of its own; .ci/run's slow stage
 def test_bench_starts_its_own_server_and_prints_one_table(
     corpus: Path, model_files: dict[str, Path], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -56,6 +57,7 @@ def test_bench_starts_its_own_server_and_prints_one_table(
     check_table(output)
 
 
+@pytest.mark.slow  # servers and pools of its own; .ci/run's slow stage
 def test_bench_against_a_running_service_finds_the_model_by_sha256(
     corpus: Path, server: Server, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -16,6 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from app.frontends import shares
 from tests.conftest import ROOT, start_server, stop_server
 
+pytestmark = pytest.mark.slow  # several server processes; part of .ci/run's slow stage
+
 
 def metric(url: str, name: str, **labels: str) -> float:
     total = 0.0

@@ -168,6 +168,7 @@ bodies = st.one_of(
 )
 
 
+@pytest.mark.slow  # fuzzing; .ci/run's slow stage
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(path=st.sampled_from(ROUTES), body=bodies)
 def test_fuzzed_bodies_get_a_4xx_or_a_200_never_a_5xx(server, path, body):

@@ -266,6 +266,7 @@ def corpus_documents(documents: list[str], multilingual: list[str], count: int) 
     return found[:count]
 
 
+@pytest.mark.slow  # 5,000 documents; .ci/run's slow stage
 def test_fast_paths_equal_the_library_on_5000_documents(models, documents, multilingual):
     texts = corpus_documents(documents, multilingual, 5000)
     assert len(texts) >= 5000

@@ -19,6 +19,8 @@ import pytest
 from client import wire
 from tests.conftest import Server
 
+pytestmark = pytest.mark.slow  # load; part of .ci/run's slow stage
+
 CLIENTS = 32
 SECONDS = 15.0
 MODELS = ("uni", "bpe")
@@ -86,7 +88,6 @@ def client_loop(
             tally.record(200, elapsed, len(picks), sum(len(row) for row in rows))
 
 
-@pytest.mark.slow
 def test_32_clients_for_15_seconds(server, documents):
     expected = expected_ids(server, documents)
     tally = Tally()

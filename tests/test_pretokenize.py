@@ -137,6 +137,7 @@ def test_packed_rows_equal_the_online_packing(
     assert dataset.metadata["tokens"] == sum(len(ids) for ids in sp.encode(texts, add_eos=True))
 
 
+@pytest.mark.slow  # a run of the pre-tokenizer each; .ci/run's slow stage
 @pytest.mark.parametrize("packing", [[], ["--seq-len", "64", "--strategy", "concat"]], ids=["ragged", "concat"])
 def test_through_the_service_gives_the_same_files_as_local(
     packing: list[str], corpus: tuple[list[Path], list[str]], server: Server, tmp_path: Path
@@ -152,6 +153,7 @@ def test_through_the_service_gives_the_same_files_as_local(
     assert service == local and service_meta == local_meta
 
 
+@pytest.mark.slow  # a run of the pre-tokenizer each; .ci/run's slow stage
 def test_service_with_two_urls_and_the_default_model(
     corpus: tuple[list[Path], list[str]], server: Server, tmp_path: Path
 ) -> None:
@@ -195,6 +197,7 @@ def test_bad_records_are_reported_with_file_and_line_skipped_and_counted(
     assert [dataset[i].tolist() for i in range(len(dataset))] == sp.encode(good, add_eos=True)
 
 
+@pytest.mark.slow  # a run of the pre-tokenizer each; .ci/run's slow stage
 def test_strict_stops_at_the_first_bad_record(
     documents: list[str], model_files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -224,6 +227,7 @@ def test_a_wrong_text_field_stops_with_the_fix_and_leaves_no_output(
     assert len(TokenDataset(out)) == 30
 
 
+@pytest.mark.slow  # runs killed and resumed, every input kind; .ci/run's slow stage
 def test_bad_records_first_and_a_rank_of_only_bad_records_still_finish(
     documents: list[str], model_files: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -296,6 +300,7 @@ def interrupt_after_first_shard(args: list[str], out: Path, stop: signal.Signals
     ],
     ids=["kill-9-ragged", "kill-9-concat", "ctrl-c-best-fit"],
 )
+@pytest.mark.slow  # runs killed and resumed, every input kind; .ci/run's slow stage
 def test_an_interrupted_run_resumes_to_byte_identical_files(
     stop: signal.Signals, packing: list[str], big_input: Path, tmp_path: Path
 ) -> None:
@@ -317,6 +322,7 @@ def test_an_interrupted_run_resumes_to_byte_identical_files(
     assert len(TokenDataset(resumed).metadata["shards"]) > done
 
 
+@pytest.mark.slow  # a run of the pre-tokenizer each; .ci/run's slow stage
 def test_a_finished_output_is_left_alone(
     corpus: tuple[list[Path], list[str]],
     model_files: dict[str, Path],
@@ -344,6 +350,7 @@ def test_a_finished_output_is_left_alone(
         (["--extra-input"], "inputs"),
     ],
 )
+@pytest.mark.slow  # a run of the pre-tokenizer each; .ci/run's slow stage
 def test_another_model_or_other_options_refuse_to_mix(
     change: list[str],
     complaint: str,
@@ -388,6 +395,7 @@ def test_refuses_foreign_directories_and_unknown_inputs(
         pretokenize(inputs[0], "--output", tmp_path / "out")  # neither --url nor --local
 
 
+@pytest.mark.slow  # a run of the pre-tokenizer each; .ci/run's slow stage
 def test_model_names_resolve_as_the_server_resolves_them(
     corpus: tuple[list[Path], list[str]],
     model_files: dict[str, Path],
@@ -429,6 +437,7 @@ def _limit_file_size() -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
 
 
+@pytest.mark.slow  # runs killed and resumed, every input kind; .ci/run's slow stage
 def test_a_write_that_fails_is_one_line_and_the_rerun_resumes_byte_identical(big_input: Path, tmp_path: Path) -> None:
     """EFBIG (a file-size limit) stands in for a full disk: both are an OSError on write."""
     model = BUNDLED_MODELS_DIR / "default.model"
@@ -448,6 +457,7 @@ def test_a_write_that_fails_is_one_line_and_the_rerun_resumes_byte_identical(big
     assert files_of(limited) == files_of(reference)
 
 
+@pytest.mark.slow  # a run of the pre-tokenizer each; .ci/run's slow stage
 def test_add_eos_follows_the_model_unless_told(
     tmp_path: Path, documents: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -469,6 +479,7 @@ def test_add_eos_follows_the_model_unless_told(
     assert "has no EOS piece" in error and "Traceback" not in error
 
 
+@pytest.mark.slow  # a run of the pre-tokenizer each; .ci/run's slow stage
 def test_a_corrupt_gzip_input_reaches_no_shard(documents: list[str], tmp_path: Path) -> None:
     """A flipped bit in a .gz: refused before any of its documents are tokenized, with one line."""
     good = write_jsonl(tmp_path / "good.jsonl", documents[:200])
@@ -518,6 +529,7 @@ def documents_of(output: Path) -> list[list[int]]:
     return [dataset[i].tolist() for i in range(len(dataset))]
 
 
+@pytest.mark.slow  # runs killed and resumed, every input kind; .ci/run's slow stage
 def test_every_input_kind_gives_the_documents_of_the_jsonl_run(documents: list[str], tmp_path: Path) -> None:
     texts = documents[:500]
     model = BUNDLED_MODELS_DIR / "default.model"
@@ -554,6 +566,7 @@ def test_every_input_kind_gives_the_documents_of_the_jsonl_run(documents: list[s
     assert documents_of(tmp_path / "tree-out") == expected
 
 
+@pytest.mark.slow  # a run of the pre-tokenizer each; .ci/run's slow stage
 def test_parquet_bad_rows_are_reported_by_row_and_a_missing_column_is_one_line(
     documents: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -570,6 +583,7 @@ def test_parquet_bad_rows_are_reported_by_row_and_a_missing_column_is_one_line(
     assert "no column 'body' (columns: id, text, url)" in error and "Traceback" not in error
 
 
+@pytest.mark.slow  # runs killed and resumed, every input kind; .ci/run's slow stage
 @pytest.mark.parametrize("kind", ["jsonl.zst", "parquet"])
 def test_an_interrupted_run_over_zstd_or_parquet_resumes_byte_identical(
     kind: str, documents: list[str], tmp_path: Path

@@ -27,6 +27,8 @@ from client import TokenizerClient
 from tests.conftest import ROOT, free_port, read_documents, start_server, stop_server
 from tests.test_deploy import dashboard_queries, metric_names, require_binary
 
+pytestmark = pytest.mark.slow  # a real Prometheus; part of .ci/run's slow stage
+
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
 ALERTS = PROMETHEUS_DIR / "alerts.yml"
 ALERT_TESTS = PROMETHEUS_DIR / "alerts_test.yml"
@@ -278,7 +280,6 @@ def prometheus(observed: Observed, tmp_path_factory: pytest.TempPathFactory) -> 
             process.wait()
 
 
-@pytest.mark.slow
 def test_prometheus_scrapes_the_request_counters(prometheus: PrometheusServer, observed: Observed) -> None:
     (up,) = prometheus.query('up{job="tokenizer"}')
     assert up["value"][1] == "1"
@@ -290,7 +291,6 @@ def test_prometheus_scrapes_the_request_counters(prometheus: PrometheusServer, o
     assert {row["metric"]["status"]: float(row["value"][1]) for row in refused} == observed.statuses
 
 
-@pytest.mark.slow
 def test_prometheus_answers_every_dashboard_query_with_data(prometheus: PrometheusServer, observed: Observed) -> None:
     """Every panel shows data, except those reading only series whose first event has not happened."""
     _, silent = exported_names(observed.url)
@@ -299,7 +299,6 @@ def test_prometheus_answers_every_dashboard_query_with_data(prometheus: Promethe
         assert prometheus.query(expr) or metric_names(expr) <= silent, f"{where} has no data: {expr}"
 
 
-@pytest.mark.slow
 def test_prometheus_loads_the_alerts_and_none_fires_on_a_healthy_server(prometheus: PrometheusServer) -> None:
     def evaluated() -> list[dict[str, Any]]:
         groups = httpx.get(f"{prometheus.url}/api/v1/rules", timeout=10).json()["data"]["groups"]

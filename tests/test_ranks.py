@@ -19,6 +19,8 @@ from app.tools.pretokenize.shards_cli import main as shards
 from client.dataset import TokenDataset
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.slow  # ranks as processes, killed and rerun; part of .ci/run's slow stage
+
 MODEL = BUNDLED_MODELS_DIR / "default.model"
 
 

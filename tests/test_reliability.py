@@ -31,6 +31,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import start_server, stop_server
 
+pytestmark = pytest.mark.slow  # faults: workers killed, stalled, signals; part of .ci/run's slow stage
+
 FAULTS = Path(__file__).parent / "faults"
 API_KEYS = ("first-key-0123456789", "second-key-abcdefghij")
 ALLOWED_ORIGIN = "https://notebook.example"

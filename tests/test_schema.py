@@ -16,6 +16,8 @@ from hypothesis import HealthCheck, settings
 
 from tests.conftest import Server, start_server, stop_server
 
+pytestmark = pytest.mark.slow  # schemathesis over every operation; part of .ci/run's slow stage
+
 API_KEY = "schema-test-key"
 EXAMPLES = 40
 

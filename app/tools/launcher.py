@@ -24,7 +24,7 @@ from types import TracebackType
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: app/tools/launcher.py
 READY_TIMEOUT_SECONDS = 60.0
 
 
