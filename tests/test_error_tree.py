@@ -39,12 +39,16 @@ def test_every_error_has_a_client_error_or_unavailable_status(kind):
 def test_every_error_survives_the_worker_channel(kind):
     error = kind("what went wrong", field="texts", index=3)
     back = ServiceError.from_dict(orjson.loads(orjson.dumps(error.as_dict())))
-    assert back.as_dict() == error.as_dict() == {
-        "type": kind.type,
-        "message": "what went wrong",
-        "field": "texts",
-        "index": 3,
-    }
+    assert (
+        back.as_dict()
+        == error.as_dict()
+        == {
+            "type": kind.type,
+            "message": "what went wrong",
+            "field": "texts",
+            "index": 3,
+        }
+    )
     owner = next(base for base in kind.__mro__ if base.type == kind.type and base.__base__.type != kind.type)
     assert type(back) is owner  # its own class, or the parent whose `type` it shares
     assert isinstance(error, type(back))
