@@ -166,6 +166,7 @@ class Load:
     ) -> None:
         self.server, self.documents, self.options, self.batch = server, documents, options, batch
         self.outcomes: list[tuple[int, bool]] = []
+        self._answered = threading.Condition()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(seed,), daemon=True) for seed in range(clients)]
 
@@ -183,6 +184,14 @@ class Load:
                     self.outcomes.append((200, decoded == self.server.sp.decode(self.server.sp.encode(texts))))
                 else:
                     self.outcomes.append((200, response.json()["ids"] == self.server.sp.encode(texts)))
+                with self._answered:
+                    self._answered.notify_all()
+
+    def wait_for(self, more: int, timeout: float = 60.0) -> None:
+        """Until `more` answers beyond those received so far have come back (the load is really on)."""
+        target = len(self.outcomes) + more
+        with self._answered:
+            assert self._answered.wait_for(lambda: len(self.outcomes) >= target, timeout), "the load stopped"
 
     def __enter__(self) -> Load:
         for thread in self._threads:
@@ -201,6 +210,7 @@ class Load:
 
 def test_kill_9_under_load_rebuilds_once_and_every_answer_is_right(faulty, documents):
     restarts = faulty.metric("tokenizer_worker_restarts_total")
+    rebuilds = faulty.metric("tokenizer_worker_rebuild_seconds_count")
     # Texts that keep a worker's CPU busy for 0.2 s, four at a time, keep every worker running a
     # job (small ones take microseconds), so the victim dies holding one: that job is retried, the
     # one queued behind it moves to another worker.
@@ -209,7 +219,9 @@ def test_kill_9_under_load_rebuilds_once_and_every_answer_is_right(faulty, docum
         victim = busiest_worker(faulty, lambda: time.sleep(1.0))
         victim.send_signal(signal.SIGKILL)
         faulty.wait_for_metric("tokenizer_worker_restarts_total", lambda value: value > restarts)
-        time.sleep(1.5)  # keep the load on while and after the pool is rebuilt
+        faulty.wait_for_metric("tokenizer_worker_rebuild_seconds_count", lambda value: value > rebuilds)
+        load.wait_for(20)  # answers after the pool is whole again
+        heavy.wait_for(2)
     assert len(load.outcomes) > 20 and len(heavy.outcomes) > 2
     assert all(outcome == (200, True) for outcome in load.outcomes + heavy.outcomes), set(load.outcomes)
     assert faulty.metric("tokenizer_worker_restarts_total") == restarts + 1  # only the dead worker restarts
@@ -223,11 +235,13 @@ def test_kill_9_under_load_rebuilds_once_and_every_answer_is_right(faulty, docum
 def test_kill_9_of_the_seeded_sampler(faulty, documents):
     sample = {"alpha": 0.1, "seed": 7}
     restarts = faulty.metric("tokenizer_worker_restarts_total")
+    rebuilds = faulty.metric("tokenizer_worker_rebuild_seconds_count")
     with Load(faulty, documents, clients=2, sample=sample) as load:
         victim = busiest_worker(faulty, lambda: time.sleep(1.0))
         victim.send_signal(signal.SIGKILL)
         faulty.wait_for_metric("tokenizer_worker_restarts_total", lambda value: value > restarts)
-        time.sleep(1.0)
+        faulty.wait_for_metric("tokenizer_worker_rebuild_seconds_count", lambda value: value > rebuilds)
+        load.wait_for(5)  # answers after the sampler is back
     assert len(load.outcomes) > 5
     assert all(outcome == (200, True) for outcome in load.outcomes), set(load.outcomes)
     assert faulty.metric("tokenizer_worker_restarts_total") == restarts + 1
@@ -264,11 +278,11 @@ def test_a_text_that_kills_workers_is_refused_by_index_and_others_are_served(fau
     poisoned = [*texts[:17], "FAULT:kill", *texts[17:]]
     poison_count = faulty.metric("tokenizer_poison_inputs_total")
     with Load(faulty, documents, clients=3) as load:
-        time.sleep(0.3)
+        load.wait_for(3)  # the others' load is on
         started = time.monotonic()
         response = faulty.tokenize(poisoned)
         print(f"\nkilling poison text answered 422 after {time.monotonic() - started:.2f}s")
-        time.sleep(0.5)
+        load.wait_for(3)  # and others are still served after it
     assert response.status_code == 422, response.text
     assert response.json()["error"] == {
         "type": "poison_input",
@@ -497,8 +511,14 @@ def test_sigterm_finishes_in_flight_requests_and_leaves_no_worker(tmp_path_facto
         request, answer = in_background(lambda: server.tokenize(texts))
         server.wait_for_metric("tokenizer_queued_bytes", lambda value: value >= 1)
         server.process.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
-        with pytest.raises(httpx.ConnectError):  # no longer accepting
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # until the listening socket is closed: no longer accepting
+            try:
+                httpx.get(f"{server.url}/healthz", timeout=2)
+            except httpx.ConnectError:
+                break
+            time.sleep(0.02)
+        with pytest.raises(httpx.ConnectError):
             httpx.get(f"{server.url}/healthz", timeout=2)
         request.join(timeout=30)
         check_answer(server, texts, answer[0])  # type: ignore[arg-type]
