@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.core import channel, process
-from app.core.handler import Handler, Limits, Progress
-from app.core.join import join_detokenize, join_tokenize, read_done, read_part
+from app.core.handler import Handler, Limits, TextMarker
+from app.core.join import join_detokenize, join_tokenize, read_chunk_result, read_done
 from app.core.protocol import CHUNK_HEAD, DETOKENIZE, PACK, REQUEST_HEAD, SPLIT_HEAD, TOKENIZE
 from app.core.registry import inspect_model
 from app.http.negotiation import wants_binary
@@ -68,7 +68,7 @@ def handler() -> Handler:
     info = inspect_model("default", MODEL)
     process.load_models([info])
     limits = Limits(max_texts=8192, max_seq_len=131072, min_chunk_chars=2000)
-    return Handler([info], [process.library("default")], "default", limits, Progress(None))
+    return Handler([info], [process.library("default")], "default", limits, TextMarker(None))
 
 
 @pytest.fixture(scope="module")
@@ -107,14 +107,14 @@ def answered_split(handler: Handler, route: int, document: dict, binary: bool, p
         assert reply == channel.PART
         replies.append(part)
     if route == DETOKENIZE:
-        answer = join_detokenize(model, "default", [read_part(part, blobs=False) for part in replies])
+        answer = join_detokenize(model, "default", [read_chunk_result(part, blobs=False) for part in replies])
     elif route == PACK:
         finish = channel.join_blobs([context, *replies])
         reply, done = run(handler, channel.FINISH, finish)
         assert reply == channel.DONE
         answer = read_done(done)
     else:
-        answer = join_tokenize(model, "default", [read_part(part) for part in replies], binary)
+        answer = join_tokenize(model, "default", [read_chunk_result(part) for part in replies], binary)
     assert answer.texts == texts
     return b"".join(bytes(part) for part in answer.body)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 _KINDS: dict[str, type[ServiceError]] = {}
 
 
@@ -102,4 +101,3 @@ class SlowBody(RequestTimeout):
     """A request body that arrived slower than `--min-body-rate`: cut, and its bytes released."""
 
     type = "timeout"
-

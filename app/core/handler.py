@@ -67,7 +67,7 @@ class Limits:
     max_request_bytes: int = 32 * 1024 * 1024
 
 
-class Progress:
+class TextMarker:
     """Where a careful job is: the text index in shared memory, -1 between texts."""
 
     def __init__(self, value: Any | None) -> None:
@@ -87,7 +87,7 @@ class Handler:
         libraries: Sequence[Library],
         default: str,
         limits: Limits,
-        progress: Progress,
+        progress: TextMarker,
     ) -> None:
         self.models = list(models)
         self.index = {info.name: position for position, info in enumerate(self.models)}

@@ -48,7 +48,7 @@ class Answer:
 
 
 @dataclass(frozen=True)
-class Part:
+class ChunkResult:
     """One chunk's result: the head fields and its blobs (views into the payload)."""
 
     model: int
@@ -67,10 +67,10 @@ def read_done(payload: Buffer) -> Answer:
     )
 
 
-def read_part(payload: Buffer, *, blobs: bool = True) -> Part:
+def read_chunk_result(payload: Buffer, *, blobs: bool = True) -> ChunkResult:
     head = read_result_head(payload)
     views = result_blobs(payload) if blobs else [result_body(payload)]  # several blobs, or one fragment (detokenize)
-    return Part(head.model, head.texts, head.tokens, Work(head.started, head.seconds), views, payload)
+    return ChunkResult(head.model, head.texts, head.tokens, Work(head.started, head.seconds), views, payload)
 
 
 def _joined(fragments: Sequence[Buffer]) -> list[Buffer]:
@@ -82,7 +82,7 @@ def _joined(fragments: Sequence[Buffer]) -> list[Buffer]:
     return out
 
 
-def join_tokenize(model: int, name: str, parts: Sequence[Part], binary: bool) -> Answer:
+def join_tokenize(model: int, name: str, parts: Sequence[ChunkResult], binary: bool) -> Answer:
     """The /v1/tokenize answer of a split request, from its parts in order."""
     texts = sum(part.texts for part in parts)
     tokens = sum(part.tokens for part in parts)
@@ -108,7 +108,7 @@ def join_tokenize(model: int, name: str, parts: Sequence[Part], binary: bool) ->
     return Answer(False, body, model, texts, tokens, work=work)
 
 
-def join_detokenize(model: int, name: str, parts: Sequence[Part]) -> Answer:
+def join_detokenize(model: int, name: str, parts: Sequence[ChunkResult]) -> Answer:
     """The /v1/detokenize answer of a split request."""
     body: list[Buffer] = [
         b'{"model":',

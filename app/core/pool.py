@@ -24,7 +24,7 @@ import orjson
 from app.core import channel
 from app.core.errors import PoisonInput, ServiceError, Unavailable
 from app.core.handler import Limits
-from app.core.join import Answer, Part, join_detokenize, join_tokenize, read_done, read_part
+from app.core.join import Answer, ChunkResult, join_detokenize, join_tokenize, read_chunk_result, read_done
 from app.core.lanes import Lane, WorkerCrashed
 from app.core.models import ModelInfo
 from app.core.poison import text_digest
@@ -137,13 +137,13 @@ class WorkerPool:
                 raise _failure(kind, reply)
         name = self.models[model].name
         if route == DETOKENIZE:
-            return join_detokenize(model, name, [read_part(reply, blobs=False) for _, reply in replies])
-        parts = [read_part(reply) for _, reply in replies]
+            return join_detokenize(model, name, [read_chunk_result(reply, blobs=False) for _, reply in replies])
+        parts = [read_chunk_result(reply) for _, reply in replies]
         if route == PACK:
             return await self._finish(context, parts)
         return join_tokenize(model, name, parts, binary)
 
-    async def _finish(self, context: Buffer, parts: list[Part]) -> Answer:
+    async def _finish(self, context: Buffer, parts: list[ChunkResult]) -> Answer:
         """Pack a split /v1/pack request's parts on one worker."""
         payload = finish_payload(context, [part.payload for part in parts])
         units = sum(part.tokens for part in parts)

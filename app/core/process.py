@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from app.core import channel, libraries, memory
-from app.core.handler import Handler, Limits, Progress
+from app.core.handler import Handler, Limits, TextMarker
 from app.core.libraries import Library
 from app.core.models import ModelInfo, find_model_files
 from app.core.requests import EncodeOptions
@@ -146,7 +146,7 @@ def serve(connection: socket.socket, startup: Startup, progress: Any) -> None:
         sys.exit(1)
     memory.keep_freed_memory()
     libraries_of_models = [library(info.name) for info in startup.models]
-    handler = Handler(startup.models, libraries_of_models, startup.default, startup.limits, Progress(progress))
+    handler = Handler(startup.models, libraries_of_models, startup.default, startup.limits, TextMarker(progress))
     reader = channel.FrameReader()
     connection.setblocking(True)
     while True:

@@ -90,9 +90,9 @@ class ExportError(Exception):
 
 
 @dataclass(frozen=True, eq=False)
-class Part:
+class Piece:
     """Consecutive sequences of one shard (documents, or packed rows): `ids` end to end and their `lengths`.
-    `file` is the shard's ``.bin`` when the part is the whole shard, so that it can be hard-linked."""
+    `file` is the shard's ``.bin`` when the piece is the whole shard, so that it can be hard-linked."""
 
     name: str
     ids: np.ndarray
@@ -144,7 +144,7 @@ def check_shards(dataset: TokenDataset, progress: Progress) -> None:
         progress(len(dataset.shard(shard).ids))
 
 
-def parts(dataset: TokenDataset, start: int, stop: int) -> list[Part]:
+def parts(dataset: TokenDataset, start: int, stop: int) -> list[Piece]:
     """Sequences [start, stop) of the dataset (documents, or packed rows), a part per shard they touch."""
     found = []
     bounds = [0]
@@ -168,7 +168,7 @@ def parts(dataset: TokenDataset, start: int, stop: int) -> list[Part]:
             ids = arrays.ids[int(arrays.offsets[lo]) : int(arrays.offsets[hi])]
             lengths = np.diff(arrays.offsets[lo : hi + 1])
         name = dataset.metadata["shards"][shard]["name"].replace("/", "-")  # merged ranks: rank-RRRRR/NNNNN
-        found.append(Part(name, ids, lengths, bin_path(dataset, shard) if whole else None))
+        found.append(Piece(name, ids, lengths, bin_path(dataset, shard) if whole else None))
     return found
 
 
@@ -197,7 +197,7 @@ def _write_atomically(path: Path, write: Callable[[Any], None]) -> None:
         temporary.unlink(missing_ok=True)
 
 
-def _write_ids(file: Any, pieces: list[Part], progress: Progress) -> None:
+def _write_ids(file: Any, pieces: list[Piece], progress: Progress) -> None:
     for part in pieces:
         file.write(memoryview(np.ascontiguousarray(part.ids)).cast("B"))
         progress(len(part.ids))
@@ -228,7 +228,7 @@ def _with_suffix(prefix: Path, suffix: str) -> Path:
 
 
 def export_megatron(
-    pieces: list[Part], dtype: str, output: Path, *, per_shard: bool, progress: Progress, done: Exported
+    pieces: list[Piece], dtype: str, output: Path, *, per_shard: bool, progress: Progress, done: Exported
 ) -> list[Path]:
     """OUT.bin + OUT.idx for all parts, or OUT_NNNNN.bin/.idx a part (a whole shard's ``.bin`` hard-linked)."""
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -268,7 +268,7 @@ def litdata_chunk_head(lengths: np.ndarray, itemsize: int) -> bytes:
     return np.uint32(count).tobytes() + offsets.astype("<u4").tobytes()
 
 
-def export_litdata(pieces: list[Part], dtype: str, output: Path, *, progress: Progress) -> list[Path]:
+def export_litdata(pieces: list[Piece], dtype: str, output: Path, *, progress: Progress) -> list[Path]:
     """OUT/index.json and one chunk a part, items = documents (or rows)."""
     itemsize = np.dtype(dtype).itemsize
     output.mkdir(parents=True, exist_ok=True)
@@ -315,7 +315,7 @@ def export_litdata(pieces: list[Part], dtype: str, output: Path, *, progress: Pr
 # -- nanogpt --------------------------------------------------------------------------------------------------
 
 
-def export_nanogpt(pieces: list[Part], output: Path, *, progress: Progress, done: Exported) -> list[Path]:
+def export_nanogpt(pieces: list[Piece], output: Path, *, progress: Progress, done: Exported) -> list[Path]:
     """One flat uint16 file (``train.bin``): every part's ids end to end (hard-linked for one whole shard)."""
     output.parent.mkdir(parents=True, exist_ok=True)
     if len(pieces) == 1 and pieces[0].file is not None:
@@ -336,7 +336,7 @@ def llmc_header(tokens: int) -> bytes:
     return header.tobytes()
 
 
-def export_llmc(pieces: list[Part], output: Path, *, shard_tokens: int, split: str, progress: Progress) -> list[Path]:
+def export_llmc(pieces: list[Piece], output: Path, *, shard_tokens: int, split: str, progress: Progress) -> list[Path]:
     """OUT/{split}_000000.bin, ...: shards of `shard_tokens` ids (the last one shorter)."""
     output.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
@@ -388,7 +388,7 @@ def val_output(to: str, output: Path) -> Path:
 
 
 def _export_parts(
-    pieces: list[Part],
+    pieces: list[Piece],
     to: str,
     dtype: str,
     output: Path,
