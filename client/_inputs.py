@@ -1,8 +1,8 @@
 """Arguments Python would accept that mean something else: refused before any request is made.
 
 A ``str`` is a sequence of one-character strings, so ``tokenize("some text")`` would tokenize each
-character as its own text; a flat list of ids given to ``detokenize`` is one text, not many; a URL
-without a scheme is read by httpx as a scheme of its own. These checks look at the container only
+character as its own text; a flat list of ids given to ``detokenize`` is one text, not many (a URL
+without a scheme: client.urls). These checks look at the container only
 (constant time): what is inside each text is the server's to check, with the text's index.
 """
 
@@ -12,7 +12,6 @@ import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import httpx
 import numpy as np
 
 ONE_TEXT = "for one text, pass [text]"
@@ -55,6 +54,12 @@ def flag(value: object, name: str) -> bool:
     if isinstance(value, bool | np.bool_) or (isinstance(value, numbers.Integral) and value in (0, 1)):
         return bool(value)
     raise TypeError(f"{name} must be True or False, not {type(value).__name__} {value!r:.80}")
+
+
+def set_flags(instance: object, *names: str) -> None:
+    """Each named attribute of a frozen dataclass `instance` as a Python bool (see `flag`), set in place."""
+    for name in names:
+        object.__setattr__(instance, name, flag(getattr(instance, name), name))
 
 
 def plain(value: Any) -> Any:
@@ -114,14 +119,3 @@ def id_rows(ids: Sequence[Sequence[int]] | Sequence[np.ndarray] | np.ndarray) ->
         else:
             out.append(id_list(row, f"ids[{index}]"))
     return out
-
-
-def check_url(url: str) -> str:
-    """`url` if it starts with http:// or https://; a ValueError that suggests the fix if not."""
-    try:
-        scheme = httpx.URL(url).scheme
-    except httpx.InvalidURL as exc:
-        raise ValueError(f"url {url!r} is not a URL: {exc}") from None
-    if scheme not in ("http", "https"):
-        raise ValueError(f"url {url!r} has no http:// or https:// in front: did you mean 'http://{url}'?")
-    return url
