@@ -85,22 +85,36 @@ def __getattr__(name: str) -> object:
 def _load(module: str) -> ModuleType:
     """The module, imported now (written out, so that the imports stay visible to tools and tests)."""
     if module == "client.batches":
-        import client.batches as loaded
-    elif module == "client.clients":
-        import client.clients as loaded
-    elif module == "client._retry":
-        import client._retry as loaded
-    elif module == "client.dataset":
-        import client.dataset as loaded
-    elif module == "client.errors":
-        import client.errors as loaded
-    elif module == "client.mixture":
-        import client.mixture as loaded
-    elif module == "client.prefetch":
-        import client.prefetch as loaded
-    else:
-        import client.torch_data as loaded
-    return loaded
+        import client.batches as batches
+
+        return batches
+    if module == "client.clients":
+        import client.clients as clients
+
+        return clients
+    if module == "client._retry":
+        import client._retry as retry
+
+        return retry
+    if module == "client.dataset":
+        import client.dataset as dataset
+
+        return dataset
+    if module == "client.errors":
+        import client.errors as errors
+
+        return errors
+    if module == "client.mixture":
+        import client.mixture as mixture
+
+        return mixture
+    if module == "client.prefetch":
+        import client.prefetch as prefetch
+
+        return prefetch
+    import client.torch_data as torch_data
+
+    return torch_data
 
 
 def __dir__() -> list[str]:

@@ -39,7 +39,6 @@ from client._requests import (
 from client._retry import NO_RETRY, Attempt, Replicas, RetryPolicy
 from client.batches import PackedBatch, TokenizedBatch
 from client.errors import TokenizerConnectionError, TokenizerError
-from client.prefetch.options import PackSpec, PrefetchOptions
 from client.urls import DEFAULT_URL, parse_urls
 
 T = TypeVar("T")
@@ -103,7 +102,7 @@ class PackStream:
 
 
 def _positive(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0  # False for nan too
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value) > 0  # False for nan too
 
 
 class BaseClient:
@@ -145,6 +144,10 @@ class BaseClient:
 
     def _http_request(self, replica: int, call: Call) -> httpx.Request:
         return self._requests.build(self.urls[replica], call)
+
+    def _prefetch_retry(self, retry: RetryPolicy | None) -> RetryPolicy:
+        """A prefetch's policy: `retry`, else this client's, else RetryPolicy() (a prefetch always retries)."""
+        return retry or self.retry or RetryPolicy()
 
     def _retrying(self, call: Call, policy: RetryPolicy | None = None) -> Retrying:
         """The bookkeeping of one request under `policy`, else this client's (else no retry)."""
@@ -214,25 +217,3 @@ class BaseClient:
     def _read_document(response: httpx.Response) -> dict[str, Any]:
         document: dict[str, Any] = loads(response.content)
         return document
-
-    def _prefetch_options(
-        self,
-        batch_size: int,
-        depth: int,
-        tokenize: TokenizeOptions,
-        pack: PackSpec | None,
-        as_torch: bool,
-        pin_memory: bool,
-        retry: RetryPolicy | None,
-    ) -> PrefetchOptions:
-        """What ``prefetch`` was asked for, checked; `retry` defaults to this client's policy, else RetryPolicy()."""
-        self._ensure_open()
-        return PrefetchOptions.build(
-            batch_size=batch_size,
-            depth=depth,
-            tokenize=tokenize,
-            pack=pack,
-            as_torch=as_torch,
-            pin_memory=pin_memory,
-            retry=retry or self.retry or RetryPolicy(),
-        )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -56,6 +56,11 @@ def flag(value: object, name: str) -> bool:
     raise TypeError(f"{name} must be True or False, not {type(value).__name__} {value!r:.80}")
 
 
+def set_integer(instance: object, name: str, minimum: int) -> None:
+    """The named attribute of a frozen dataclass `instance` as a Python int of at least `minimum` (see `integer`)."""
+    object.__setattr__(instance, name, integer(getattr(instance, name), name, minimum=minimum))
+
+
 def set_flags(instance: object, *names: str) -> None:
     """Each named attribute of a frozen dataclass `instance` as a Python bool (see `flag`), set in place."""
     for name in names:
@@ -80,7 +85,11 @@ def id_list(row: object, name: str) -> list[int]:
 
     A float id (1.7, or 1.0), a bool or a str is refused naming `name` and the position.
     """
-    array = row if isinstance(row, np.ndarray) else np.asarray(list(row) if not isinstance(row, list) else row)
+    array = (
+        row
+        if isinstance(row, np.ndarray)
+        else np.asarray(list(cast(Iterable[Any], row)) if not isinstance(row, list) else row)
+    )
     if array.size == 0:
         return []
     if array.ndim != 1:

@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 
 from client import wire
-from client._inputs import id_list, id_rows, integer, optional_integer, plain, set_flags, texts_list
+from client._inputs import id_list, id_rows, optional_integer, plain, set_flags, set_integer, texts_list
 from client._json import dumps
 
 API_KEY_ENV = "TOKENIZER_API_KEY"
@@ -133,7 +133,7 @@ class PackOptions:
     parse_special_tokens: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "seq_len", integer(self.seq_len, "seq_len", minimum=2))
+        set_integer(self, "seq_len", minimum=2)
         set_flags(self, "add_bos", "add_eos", "mask_document_start", "parse_special_tokens")
 
     def payload(

@@ -23,7 +23,7 @@ from client._requests import MODELS, READY, Call, Format, PackOptions, Strategy,
 from client._retry import RetryPolicy
 from client.batches import PackedBatch, TokenizedBatch
 from client.errors import TokenizerConnectionError, TokenizerError, TokenizerServiceError
-from client.prefetch import AsyncPrefetcher, PackSpec, Prefetcher
+from client.prefetch import AsyncPrefetcher, PackSpec, Prefetcher, PrefetchOptions
 from client.urls import DEFAULT_URL
 
 __all__ = ["AsyncTokenizerClient", "TokenizerClient"]
@@ -235,8 +235,10 @@ class TokenizerClient(Closing, BaseClient):
         requests go through a client of the prefetcher's own, made by ``async_client()`` (not through
         this client's ``transport=``).
         """
+        self._ensure_open()
         tokenize = TokenizeOptions(model, add_bos, add_eos, max_length, sample, parse_special_tokens)
-        options = self._prefetch_options(batch_size, depth, tokenize, pack, as_torch, pin_memory, retry)
+        retry = self._prefetch_retry(retry)
+        options = PrefetchOptions.build(batch_size, depth, tokenize, pack, as_torch, pin_memory, retry)
         prefetcher = Prefetcher(self.async_client, texts, options, state)
         self._prefetchers.add(prefetcher)
         return prefetcher
@@ -429,8 +431,10 @@ class AsyncTokenizerClient(AsyncClosing, BaseClient):
 
         `texts` may be a sync or an async iterable.
         """
+        self._ensure_open()
         tokenize = TokenizeOptions(model, add_bos, add_eos, max_length, sample, parse_special_tokens)
-        options = self._prefetch_options(batch_size, depth, tokenize, pack, as_torch, pin_memory, retry)
+        retry = self._prefetch_retry(retry)
+        options = PrefetchOptions.build(batch_size, depth, tokenize, pack, as_torch, pin_memory, retry)
         prefetcher = AsyncPrefetcher(self, texts, options, state)
         self._prefetchers.add(prefetcher)
         return prefetcher

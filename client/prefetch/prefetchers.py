@@ -31,9 +31,16 @@ H = TypeVar("H", asyncio.Task[list[Delivery]], concurrent.futures.Future[list[De
 class _Prefetching(Generic[H]):
     """What both prefetchers report: where the stream stands, the stats, the leftover."""
 
+    options: PrefetchOptions
     _pipeline: Pipeline
     _lookahead: Lookahead[H]
     _closed: bool
+
+    def _start(self, client: PrefetchClient, options: PrefetchOptions, resume: Resume) -> None:
+        self.options = options
+        self._pipeline = Pipeline(client, options, resume)
+        self._lookahead = Lookahead(options, resume, self._pipeline.recorder)
+        self._closed = False
 
     @property
     def closed(self) -> bool:
@@ -80,13 +87,10 @@ class Prefetcher(Closing, _Prefetching[concurrent.futures.Future[list[Delivery]]
         state: dict[str, Any] | None = None,
     ) -> None:
         resume = Resume.from_state(state, options)
-        self.options = options
-        self._reader = TextReader(texts, options.batch_size, resume.position.text, resume.position.skip > 0)
+        self._reader = TextReader(texts, options.batch_size, *resume.reading_from())
         client = make_client()
         self._loop = LoopThread("tokenizer-prefetch")
-        self._pipeline = Pipeline(client, options, resume)
-        self._lookahead = Lookahead(options, resume, self._pipeline.recorder)
-        self._closed = False
+        self._start(client, options, resume)
         # Holds no reference to self, so that garbage collection of an abandoned prefetcher closes it.
         self._finalizer = weakref.finalize(self, self._loop.close, _closer(self._pipeline, client))
         try:
@@ -155,11 +159,8 @@ class AsyncPrefetcher(AsyncClosing, _Prefetching[asyncio.Task[list[Delivery]]]):
         state: dict[str, Any] | None = None,
     ) -> None:
         resume = Resume.from_state(state, options)
-        self.options = options
-        self._reader = open_texts(texts, options.batch_size, resume.position.text, resume.position.skip > 0)
-        self._pipeline = Pipeline(client, options, resume)
-        self._lookahead = Lookahead(options, resume, self._pipeline.recorder)
-        self._closed = False
+        self._reader = open_texts(texts, options.batch_size, *resume.reading_from())
+        self._start(client, options, resume)
         self._started = False
 
     def __aiter__(self) -> AsyncPrefetcher:

@@ -41,6 +41,10 @@ class Resume:
         position = StreamPosition(int(state["text"]), int(state["skip"]))
         return cls(position, int(state["batches"]), state["model"], state["sha256"])
 
+    def reading_from(self) -> tuple[int, bool]:
+        """The stream index to read texts from, and whether the state stopped inside that text."""
+        return self.position.text, self.position.skip > 0
+
     def state_dict(self, options: PrefetchOptions) -> dict[str, Any]:
         return state_dict(options, self.position, self.batches, self.model, self.model_sha256)
 

@@ -225,8 +225,13 @@ class RowRegrouper:
             if self._parts
             else StreamPosition(self._fed, 0)
         )
+        input_ids, labels, position_ids = (
+            np.concatenate([getattr(answer, name)[a:b] for answer, a, b in pieces]) for name in ROW_FIELDS
+        )
         batch = _rows(
-            *(np.concatenate([getattr(answer, name)[a:b] for answer, a, b in pieces]) for name in ROW_FIELDS),
+            input_ids,
+            labels,
+            position_ids,
             cu_seqlens,
             self.seq_len,
             "best_fit",
