@@ -42,6 +42,7 @@ from client.errors import TokenizerConnectionError, TokenizerError
 from client.urls import DEFAULT_URL, parse_urls
 
 T = TypeVar("T")
+P = TypeVar("P")
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,13 @@ class BaseClient:
 
     def _prefetch_retry(self, retry: RetryPolicy | None) -> RetryPolicy:
         """A prefetch's policy: `retry`, else this client's, else RetryPolicy() (a prefetch always retries)."""
+        self._ensure_open()
         return retry or self.retry or RetryPolicy()
+
+    def _started(self, prefetcher: P) -> P:
+        """`prefetcher`, remembered so that closing this client closes it."""
+        self._prefetchers.add(prefetcher)
+        return prefetcher
 
     def _retrying(self, call: Call, policy: RetryPolicy | None = None) -> Retrying:
         """The bookkeeping of one request under `policy`, else this client's (else no retry)."""

@@ -235,13 +235,10 @@ class TokenizerClient(Closing, BaseClient):
         requests go through a client of the prefetcher's own, made by ``async_client()`` (not through
         this client's ``transport=``).
         """
-        self._ensure_open()
+        retry = self._prefetch_retry(retry)  # raises if this client is closed
         tokenize = TokenizeOptions(model, add_bos, add_eos, max_length, sample, parse_special_tokens)
-        retry = self._prefetch_retry(retry)
         options = PrefetchOptions.build(batch_size, depth, tokenize, pack, as_torch, pin_memory, retry)
-        prefetcher = Prefetcher(self.async_client, texts, options, state)
-        self._prefetchers.add(prefetcher)
-        return prefetcher
+        return self._started(Prefetcher(self.async_client, texts, options, state))
 
 
 class AsyncTokenizerClient(AsyncClosing, BaseClient):
@@ -431,10 +428,7 @@ class AsyncTokenizerClient(AsyncClosing, BaseClient):
 
         `texts` may be a sync or an async iterable.
         """
-        self._ensure_open()
+        retry = self._prefetch_retry(retry)  # raises if this client is closed
         tokenize = TokenizeOptions(model, add_bos, add_eos, max_length, sample, parse_special_tokens)
-        retry = self._prefetch_retry(retry)
         options = PrefetchOptions.build(batch_size, depth, tokenize, pack, as_torch, pin_memory, retry)
-        prefetcher = AsyncPrefetcher(self, texts, options, state)
-        self._prefetchers.add(prefetcher)
-        return prefetcher
+        return self._started(AsyncPrefetcher(self, texts, options, state))
