@@ -7,6 +7,7 @@ type or an error class is asked for (tests/test_hardening_client.py holds this).
 
 from __future__ import annotations
 
+import sys
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -85,36 +86,22 @@ def __getattr__(name: str) -> object:
 def _load(module: str) -> ModuleType:
     """The module, imported now (written out, so that the imports stay visible to tools and tests)."""
     if module == "client.batches":
-        import client.batches as batches
-
-        return batches
-    if module == "client.clients":
-        import client.clients as clients
-
-        return clients
-    if module == "client._retry":
-        import client._retry as retry
-
-        return retry
-    if module == "client.dataset":
-        import client.dataset as dataset
-
-        return dataset
-    if module == "client.errors":
-        import client.errors as errors
-
-        return errors
-    if module == "client.mixture":
-        import client.mixture as mixture
-
-        return mixture
-    if module == "client.prefetch":
-        import client.prefetch as prefetch
-
-        return prefetch
-    import client.torch_data as torch_data
-
-    return torch_data
+        import client.batches
+    elif module == "client.clients":
+        import client.clients
+    elif module == "client._retry":
+        import client._retry
+    elif module == "client.dataset":
+        import client.dataset
+    elif module == "client.errors":
+        import client.errors
+    elif module == "client.mixture":
+        import client.mixture
+    elif module == "client.prefetch":
+        import client.prefetch
+    else:
+        import client.torch_data  # noqa: F401 - each branch imports for sys.modules
+    return sys.modules[module]
 
 
 def __dir__() -> list[str]:
