@@ -7,14 +7,14 @@ type or an error class is asked for (tests/test_hardening_client.py holds this).
 
 from __future__ import annotations
 
+import sys
 from types import ModuleType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what the lazy attributes are, for type checkers and IDEs
-    from client._async import AsyncTokenizerClient
-    from client._client import TokenizerClient
-    from client._protocol import PackedBatch, TokenizedBatch
     from client._retry import RetryPolicy
+    from client.batches import PackedBatch, TokenizedBatch
+    from client.clients import AsyncTokenizerClient, TokenizerClient
     from client.dataset import TokenDataset
     from client.errors import (
         MalformedAnswerError,
@@ -31,20 +31,20 @@ if TYPE_CHECKING:  # what the lazy attributes are, for type checkers and IDEs
 # public name -> the module that defines it
 _LAZY = {
     "AsyncPrefetcher": "client.prefetch",
-    "AsyncTokenizerClient": "client._async",
+    "AsyncTokenizerClient": "client.clients",
     "MalformedAnswerError": "client.errors",
     "Mixture": "client.mixture",
     "ModelMismatchError": "client.errors",
     "PackSpec": "client.prefetch",
-    "PackedBatch": "client._protocol",
+    "PackedBatch": "client.batches",
     "PrefetchError": "client.errors",
     "PrefetchStats": "client.prefetch",
     "Prefetcher": "client.prefetch",
     "RetryPolicy": "client._retry",
     "TokenDataset": "client.dataset",
-    "TokenizedBatch": "client._protocol",
+    "TokenizedBatch": "client.batches",
     "TokenizedIterableDataset": "client.torch_data",  # imports torch
-    "TokenizerClient": "client._client",
+    "TokenizerClient": "client.clients",
     "TokenizerConnectionError": "client.errors",
     "TokenizerError": "client.errors",
     "TokenizerProtocolError": "client.errors",
@@ -85,25 +85,23 @@ def __getattr__(name: str) -> object:
 
 def _load(module: str) -> ModuleType:
     """The module, imported now (written out, so that the imports stay visible to tools and tests)."""
-    if module == "client._async":
-        import client._async as loaded
-    elif module == "client._client":
-        import client._client as loaded
-    elif module == "client._protocol":
-        import client._protocol as loaded
+    if module == "client.batches":
+        import client.batches
+    elif module == "client.clients":
+        import client.clients
     elif module == "client._retry":
-        import client._retry as loaded
+        import client._retry
     elif module == "client.dataset":
-        import client.dataset as loaded
+        import client.dataset
     elif module == "client.errors":
-        import client.errors as loaded
+        import client.errors
     elif module == "client.mixture":
-        import client.mixture as loaded
+        import client.mixture
     elif module == "client.prefetch":
-        import client.prefetch as loaded
+        import client.prefetch
     else:
-        import client.torch_data as loaded
-    return loaded
+        import client.torch_data  # noqa: F401 - each branch imports for sys.modules
+    return sys.modules[module]
 
 
 def __dir__() -> list[str]:

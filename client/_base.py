@@ -1,61 +1,52 @@
 """What TokenizerClient and AsyncTokenizerClient share, with no I/O: the httpx shape.
 
-`BaseClient` holds the replicas, the retry policy, the API key and the model fingerprints; it builds
-every call (`Call`: method, path, body, headers) and reads every answer. The two clients add only
-I/O: sending a call to one replica (`_send`) and the retry loop around it (`_request`), which differ
-in how they wait (time.sleep, asyncio.sleep).
+`BaseClient` holds the replicas, the retry policy, the API key, the model fingerprints and the
+outage log; it builds every exchange (the call to send, and how to read its reply) and decides what
+follows each attempt. The two clients in client.clients add only I/O: sending a call to one replica
+(`_send`), and the retry loop around it (`_request`), which differ in how they wait (time.sleep,
+asyncio.sleep).
 """
 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, get_args
+from typing import Any, Generic, TypeVar
 
 import httpx
+import numpy as np
 
+from client._answers import batch_from_response, packed_from_response, raise_for_error, read_json, texts_from_document
+from client._fingerprints import ModelFingerprints
+from client._json import loads
 from client._outage import OutageLog
-from client._protocol import (
-    DEFAULT_URL,
+from client._requests import (
+    MODELS,
+    Call,
     Format,
-    ModelFingerprints,
-    PackedBatch,
-    Requests,
-    TokenizedBatch,
-    accept_header,
-    batch_from_response,
-    dumps,
-    loads,
-    packed_from_response,
-    parse_urls,
-    raise_for_error,
+    PackOptions,
+    RequestBuilder,
+    TokenizeOptions,
+    chunked,
+    detokenize_payload,
+    post,
     resolve_api_key,
-    texts_from_document,
 )
 from client._retry import NO_RETRY, Attempt, Replicas, RetryPolicy
-from client.errors import TokenizerConnectionError, TokenizerProtocolError
+from client.batches import PackedBatch, TokenizedBatch
+from client.errors import TokenizerConnectionError, TokenizerError
+from client.urls import DEFAULT_URL, parse_urls
 
-JSON_HEADERS = {"content-type": "application/json"}
-FORMATS = get_args(Format)
-
-
-@dataclass(frozen=True)
-class Call:
-    """One HTTP call, as either client sends it to whichever replica it picks."""
-
-    method: str
-    path: str
-    content: bytes | None = None
-    headers: dict[str, str] | None = None
-
-
-MODELS = Call("GET", "/v1/models")
-READY = Call("GET", "/readyz")
+T = TypeVar("T")
+P = TypeVar("P")
 
 
 @dataclass(frozen=True)
-class Answer:
+class Reply:
     """A successful response, the replica that gave it, and what it took to get it."""
 
     response: httpx.Response
@@ -64,12 +55,59 @@ class Answer:
     seconds: float
 
 
+@dataclass(frozen=True)
+class Exchange(Generic[T]):
+    """A call to send and how to read the reply to it: what each public method asks its client's I/O to do."""
+
+    call: Call
+    read: Callable[[Reply], T]
+
+
+class Retrying:
+    """One request's way through its attempts: the replica to try next, what follows a failure or a success."""
+
+    def __init__(self, client: BaseClient, call: Call, attempt: Attempt) -> None:
+        self._client = client
+        self._request = str(call)
+        self._attempt = attempt
+        self._started = time.perf_counter()
+
+    def next_replica(self) -> int:
+        return self._attempt.next_replica()
+
+    def failed(self, replica: int, exc: TokenizerError) -> float:
+        """Seconds to wait before the next attempt (0: another replica at once); raises when giving up."""
+        delay = self._attempt.failed(replica, exc)
+        self._client._outage.retrying(self._attempt, self._request, exc)
+        return delay
+
+    def reply(self, replica: int, response: httpx.Response) -> Reply:
+        self._attempt.succeeded(replica)
+        source = self._client.urls[replica]
+        self._client._outage.answered(self._request, source)
+        return Reply(response, source, self._attempt.attempts, time.perf_counter() - self._started)
+
+
+class PackStream:
+    """`pack_stream`'s requests without I/O: chunks of texts, and the carry threaded from each answer to the next."""
+
+    def __init__(self, texts: Iterable[str], texts_per_request: int) -> None:
+        self.chunks = chunked(texts, texts_per_request)
+        self.carry: np.ndarray | None = None
+        self.starts: np.ndarray | None = None
+
+    def keep(self, packed: PackedBatch) -> PackedBatch:
+        """`packed`, after taking its leftover as the next request's carry."""
+        self.carry, self.starts = packed.leftover, packed.leftover_document_starts
+        return packed
+
+
 def _positive(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value > 0  # False for nan too
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value) > 0  # False for nan too
 
 
 class BaseClient:
-    """Replicas, retries, calls and answers; no I/O (see the module)."""
+    """Replicas, retries, exchanges and replies; no I/O (see the module)."""
 
     def __init__(
         self,
@@ -89,9 +127,10 @@ class BaseClient:
         self.replica_cooldown_s = replica_cooldown_s
         self._api_key = resolve_api_key(api_key)
         self._replicas = Replicas(self.urls, replica_cooldown_s)
-        self._requests = Requests(self._api_key, timeout)
+        self._requests = RequestBuilder(self._api_key, timeout)
         self._fingerprints = ModelFingerprints()
         self._outage = OutageLog()  # one warning an outage, whichever call meets it first
+        self._prefetchers: weakref.WeakSet[Any] = weakref.WeakSet()
         self._closed = False
 
     @property
@@ -102,52 +141,84 @@ class BaseClient:
         if self._closed:
             raise RuntimeError(f"this {type(self).__name__} is closed")
 
-    # -- building calls ------------------------------------------------------------------------------
-
-    @staticmethod
-    def _post(path: str, payload: dict[str, Any], format: Format | None = None) -> Call:
-        """A JSON body to `path`, asking for the binary frame or JSON as `format` says (None: JSON only)."""
-        if format is not None and format not in FORMATS:
-            raise ValueError(f"format must be one of {', '.join(map(repr, FORMATS))}, not {format!r}")
-        headers = JSON_HEADERS if format is None else {**JSON_HEADERS, "accept": accept_header(format)}
-        return Call("POST", path, dumps(payload), headers)
+    # -- sending: what to send where, and what follows each attempt -------------------------------------
 
     def _http_request(self, replica: int, call: Call) -> httpx.Request:
-        return self._requests.build(call.method, f"{self.urls[replica]}{call.path}", call.content, call.headers)
+        return self._requests.build(self.urls[replica], call)
 
-    def _attempt(self, policy: RetryPolicy | None = None) -> Attempt:
+    def _prefetch_retry(self, retry: RetryPolicy | None) -> RetryPolicy:
+        """A prefetch's policy: `retry`, else this client's, else RetryPolicy() (a prefetch always retries)."""
         self._ensure_open()
-        return Attempt(policy or self.retry or NO_RETRY, self._replicas)
+        return retry or self.retry or RetryPolicy()
 
-    # -- reading answers -----------------------------------------------------------------------------
+    def _started(self, prefetcher: P) -> P:
+        """`prefetcher`, remembered so that closing this client closes it."""
+        self._prefetchers.add(prefetcher)
+        return prefetcher
+
+    def _retrying(self, call: Call, policy: RetryPolicy | None = None) -> Retrying:
+        """The bookkeeping of one request under `policy`, else this client's (else no retry)."""
+        self._ensure_open()
+        return Retrying(self, call, Attempt(policy or self.retry or NO_RETRY, self._replicas))
+
+    @contextmanager
+    def _translating(self, replica: int, call: Call) -> Iterator[None]:
+        """httpx's transport errors, raised inside, as TokenizerConnectionError."""
+        try:
+            yield
+        except httpx.TransportError as exc:
+            raise TokenizerConnectionError(f"{call.method} {self.urls[replica]}{call.path} failed: {exc!r}") from exc
 
     @staticmethod
     def _checked(response: httpx.Response) -> httpx.Response:
         raise_for_error(response)
         return response
 
-    @staticmethod
-    def _connection_error(replica_url: str, call: Call, exc: Exception) -> TokenizerConnectionError:
-        return TokenizerConnectionError(f"{call.method} {replica_url}{call.path} failed: {exc!r}")
+    # -- exchanges: each endpoint's call and the reading of its reply -----------------------------------
 
-    def _read_tokenize(self, answer: Answer, requested: str | None, texts: int | None = None) -> TokenizedBatch:
-        """The answer to a request of `texts` texts, checked against it (MalformedAnswerError if it does not fit)."""
-        batch = batch_from_response(answer.response, texts)
-        self._fingerprints.check(batch.model, batch.model_sha256, answer.source, requested=requested)
+    def _tokenize(
+        self, texts: Sequence[str], options: TokenizeOptions, format: Format = "binary"
+    ) -> Exchange[TokenizedBatch]:
+        payload = options.payload(texts)
+        count = len(payload["texts"])
+        return Exchange(
+            post("/v1/tokenize", payload, format), lambda reply: self._read_tokenize(reply, options.model, count)
+        )
+
+    def _pack(
+        self,
+        texts: Sequence[str],
+        options: PackOptions,
+        carry: Sequence[int] | np.ndarray | None = None,
+        carry_document_starts: Sequence[int] | np.ndarray | None = None,
+        format: Format = "binary",
+    ) -> Exchange[PackedBatch]:
+        call = post("/v1/pack", options.payload(texts, carry, carry_document_starts), format)
+        return Exchange(call, lambda reply: self._read_pack(reply, options.model, options.seq_len))
+
+    def _detokenize(
+        self, ids: Sequence[Sequence[int]] | Sequence[np.ndarray], model: str | None
+    ) -> Exchange[list[str]]:
+        payload = detokenize_payload(ids, model)
+        rows = len(payload["ids"])
+        return Exchange(
+            post("/v1/detokenize", payload),
+            lambda reply: texts_from_document(read_json(reply.response, "detokenize"), rows),
+        )
+
+    def _models(self) -> Exchange[dict[str, Any]]:
+        return Exchange(MODELS, lambda reply: self._read_document(reply.response))
+
+    def _read_tokenize(self, reply: Reply, requested: str | None, texts: int | None = None) -> TokenizedBatch:
+        """The reply to a request of `texts` texts, checked against it (MalformedAnswerError if it does not fit)."""
+        batch = batch_from_response(reply.response, texts)
+        self._fingerprints.check(batch.model, batch.model_sha256, reply.source, requested=requested)
         return batch
 
-    def _read_pack(self, answer: Answer, requested: str | None, seq_len: int | None = None) -> PackedBatch:
-        packed = packed_from_response(answer.response, seq_len)
-        self._fingerprints.check(packed.model, packed.model_sha256, answer.source, requested=requested)
+    def _read_pack(self, reply: Reply, requested: str | None, seq_len: int | None = None) -> PackedBatch:
+        packed = packed_from_response(reply.response, seq_len)
+        self._fingerprints.check(packed.model, packed.model_sha256, reply.source, requested=requested)
         return packed
-
-    @staticmethod
-    def _read_texts(answer: Answer, rows: int | None = None) -> list[str]:
-        try:
-            document = loads(answer.response.content)
-        except ValueError as exc:
-            raise TokenizerProtocolError(f"unreadable detokenize answer: {exc}") from exc
-        return texts_from_document(document, rows)
 
     @staticmethod
     def _read_document(response: httpx.Response) -> dict[str, Any]:

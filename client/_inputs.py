@@ -1,8 +1,8 @@
 """Arguments Python would accept that mean something else: refused before any request is made.
 
 A ``str`` is a sequence of one-character strings, so ``tokenize("some text")`` would tokenize each
-character as its own text; a flat list of ids given to ``detokenize`` is one text, not many; a URL
-without a scheme is read by httpx as a scheme of its own. These checks look at the container only
+character as its own text; a flat list of ids given to ``detokenize`` is one text, not many (a URL
+without a scheme: client.urls). These checks look at the container only
 (constant time): what is inside each text is the server's to check, with the text's index.
 """
 
@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
-import httpx
 import numpy as np
 
 ONE_TEXT = "for one text, pass [text]"
@@ -57,6 +56,17 @@ def flag(value: object, name: str) -> bool:
     raise TypeError(f"{name} must be True or False, not {type(value).__name__} {value!r:.80}")
 
 
+def set_integer(instance: object, name: str, minimum: int) -> None:
+    """The named attribute of a frozen dataclass `instance` as a Python int of at least `minimum` (see `integer`)."""
+    object.__setattr__(instance, name, integer(getattr(instance, name), name, minimum=minimum))
+
+
+def set_flags(instance: object, *names: str) -> None:
+    """Each named attribute of a frozen dataclass `instance` as a Python bool (see `flag`), set in place."""
+    for name in names:
+        object.__setattr__(instance, name, flag(getattr(instance, name), name))
+
+
 def plain(value: Any) -> Any:
     """`value` with numpy scalars and arrays inside dicts and lists turned into Python values (for JSON)."""
     if isinstance(value, np.generic):
@@ -75,7 +85,11 @@ def id_list(row: object, name: str) -> list[int]:
 
     A float id (1.7, or 1.0), a bool or a str is refused naming `name` and the position.
     """
-    array = row if isinstance(row, np.ndarray) else np.asarray(list(row) if not isinstance(row, list) else row)
+    array = (
+        row
+        if isinstance(row, np.ndarray)
+        else np.asarray(list(cast(Iterable[Any], row)) if not isinstance(row, list) else row)
+    )
     if array.size == 0:
         return []
     if array.ndim != 1:
@@ -114,14 +128,3 @@ def id_rows(ids: Sequence[Sequence[int]] | Sequence[np.ndarray] | np.ndarray) ->
         else:
             out.append(id_list(row, f"ids[{index}]"))
     return out
-
-
-def check_url(url: str) -> str:
-    """`url` if it starts with http:// or https://; a ValueError that suggests the fix if not."""
-    try:
-        scheme = httpx.URL(url).scheme
-    except httpx.InvalidURL as exc:
-        raise ValueError(f"url {url!r} is not a URL: {exc}") from None
-    if scheme not in ("http", "https"):
-        raise ValueError(f"url {url!r} has no http:// or https:// in front: did you mean 'http://{url}'?")
-    return url

@@ -12,12 +12,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from client._base import Call
-    from client._retry import Attempt
-    from client.errors import TokenizerError
+from client._retry import Attempt
+from client.errors import TokenizerError
 
 logger = logging.getLogger("tokenizer.client")
 
@@ -29,9 +26,9 @@ class OutageLog:
         self._lock = threading.Lock()
         self._since: float | None = None  # time.monotonic() of the warning, while the outage lasts
 
-    def retrying(self, attempt: Attempt, call: Call, exc: TokenizerError) -> None:
-        """After a failed attempt that `attempt` will retry: warns if it ended a round over every replica
-        and no warning is out yet."""
+    def retrying(self, attempt: Attempt, request: str, exc: TokenizerError) -> None:
+        """After a failed attempt of `request` ("POST /v1/tokenize") that `attempt` will retry: warns if it
+        ended a round over every replica and no warning is out yet."""
         replicas = len(attempt.replicas)
         if attempt.attempts % replicas:  # failing over within a round: not every replica has failed yet
             return
@@ -44,7 +41,7 @@ class OutageLog:
         logger.warning(
             "%s failed on %s %s (last error: %s); retrying for up to %.1f s more (RetryPolicy budget_s=%g, until "
             "about %s), then raising; not logged again until a request gets through",
-            f"{call.method} {call.path}",
+            request,
             "replica" if replicas == 1 else f"all {replicas} replicas",
             ", ".join(attempt.replicas.urls),
             exc,
@@ -53,7 +50,7 @@ class OutageLog:
             until,
         )
 
-    def answered(self, call: Call, source: str) -> None:
+    def answered(self, request: str, source: str) -> None:
         """After a success: the info line that ends an announced outage (one attribute read otherwise)."""
         if self._since is None:
             return
@@ -61,6 +58,4 @@ class OutageLog:
             since, self._since = self._since, None
         if since is not None:
             seconds = time.monotonic() - since
-            logger.info(
-                "%s %s answered by %s: requests get through again after %.1f s", call.method, call.path, source, seconds
-            )
+            logger.info("%s answered by %s: requests get through again after %.1f s", request, source, seconds)

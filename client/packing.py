@@ -350,25 +350,25 @@ def _stats(rows: int, seq_len: int, tokens: int, documents: int, split: int) -> 
     )
 
 
-def _check_seq_len(seq_len: int) -> int:
-    if isinstance(seq_len, (bool, np.bool_)):
-        raise ValueError(f"seq_len must be an integer, got {seq_len!r}")
+def _index(value: int, name: str) -> int:
+    """`value` as a Python int: any integer but a bool; a ValueError naming `name` otherwise."""
+    if isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
     try:
-        value = operator.index(seq_len)
+        return operator.index(value)
     except TypeError:
-        raise ValueError(f"seq_len must be an integer, got {seq_len!r}") from None
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+def _check_seq_len(seq_len: int) -> int:
+    value = _index(seq_len, "seq_len")
     if value < 1:
         raise ValueError(f"seq_len must be at least 1, got {value}")
     return value
 
 
 def _check_int(value: int, name: str) -> int:
-    if isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    value = _index(value, name)
     if not _INT32.min <= value <= _INT32.max:
         raise ValueError(f"{name}={value} does not fit in int32")
     return value

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch.utils.data
 
-from client._client import TokenizerClient
-from client._protocol import PackedBatch, TokenizedBatch
+from client.batches import PackedBatch, TokenizedBatch
+from client.clients import TokenizerClient
 
 __all__ = ["TokenizedIterableDataset", "shard_blocks"]
 

@@ -59,7 +59,7 @@ def _little_endian(array: np.ndarray) -> np.ndarray:
 
 
 def _dtype_code(dtype: np.dtype) -> str:
-    code = dtype.str
+    code: str = dtype.str
     if code not in _ALLOWED_DTYPES:
         raise WireFormatError(f"dtype {dtype} cannot travel in a frame")
     return code
@@ -105,7 +105,7 @@ def encode_parts(
         nbytes = 0
         for piece in pieces:
             if piece.nbytes:
-                parts.append(memoryview(piece).cast("B"))
+                parts.append(piece.data.cast("B"))
                 nbytes += piece.nbytes
         if nbytes % ALIGNMENT:
             parts.append(b"\0" * (ALIGNMENT - nbytes % ALIGNMENT))

@@ -29,10 +29,10 @@ from client import (
     wire,
 )
 
-Reply = tuple[int, str, bytes]
+Canned = tuple[int, str, bytes]  # status, content type, body
 
 
-def byte_tokenizer(path: str, body: dict[str, Any], accept: str) -> Reply:
+def byte_tokenizer(path: str, body: dict[str, Any], accept: str) -> Canned:
     """A well-behaved server: each text's ids are its UTF-8 bytes."""
     if path == "/v1/detokenize":
         texts = [bytes(row).decode("utf-8", "replace") for row in body["ids"]]
@@ -50,7 +50,7 @@ class FakeServer:
     """A stdlib HTTP server on 127.0.0.1 answering with `self.reply`; it keeps the last request body."""
 
     def __init__(self) -> None:
-        self.reply: Callable[[str, dict[str, Any], str], Reply] = byte_tokenizer
+        self.reply: Callable[[str, dict[str, Any], str], Canned] = byte_tokenizer
         self.last_body: dict[str, Any] | None = None
         fake = self
 

@@ -179,27 +179,33 @@ def test_admission_counts_bytes_and_refuses_beyond_the_budget():
 
 
 def client_import_graph() -> dict[str, set[str]]:
-    """Imports between the modules of client/, function-level ones included, ``if TYPE_CHECKING:`` blocks left out."""
+    """Imports between the modules of client/ and its subpackages, function-level and ``if TYPE_CHECKING:`` ones
+    included; importing ``client.prefetch.rows`` imports the package ``client.prefetch`` too."""
     import ast
 
     package = Path(__file__).resolve().parent.parent / "client"
-    modules = {"client" if path.stem == "__init__" else f"client.{path.stem}": path for path in package.glob("*.py")}
 
-    def typing_only(test: ast.expr) -> bool:
-        return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-            isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-        )
+    def module_name(path: Path) -> str:
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
-    def imported(node: ast.AST) -> list[str]:
+    modules = {module_name(path): path for path in package.rglob("*.py")}
+
+    def with_packages(module: str, importer: str) -> list[str]:
+        """`module` and the subpackages of client it lies in: not client itself (its imports are all lazy), nor
+        a package the importer lies in (Python has begun importing that one before the importer runs)."""
+        parts = module.split(".")
+        names = [".".join(parts[:end]) for end in range(2, len(parts) + 1)]
+        return [name for name in names if name == module or not importer.startswith(f"{name}.")]
+
+    def imported(node: ast.AST, name: str) -> list[str]:
         if isinstance(node, ast.Import):
             return [alias.name for alias in node.names]
         if isinstance(node, ast.ImportFrom):
-            base = ("client." * bool(node.level) + (node.module or "")).rstrip(".")  # client/ is one flat package
-            if base == "client":  # from client import wire: the module client.wire, else the package itself
-                return [
-                    f"client.{alias.name}" if f"client.{alias.name}" in modules else "client" for alias in node.names
-                ]
-            return [base]
+            here = name.split(".") if modules[name].name == "__init__.py" else name.split(".")[:-1]
+            prefix = ".".join(here[: len(here) - node.level + 1]) if node.level else ""
+            base = ".".join(part for part in (prefix, node.module or "") if part)
+            return [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
         return []
 
     graph: dict[str, set[str]] = {}
@@ -208,11 +214,12 @@ def client_import_graph() -> dict[str, set[str]]:
         nodes: list[ast.AST] = [ast.parse(path.read_text(encoding="utf-8"))]
         while nodes:
             node = nodes.pop()
-            if isinstance(node, ast.If) and typing_only(node.test):
-                nodes.extend(node.orelse)
-                continue
-            edges.update(module for module in imported(node) if module in modules and module != name)
+            for module in imported(node, name):
+                edges.update(part for part in with_packages(module, name) if part in modules)
+                if module == "client":
+                    edges.add(module)
             nodes.extend(ast.iter_child_nodes(node))
+        edges.discard(name)
         graph[name] = edges
     return graph
 
@@ -243,16 +250,19 @@ def test_client_modules_import_each_other_without_a_cycle():
     assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     graph = client_import_graph()
     assert "client.torch_data" in graph["client"], "function-level imports count"
-    assert "client._async" in graph["client._client"] and "client.prefetch" in graph["client._async"]
-    for pipeline in ("client.prefetch", "client._pipeline"):
-        assert not graph[pipeline] & {"client._async", "client._client", "client._base"}, "it knows no client class"
+    assert {"client._base", "client.prefetch"} <= graph["client.clients"]
+    prefetch = [name for name in graph if name.startswith("client.prefetch")]
+    for name in prefetch:
+        assert not graph[name] & {"client.clients", "client._base"}, f"{name} knows no client class"
     assert not graph["client._torch"], "client._torch knows arrays only"
+    assert not graph["client._base"] & {"client.clients", "client.prefetch"}, "the I/O-free base knows no I/O class"
+    assert not graph["client._outage"] & {"client._base", "client.clients"}
     cycle = import_cycle(graph)
     assert cycle is None, " -> ".join(cycle)
 
 
 def test_request_bodies_send_flags_as_json_booleans_and_leave_defaults_out():
-    from client._protocol import PackOptions, TokenizeOptions
+    from client._requests import PackOptions, TokenizeOptions
 
     assert TokenizeOptions(add_bos=np.True_, add_eos=0).payload(("a",)) == {"texts": ["a"], "add_bos": True}
     assert TokenizeOptions("m", max_length=0, sample={}).payload(["a"]) == {

@@ -1,9 +1,9 @@
-"""The one in-order bounded pipeline both prefetchers run; each only adds its way of waiting (client.prefetch).
+"""The one in-order bounded pipeline both prefetchers run; each only adds its way of waiting (.prefetchers).
 
 Two halves, one per side of the wait:
 
 * :class:`Pipeline` lives on an event loop: one request per window, any number in flight, each
-  answer assembled (client._assembler) strictly in stream order, whatever order they arrive in.
+  answer assembled (client.prefetch.assembler) strictly in stream order, whatever order they arrive in.
 * :class:`Lookahead` lives with the consumer and does no I/O and no waiting: which windows to read
   and send (at most ``depth`` outstanding), which answer comes next, what is ready to hand out, the
   errors in stream order, the state and stats after each batch. ``H`` is how the consumer holds an
@@ -20,22 +20,30 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Generic, NoReturn, Protocol, TypeVar
+from typing import Any, Generic, NoReturn, Protocol, TypeVar
 
-from client._assembler import Assembler, Delivery
-from client._options import PrefetchOptions
-from client._protocol import Batch, PackedBatch, PackOptions, TokenizedBatch, TokenizeOptions
-from client._resume import Resume
+from client._fingerprints import ModelFingerprints
+from client._requests import PackOptions, TokenizeOptions
 from client._retry import RetryPolicy
-from client._stats import StatsRecorder
-from client._texts import Window
+from client.batches import Batch, PackedBatch, TokenizedBatch
 from client.errors import PrefetchError, TokenizerError, TokenizerServiceError
-
-if TYPE_CHECKING:
-    from client._base import Answer
-    from client._protocol import ModelFingerprints
+from client.prefetch.assembler import Assembler, Delivery
+from client.prefetch.options import PrefetchOptions
+from client.prefetch.resume import Resume
+from client.prefetch.stats import StatsRecorder
+from client.prefetch.texts import Window
 
 H = TypeVar("H")
+
+
+class ReplyTiming(Protocol):
+    """What the pipeline reads of a client's reply besides the batch: what it took to get it."""
+
+    @property
+    def attempts(self) -> int: ...
+
+    @property
+    def seconds(self) -> float: ...
 
 
 class PrefetchClient(Protocol):
@@ -50,11 +58,11 @@ class PrefetchClient(Protocol):
 
     async def _tokenize_answer(
         self, texts: Sequence[str], options: TokenizeOptions, *, policy: RetryPolicy | None = None
-    ) -> tuple[TokenizedBatch, Answer]: ...
+    ) -> tuple[TokenizedBatch, ReplyTiming]: ...
 
     async def _pack_answer(
         self, texts: Sequence[str], options: PackOptions, *, policy: RetryPolicy | None = None
-    ) -> tuple[PackedBatch, Answer]: ...
+    ) -> tuple[PackedBatch, ReplyTiming]: ...
 
     async def aclose(self) -> None: ...
 

@@ -1,38 +1,4 @@
-"""Prefetch: tokenize a stream of texts ahead of a training loop, so that the loop never waits on tokenization.
-
-``client.prefetch(texts, ...)`` returns a :class:`Prefetcher`, an iterator of batches in stream order:
-
-* ``texts`` is any iterable of str (an endless generator too). It is read lazily, in the thread that
-  calls ``next()``, never more than ``depth`` requests of ``batch_size`` texts ahead.
-* Up to ``depth`` requests are in flight, on one background thread that runs an event loop with its
-  own connection pool. Batches come out in input order; memory holds at most ``depth`` answers plus
-  the batches cut from the one being handed out.
-* A failed request is retried (``RetryPolicy``: connection errors, 429/502/503/504 honouring
-  Retry-After, failover to another replica) with the same texts, so no text is lost or repeated.
-  Past the retry budget, or on an error that retrying cannot fix (401, 404, 413, 422), ``next()``
-  raises :class:`PrefetchError` once the batches before it have been handed out. While requests
-  retry, the logger "tokenizer.client" says so, once per outage (client._outage).
-* ``break``, ``close()``, the end of a ``with`` block, the end of the stream or garbage collection
-  stop the background work: requests in flight are cancelled, connections closed, the thread joined.
-* ``stats`` says how long the consumer waited in ``next()``; ``state_dict()`` says where to resume.
-
-With ``pack=PackSpec(seq_len, rows)`` the batches are :class:`PackedBatch` of exactly ``rows`` rows of
-``seq_len`` tokens (the last one may have fewer rows). ``concat`` tokenizes windows with /v1/tokenize,
-any number in flight, and cuts the rows in the client, in stream order (see client._packing: a /v1/pack request
-with ``carry`` needs the previous one's leftover, which would allow only one request in flight).
-``best_fit`` packs each window of ``batch_size`` texts on the server (/v1/pack; no carry) and
-regroups the rows.
-
-:class:`AsyncPrefetcher` is the same for asyncio code (``AsyncTokenizerClient.prefetch``).
-
-Both run the one pipeline of client._pipeline: its requests and in-order assembly on an event loop
-(the caller's, or for Prefetcher one on a thread of its own, client._loop), its bound, order, errors,
-state and stats on the consumer's side. The two classes here only wait: AsyncPrefetcher awaits, and
-Prefetcher blocks in ``next()`` only while the answer it needs is not in yet, so that handing out a
-batch whose answer has arrived never waits on the loop thread. The pieces without I/O:
-client._options (PackSpec, PrefetchOptions), client._texts (windows of texts), client._assembler
-(answers to batches), client._resume (state_dict and resume), client._stats (PrefetchStats).
-"""
+"""Prefetcher and AsyncPrefetcher: each only its way of waiting around the one pipeline (see client.prefetch)."""
 
 from __future__ import annotations
 
@@ -42,22 +8,22 @@ import time
 import warnings
 import weakref
 from collections.abc import AsyncIterable, Callable, Coroutine, Iterable
-from types import TracebackType
 from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from client._assembler import Delivery
-from client._loop import LoopThread
-from client._options import PackSpec, PrefetchOptions
-from client._pipeline import Lookahead, Pipeline, PrefetchClient
-from client._protocol import Batch
-from client._resume import Resume
-from client._stats import PrefetchStats
-from client._texts import TextReader, open_texts
+from client._lifecycle import AsyncClosing, Closing
+from client.batches import Batch
 from client.errors import TokenizerError
+from client.prefetch.assembler import Delivery
+from client.prefetch.loop import LoopThread
+from client.prefetch.options import PrefetchOptions
+from client.prefetch.pipeline import Lookahead, Pipeline, PrefetchClient
+from client.prefetch.resume import Resume
+from client.prefetch.stats import PrefetchStats
+from client.prefetch.texts import TextReader, open_texts
 
-__all__ = ["AsyncPrefetcher", "PackSpec", "PrefetchOptions", "PrefetchStats", "Prefetcher"]
+__all__ = ["AsyncPrefetcher", "Prefetcher"]
 
 H = TypeVar("H", asyncio.Task[list[Delivery]], concurrent.futures.Future[list[Delivery]])
 
@@ -65,9 +31,16 @@ H = TypeVar("H", asyncio.Task[list[Delivery]], concurrent.futures.Future[list[De
 class _Prefetching(Generic[H]):
     """What both prefetchers report: where the stream stands, the stats, the leftover."""
 
+    options: PrefetchOptions
     _pipeline: Pipeline
     _lookahead: Lookahead[H]
     _closed: bool
+
+    def _start(self, client: PrefetchClient, options: PrefetchOptions, resume: Resume) -> None:
+        self.options = options
+        self._pipeline = Pipeline(client, options, resume)
+        self._lookahead = Lookahead(options, resume, self._pipeline.recorder)
+        self._closed = False
 
     @property
     def closed(self) -> bool:
@@ -94,7 +67,7 @@ class _Prefetching(Generic[H]):
             warnings.warn(f"prefetch delivered no batch: {reason}", UserWarning, stacklevel=3)
 
 
-class Prefetcher(_Prefetching[concurrent.futures.Future[list[Delivery]]]):
+class Prefetcher(Closing, _Prefetching[concurrent.futures.Future[list[Delivery]]]):
     """Iterator over batches tokenized in the background, in stream order; a context manager.
 
     Made by ``TokenizerClient.prefetch``: see the module docstring. ``TokenizedBatch`` (ragged) or
@@ -114,13 +87,10 @@ class Prefetcher(_Prefetching[concurrent.futures.Future[list[Delivery]]]):
         state: dict[str, Any] | None = None,
     ) -> None:
         resume = Resume.from_state(state, options)
-        self.options = options
-        self._reader = TextReader(texts, options.batch_size, resume.position.text, resume.position.skip > 0)
+        self._reader = TextReader(texts, options.batch_size, *resume.reading_from())
         client = make_client()
         self._loop = LoopThread("tokenizer-prefetch")
-        self._pipeline = Pipeline(client, options, resume)
-        self._lookahead = Lookahead(options, resume, self._pipeline.recorder)
-        self._closed = False
+        self._start(client, options, resume)
         # Holds no reference to self, so that garbage collection of an abandoned prefetcher closes it.
         self._finalizer = weakref.finalize(self, self._loop.close, _closer(self._pipeline, client))
         try:
@@ -131,14 +101,6 @@ class Prefetcher(_Prefetching[concurrent.futures.Future[list[Delivery]]]):
 
     def __iter__(self) -> Prefetcher:
         return self
-
-    def __enter__(self) -> Prefetcher:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
     def _fill(self) -> None:
         """Read windows, in this thread, and send them until ``depth`` are outstanding (or the texts end)."""
@@ -182,7 +144,7 @@ class Prefetcher(_Prefetching[concurrent.futures.Future[list[Delivery]]]):
         self._finalizer()
 
 
-class AsyncPrefetcher(_Prefetching[asyncio.Task[list[Delivery]]]):
+class AsyncPrefetcher(AsyncClosing, _Prefetching[asyncio.Task[list[Delivery]]]):
     """``async for`` over batches tokenized ahead on the running event loop; ``async with`` closes it.
 
     Made by ``AsyncTokenizerClient.prefetch``; same behaviour, batches, stats and state as Prefetcher.
@@ -197,23 +159,12 @@ class AsyncPrefetcher(_Prefetching[asyncio.Task[list[Delivery]]]):
         state: dict[str, Any] | None = None,
     ) -> None:
         resume = Resume.from_state(state, options)
-        self.options = options
-        self._reader = open_texts(texts, options.batch_size, resume.position.text, resume.position.skip > 0)
-        self._pipeline = Pipeline(client, options, resume)
-        self._lookahead = Lookahead(options, resume, self._pipeline.recorder)
-        self._closed = False
+        self._reader = open_texts(texts, options.batch_size, *resume.reading_from())
+        self._start(client, options, resume)
         self._started = False
 
     def __aiter__(self) -> AsyncPrefetcher:
         return self
-
-    async def __aenter__(self) -> AsyncPrefetcher:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
 
     async def _fill(self) -> None:
         """Read windows and send them until ``depth`` are outstanding (or the texts end)."""

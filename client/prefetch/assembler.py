@@ -12,11 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from client._options import PackSpec, PrefetchOptions
-from client._packing import Block, ConcatPacker, Position, RowRegrouper
-from client._protocol import Batch, TokenizedBatch
-from client._resume import Resume, state_dict
-from client._texts import Window
+from client.batches import Batch, TokenizedBatch
+from client.prefetch.options import PackSpec, PrefetchOptions
+from client.prefetch.resume import Resume, state_dict
+from client.prefetch.rows import Block, ConcatPacker, RowRegrouper, StreamPosition
+from client.prefetch.texts import Window
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Assembler:
         self.leftover = np.empty(0, np.int32)
         self.empty_reason: str | None = None  # set by finish() when the stream delivered no batch
         # A run from the stream's start that delivers nothing says why (a resumed one may just be at the end).
-        self._delivered = 0 if resume.position == Position(0, 0) else 1
+        self._delivered = 0 if resume.position == StreamPosition(0, 0) else 1
         pack = options.pack
         self._packer: ConcatPacker | None = None
         self._regrouper: RowRegrouper | None = None
@@ -54,7 +54,7 @@ class Assembler:
         self.model, self.sha256 = answer.model, answer.model_sha256
         if isinstance(answer, TokenizedBatch) and self._packer is None:
             batch = replace(answer, index=self.batches, start=window.start)
-            return [self._deliver(batch, Position(window.stop, 0), len(window.texts), answer.num_tokens)]
+            return [self._deliver(batch, StreamPosition(window.stop, 0), len(window.texts), answer.num_tokens)]
         if isinstance(answer, TokenizedBatch):
             assert self._packer is not None
             self._packer.feed(np.asarray(answer.ids), np.asarray(answer.offsets), window.start)
@@ -108,7 +108,7 @@ class Assembler:
         batch = replace(rows, leftover=leftover, model=self.model or "", model_sha256=self.sha256, index=self.batches)
         return self._deliver(batch, after, after.text - self.position.text, int(rows.stats["tokens"]))
 
-    def _deliver(self, batch: Batch, after: Position, texts: int, tokens: int) -> Delivery:
+    def _deliver(self, batch: Batch, after: StreamPosition, texts: int, tokens: int) -> Delivery:
         self._delivered += 1
         self.batches += 1
         self.position = after

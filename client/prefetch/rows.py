@@ -23,12 +23,12 @@ from typing import Any
 import numpy as np
 
 from client import wire
-from client._protocol import ROW_FIELDS, PackedBatch
+from client.batches import ROW_FIELDS, PackedBatch
 from client.packing import pack_concat
 
 
 @dataclass(frozen=True)
-class Position:
+class StreamPosition:
     """Where a stream resumes: text ``text``, of which ``skip`` tokens (concat) or rows (best_fit) are delivered."""
 
     text: int
@@ -37,7 +37,7 @@ class Position:
 
 # A block: rows ready to hand out (a PackedBatch, model fields left for the caller to fill in), and
 # the position to resume from once they are delivered.
-Block = tuple[PackedBatch, Position]
+Block = tuple[PackedBatch, StreamPosition]
 
 
 class StreamMismatch(ValueError):
@@ -53,7 +53,7 @@ class ConcatPacker:
     token is IGNORE_INDEX.
     """
 
-    def __init__(self, seq_len: int, rows: int, mask_document_start: bool, resume: Position) -> None:
+    def __init__(self, seq_len: int, rows: int, mask_document_start: bool, resume: StreamPosition) -> None:
         self.seq_len = seq_len
         self.rows = rows
         self.mask_document_start = mask_document_start
@@ -68,14 +68,14 @@ class ConcatPacker:
     def buffered(self) -> int:
         return int(self._tokens.size)
 
-    def position_at(self, offset: int) -> Position:
+    def position_at(self, offset: int) -> StreamPosition:
         """The resume position after the first `offset` buffered tokens are delivered."""
         if offset >= self._tokens.size:
-            return Position(self._fed, 0)
+            return StreamPosition(self._fed, 0)
         j = int(np.searchsorted(self._doc_starts, offset, side="right")) - 1
         if j >= 0:
-            return Position(int(self._doc_texts[j]), offset - int(self._doc_starts[j]))
-        return Position(self._head.text, self._head.skip + offset)
+            return StreamPosition(int(self._doc_texts[j]), offset - int(self._doc_starts[j]))
+        return StreamPosition(self._head.text, self._head.skip + offset)
 
     def feed(self, ids: np.ndarray, offsets: np.ndarray, start: int) -> None:
         """Append the documents of texts ``start, start + 1, ...`` (ragged ids and offsets)."""
@@ -94,7 +94,7 @@ class ConcatPacker:
             offsets = np.maximum(offsets - self._skip, 0)
             lengths = np.diff(offsets)
             if self._tokens.size == 0:
-                self._head = Position(start, self._skip)
+                self._head = StreamPosition(start, self._skip)
             continues, self._skip = True, 0
         documents = np.flatnonzero(lengths > 0)
         if continues:
@@ -171,7 +171,7 @@ class RowRegrouper:
     Each window's answer waits in ``_parts`` with the number of its rows already handed out.
     """
 
-    def __init__(self, seq_len: int, rows: int, resume: Position) -> None:
+    def __init__(self, seq_len: int, rows: int, resume: StreamPosition) -> None:
         self.seq_len = seq_len
         self.rows = rows
         self._parts: deque[tuple[PackedBatch, int]] = deque()
@@ -220,9 +220,18 @@ class RowRegrouper:
         cu_seqlens = [row for answer, a, b in pieces for row in answer.cu_seqlens[a:b]]
         tokens = int(sum(int(row[-1]) for row in cu_seqlens))
         padding = rows * self.seq_len - tokens
-        after = Position(self._parts[0][0].start or 0, self._parts[0][1]) if self._parts else Position(self._fed, 0)
+        after = (
+            StreamPosition(self._parts[0][0].start or 0, self._parts[0][1])
+            if self._parts
+            else StreamPosition(self._fed, 0)
+        )
+        input_ids, labels, position_ids = (
+            np.concatenate([getattr(answer, name)[a:b] for answer, a, b in pieces]) for name in ROW_FIELDS
+        )
         batch = _rows(
-            *(np.concatenate([getattr(answer, name)[a:b] for answer, a, b in pieces]) for name in ROW_FIELDS),
+            input_ids,
+            labels,
+            position_ids,
             cu_seqlens,
             self.seq_len,
             "best_fit",

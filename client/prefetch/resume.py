@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from client._options import PrefetchOptions
-from client._packing import Position
+from client.prefetch.options import PrefetchOptions
+from client.prefetch.rows import StreamPosition
 
 STATE_FORMAT = "tokenizer-prefetch"
 STATE_VERSION = 1
@@ -22,7 +22,7 @@ STATE_VERSION = 1
 class Resume:
     """Where a prefetcher starts: a position in the stream and the number of batches already handed out."""
 
-    position: Position
+    position: StreamPosition
     batches: int
     model: str | None
     model_sha256: str | None
@@ -31,22 +31,26 @@ class Resume:
     def from_state(cls, state: dict[str, Any] | None, options: PrefetchOptions) -> Resume:
         """The start of the stream for None; else the saved position, once the state matches `options`."""
         if state is None:
-            return cls(Position(0, 0), 0, None, None)
+            return cls(StreamPosition(0, 0), 0, None, None)
         if state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:
             raise ValueError(f"not a prefetch state of version {STATE_VERSION}: {state!r:.200}")
         if state["mode"] != options.mode:
             raise ValueError(f"the state is of a {state['mode']!r} prefetch, this one is {options.mode!r}")
         if state["options"] != options.fingerprint():
             raise ValueError(f"the state was saved with options {state['options']}, not {options.fingerprint()}")
-        position = Position(int(state["text"]), int(state["skip"]))
+        position = StreamPosition(int(state["text"]), int(state["skip"]))
         return cls(position, int(state["batches"]), state["model"], state["sha256"])
+
+    def reading_from(self) -> tuple[int, bool]:
+        """The stream index to read texts from, and whether the state stopped inside that text."""
+        return self.position.text, self.position.skip > 0
 
     def state_dict(self, options: PrefetchOptions) -> dict[str, Any]:
         return state_dict(options, self.position, self.batches, self.model, self.model_sha256)
 
 
 def state_dict(
-    options: PrefetchOptions, position: Position, batches: int, model: str | None, sha256: str | None
+    options: PrefetchOptions, position: StreamPosition, batches: int, model: str | None, sha256: str | None
 ) -> dict[str, Any]:
     return {
         "format": STATE_FORMAT,

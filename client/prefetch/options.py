@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
-from client._inputs import flag, integer
-from client._protocol import PackOptions, TokenizeOptions
+from client._inputs import flag, integer, set_flags, set_integer
+from client._requests import PackOptions, TokenizeOptions
 from client._retry import RetryPolicy
 from client._torch import check_torch
 
@@ -34,10 +34,9 @@ class PackSpec:
 
     def __post_init__(self) -> None:
         # Numpy integers and bools become Python values (the state_dict stays plain JSON); floats are refused.
-        object.__setattr__(self, "seq_len", integer(self.seq_len, "seq_len", minimum=2))
-        object.__setattr__(self, "rows", integer(self.rows, "rows", minimum=1))
-        for name in ("add_eos", "add_bos", "mask_document_start", "drop_last"):
-            object.__setattr__(self, name, flag(getattr(self, name), name))
+        set_integer(self, "seq_len", minimum=2)
+        set_integer(self, "rows", minimum=1)
+        set_flags(self, "add_eos", "add_bos", "mask_document_start", "drop_last")
         if self.strategy not in ("concat", "best_fit"):
             raise ValueError(f"strategy must be 'concat' or 'best_fit', got {self.strategy!r}")
 
@@ -57,7 +56,6 @@ class PrefetchOptions:
     @classmethod
     def build(
         cls,
-        *,
         batch_size: int,
         depth: int,
         tokenize: TokenizeOptions,

@@ -1,0 +1,172 @@
+"""Requests without I/O: each endpoint's options and body, the headers, the httpx.Request both clients send.
+
+Going to the transport (httpx's public `handle_request`) rather than through `httpx.Client` skips
+what a data path needs none of (cookie jar, redirects, auth flows, event hooks, URL merging): about a
+third of the client's CPU per request. Consequently the client connects to the service directly and
+ignores HTTP(S)_PROXY.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+import httpx
+import numpy as np
+
+from client import wire
+from client._inputs import id_list, id_rows, optional_integer, plain, set_flags, set_integer, texts_list
+from client._json import dumps
+
+API_KEY_ENV = "TOKENIZER_API_KEY"
+Format = Literal["binary", "json"]
+Strategy = Literal["concat", "best_fit"]
+FORMATS = get_args(Format)
+JSON_HEADERS = {"content-type": "application/json"}
+
+
+@dataclass(frozen=True)
+class Call:
+    """One HTTP call, as either client sends it to whichever replica it picks."""
+
+    method: str
+    path: str
+    content: bytes | None = None
+    headers: dict[str, str] | None = None
+
+    def __str__(self) -> str:
+        return f"{self.method} {self.path}"
+
+
+MODELS = Call("GET", "/v1/models")
+READY = Call("GET", "/readyz")
+
+
+def post(path: str, payload: dict[str, Any], format: Format | None = None) -> Call:
+    """A JSON body to `path`, asking for the binary frame or JSON as `format` says (None: JSON only)."""
+    if format is not None and format not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(map(repr, FORMATS))}, not {format!r}")
+    headers = JSON_HEADERS if format is None else {**JSON_HEADERS, "accept": accept_header(format)}
+    return Call("POST", path, dumps(payload), headers)
+
+
+def resolve_api_key(api_key: str | None) -> str | None:
+    """The key given, else TOKENIZER_API_KEY from the environment, else none."""
+    if api_key is None:
+        api_key = os.environ.get(API_KEY_ENV)
+    return api_key or None
+
+
+def default_headers(api_key: str | None) -> dict[str, str]:
+    return {"authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+class RequestBuilder:
+    """Builds the httpx.Request both clients hand straight to their transport (see the module)."""
+
+    def __init__(self, api_key: str | None, timeout: float) -> None:
+        self.headers = default_headers(api_key)
+        self.extensions = {"timeout": httpx.Timeout(timeout).as_dict()}
+
+    def build(self, base_url: str, call: Call) -> httpx.Request:
+        """`call` to the replica at `base_url`."""
+        merged = {**self.headers, **call.headers} if call.headers else self.headers
+        return httpx.Request(
+            call.method, f"{base_url}{call.path}", content=call.content, headers=merged, extensions=self.extensions
+        )
+
+
+def accept_header(format: Format) -> str:
+    return wire.MEDIA_TYPE if format == "binary" else "application/json"
+
+
+@dataclass(frozen=True)
+class TokenizeOptions:
+    """/v1/tokenize's options as the client sends them: made once from a method's keywords, passed whole."""
+
+    model: str | None = None
+    add_bos: bool = False
+    add_eos: bool = False
+    max_length: int | None = None
+    sample: dict[str, Any] | None = None
+    parse_special_tokens: bool = False
+
+    def __post_init__(self) -> None:
+        """Numpy integers and bools become Python values; a float length or a non-bool flag is refused here."""
+        set_flags(self, "add_bos", "add_eos", "parse_special_tokens")
+        object.__setattr__(self, "max_length", optional_integer(self.max_length, "max_length", minimum=0))
+        if self.sample is not None:
+            if not isinstance(self.sample, dict):
+                raise TypeError(f"sample must be a dict of options, not {type(self.sample).__name__}")
+            object.__setattr__(self, "sample", plain(self.sample))
+
+    def payload(self, texts: Iterable[str]) -> dict[str, Any]:
+        """The request body; options at their defaults are left out."""
+        payload: dict[str, Any] = {"texts": texts_list(texts)}
+        if self.model is not None:
+            payload["model"] = self.model
+        if self.add_bos:
+            payload["add_bos"] = True
+        if self.add_eos:
+            payload["add_eos"] = True
+        if self.max_length is not None:
+            payload["max_length"] = self.max_length
+        if self.sample is not None:
+            payload["sample"] = self.sample
+        if self.parse_special_tokens:
+            payload["parse_special_tokens"] = True
+        return payload
+
+
+@dataclass(frozen=True)
+class PackOptions:
+    """/v1/pack's options but the carry (which changes with every request of a stream)."""
+
+    seq_len: int
+    strategy: Strategy = "concat"
+    model: str | None = None
+    add_bos: bool = False
+    add_eos: bool = True
+    mask_document_start: bool = False
+    parse_special_tokens: bool = False
+
+    def __post_init__(self) -> None:
+        set_integer(self, "seq_len", minimum=2)
+        set_flags(self, "add_bos", "add_eos", "mask_document_start", "parse_special_tokens")
+
+    def payload(
+        self,
+        texts: Iterable[str],
+        carry: Sequence[int] | np.ndarray | None = None,
+        carry_document_starts: Sequence[int] | np.ndarray | None = None,
+    ) -> dict[str, Any]:
+        payload: dict[str, Any] = {"texts": texts_list(texts), **vars(self)}
+        if self.model is None:
+            del payload["model"]
+        if not self.parse_special_tokens:  # its default: a server from before it stays usable
+            del payload["parse_special_tokens"]
+        for name, ids in (("carry", carry), ("carry_document_starts", carry_document_starts)):
+            if ids is not None:
+                payload[name] = id_list(ids, name)
+        return payload
+
+
+def chunked(items: Iterable[str], size: int) -> Iterator[list[str]]:
+    """Consecutive lists of `size` items (the last may be shorter), read lazily."""
+    chunk: list[str] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def detokenize_payload(ids: Sequence[Sequence[int]] | Sequence[np.ndarray], model: str | None) -> dict[str, Any]:
+    payload: dict[str, Any] = {"ids": id_rows(ids)}
+    if model is not None:
+        payload["model"] = model
+    return payload
