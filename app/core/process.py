@@ -45,7 +45,7 @@ from app.core.requests import EncodeOptions
 from client.wire import ragged_offsets
 
 if TYPE_CHECKING:
-    from client import TokenizedBatch
+    from client.batches import TokenizedBatch
 
 logger = logging.getLogger("tokenizer.pool")
 
@@ -114,7 +114,7 @@ def library(name: str) -> Library:
 
 def encode_chunk(model: str, texts: list[str], options: EncodeOptions) -> TokenizedBatch:
     """Tokenize texts[i] exactly as the model's library would in-process (the pre-tokenizer's pool)."""
-    from client import TokenizedBatch  # here, not at import: the server's workers never load the client
+    from client.batches import TokenizedBatch  # here, not at import: the server's workers never need it
 
     ids, lengths = _libraries[model].encode(texts, options)
     return TokenizedBatch(ids, ragged_offsets(lengths), model, None)

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from app.core.models import ModelInfo, ModelLoadError
 from app.core.registry import inspect_model
+from app.core.requests import EncodeOptions
 from app.settings import ConfigError, Settings, describe_error, usable_cpus
 from app.tools.pretokenize.backends import local_pool, tokenize_locally, tokenize_via_service
 from app.tools.pretokenize.ranks import blocks, rank_directory
@@ -31,8 +32,8 @@ from app.tools.pretokenize.sources import (
 )
 from app.tools.pretokenize.store import OutputDir, OutputError, differences
 from client import TokenizerClient
-from client._protocol import parse_urls
 from client.dataset import FORMAT_NAME, FORMAT_VERSION, id_dtype
+from client.urls import parse_urls
 
 DEFAULT_SHARD_TOKENS = 1 << 24
 SERVICE_BATCH = 256
@@ -325,15 +326,16 @@ def _tokenize(
             positions.append(position)
             yield text
 
+    encode = EncodeOptions(
+        add_bos=options.add_bos, add_eos=bool(options.add_eos), parse_special_tokens=options.parse_special_tokens
+    )
     if urls:
         batches = tokenize_via_service(
             stack.enter_context(TokenizerClient(urls, timeout=300)),
             texts(),
+            encode,
             model=model.name,
             sha256=model.sha256,
-            add_bos=options.add_bos,
-            add_eos=options.add_eos,
-            parse_special_tokens=options.parse_special_tokens,
             batch_size=SERVICE_BATCH,
             depth=SERVICE_DEPTH * len(urls),
         )
@@ -346,9 +348,7 @@ def _tokenize(
             pool,
             model.name,
             texts(),
-            add_bos=options.add_bos,
-            add_eos=options.add_eos,
-            parse_special_tokens=options.parse_special_tokens,
+            encode,
             chunk_chars=chunk_chars,
             depth=2 * options.workers,
         )
