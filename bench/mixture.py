@@ -14,8 +14,10 @@ temporary directory, removed at the end), reads every file once so the page cach
 Document ids are random: what reading costs depends on lengths, not on which ids. Each case reports M
 tokens/s (row ids, padding included) per second of wall time and per second of this process's CPU time
 (the two differ when other jobs share the cores), and rows/s; the first batch (building the first epoch's
-permutation and cumulative lengths) is timed apart. Finally the time to resume at global
-row 10**9, which must not replay the stream. The issue's target: >= 50 M tokens/s at L = 2048.
+permutation and cumulative lengths) is timed apart. A loader of world_size 1 reads ``READ_AHEAD_IDS`` ids of
+whole micro-batches at once; the case "mixture, a batch a read" times ``Mixture.batch`` one micro-batch at a
+time, as loaders of several ranks and torch workers read. Finally the time to resume at global row 10**9,
+which must not replay the stream. The issue's target: >= 50 M tokens/s at L = 2048.
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ import json
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from client.dataset import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, TokenDataset, shard_name, write_shard
-from client.mixture import Mixture
+from client.mixture import Mixture, MixtureBatch
 from client.packing import pack_best_fit
 
 SHARD_IDS = 1 << 25  # ids a shard holds, at least (64 MiB of uint16)
@@ -100,9 +103,24 @@ def warm(path: Path) -> None:
                 pass
 
 
-def measure(mix: Mixture, batch_size: int, seconds: float) -> tuple[float, float, float, float]:
+class OneAtATime:
+    """Micro-batches of one rank read one at a time (``Mixture.batch``), as with several ranks."""
+
+    def __init__(self, mix: Mixture, batch_size: int) -> None:
+        self.mix, self.batch_size, self.index = mix, batch_size, 0
+
+    def __next__(self) -> MixtureBatch:
+        self.index += 1
+        return self.mix.batch(self.index - 1, rank=0, batch_size=self.batch_size, world_size=1)
+
+
+def measure(
+    mix: Mixture, batch_size: int, seconds: float, one_at_a_time: bool = False
+) -> tuple[float, float, float, float]:
     """(seconds for the first batch, M tokens/s of wall time, M tokens/s of this process's CPU time, rows/s)."""
-    loader = mix.loader(batch_size=batch_size)
+    loader: Iterator[MixtureBatch] | OneAtATime = (
+        OneAtATime(mix, batch_size) if one_at_a_time else mix.loader(batch_size=batch_size)
+    )
     began = time.perf_counter()
     next(loader)
     first = time.perf_counter() - began
@@ -151,6 +169,8 @@ def main() -> None:
         for name, mix in cases.items():
             first, wall, cpu, rows = measure(mix, args.batch_size, args.seconds)
             print(f"| {name} | {first * 1e3:.1f} | {wall:.0f} | {cpu:.0f} | {rows:,.0f} |")
+        first, wall, cpu, rows = measure(cases["mixture"], args.batch_size, args.seconds, one_at_a_time=True)
+        print(f"| mixture, a batch a read | {first * 1e3:.1f} | {wall:.0f} | {cpu:.0f} | {rows:,.0f} |")
 
         mix = cases["mixture"]
         began = time.perf_counter()

@@ -41,6 +41,7 @@ only; :meth:`Mixture.torch` imports torch when called.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import hashlib
@@ -268,7 +269,9 @@ def row_fields(ids: np.ndarray, segment_starts: np.ndarray, used: np.ndarray | N
     rows, seq_len = ids.shape
     total = rows * seq_len
     segment_starts = segment_starts.astype(np.int64, copy=False)
-    lengths = np.diff(segment_starts, append=total)
+    lengths = np.empty_like(segment_starts)
+    np.subtract(segment_starts[1:], segment_starts[:-1], out=lengths[:-1])
+    lengths[-1:] = total - segment_starts[-1:]
     flat_positions = np.repeat(segment_starts.astype(np.int32), lengths)  # each id's segment start, then
     np.subtract(_arange(total), flat_positions, out=flat_positions)  # its place in the segment
     positions = flat_positions.reshape(rows, seq_len)
@@ -290,12 +293,20 @@ def row_fields(ids: np.ndarray, segment_starts: np.ndarray, used: np.ndarray | N
     return Rows(input_ids, labels, positions, [flat[bounds[r] : bounds[r + 1]] for r in range(rows)])
 
 
-@functools.lru_cache(maxsize=16)
-def _arange(size: int) -> np.ndarray:
-    """0, 1, ..., size - 1 (int32, read-only): made once a size."""
-    numbers = np.arange(size, dtype=np.int32)
-    numbers.flags.writeable = False
-    return numbers
+_COUNTING: dict[type, np.ndarray] = {}
+_COUNTING_LIMIT = 1 << 22
+
+
+def _arange(size: int, dtype: type[np.integer[Any]] = np.int32) -> np.ndarray:
+    """0, 1, ..., size - 1 (read-only): a slice of one array a type, made again only when a larger size is asked."""
+    numbers = _COUNTING.get(dtype)
+    if numbers is None or numbers.size < size:
+        if size > _COUNTING_LIMIT:
+            return np.arange(size, dtype=dtype)
+        numbers = np.arange(max(size, 1 << 12, 2 * (0 if numbers is None else numbers.size)), dtype=dtype)
+        numbers.flags.writeable = False
+        _COUNTING[dtype] = numbers
+    return numbers[:size]
 
 
 _PIECE_IDS = 128
@@ -306,31 +317,19 @@ _PIECES_A_SHARD = 4
 
 
 def _runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """``starts[i], starts[i] + 1, ..., starts[i] + lengths[i] - 1`` for each i, end to end (int64, lengths > 0).
-
-    One cumulative sum of steps: 1 inside a run, the jump to the next run's start at its first place.
-    """
+    """``starts[i], starts[i] + 1, ..., starts[i] + lengths[i] - 1`` for each i, end to end (int64, lengths > 0)."""
     ends = np.cumsum(lengths)
-    steps = np.ones(int(ends[-1]), np.int64)
-    steps[0] = starts[0]
-    steps[ends[:-1]] = starts[1:] - (starts[:-1] + lengths[:-1] - 1)
-    return np.cumsum(steps, out=steps)
+    index = np.repeat(starts - (ends - lengths), lengths)  # each place's run start less the run's place
+    index += _arange(int(ends[-1]), np.int64)
+    return index
 
 
-def _copy(
-    out: np.ndarray, ids: np.ndarray, froms: np.ndarray, takes: np.ndarray, targets: np.ndarray | None = None
-) -> None:
-    """``out[targets[i] : targets[i] + takes[i]] = ids[froms[i] : froms[i] + takes[i]]`` for every piece i
-    (``takes > 0``; without `targets` the pieces fill `out` end to end)."""
-    if takes.size * _PIECE_IDS > (out.size if targets is None else int(takes.sum())):
-        got = ids[_runs(froms, takes)]
-        if targets is None:
-            out[:] = got
-        else:
-            out[_runs(targets, takes)] = got
+def _copy(out: np.ndarray, ids: np.ndarray, froms: np.ndarray, takes: np.ndarray) -> None:
+    """Fill `out` with the pieces ``ids[froms[i] : froms[i] + takes[i]]`` end to end (``takes > 0``)."""
+    if takes.size * _PIECE_IDS > out.size:
+        out[:] = ids[_runs(froms, takes)]
         return
-    if targets is None:
-        targets = np.cumsum(takes) - takes
+    targets = np.cumsum(takes) - takes
     for source, target, take in zip(froms.tolist(), targets.tolist(), takes.tolist(), strict=True):
         out[target : target + take] = ids[source : source + take]
 
@@ -387,7 +386,6 @@ class _Source:
         self._id_starts = [0, *np.cumsum(sizes, dtype=np.int64).tolist()]
         self._id_starts_array = np.asarray(self._id_starts, np.int64)
         self._count_starts = [0, *np.cumsum(counts, dtype=np.int64).tolist()]
-        self._count_starts_array = np.asarray(self._count_starts, np.int64)
         self.items = self._count_starts[-1]  # documents or rows
         self.tokens = self._id_starts[-1]
         if self.packed and dataset.seq_len != seq_len:
@@ -497,7 +495,7 @@ class _Source:
             # documents low to high - 1 hold ids [offset, end): ends[low] <= offset < ends[low + 1], ends[high] >= end
             low, high = ends.searchsorted([offset, end - 1], "right").tolist()
             spans = ends[low - 1 : high + 1]
-            sizes = np.diff(spans)  # the pieces of them in [offset, end): how many ids, from where in all ids
+            sizes = spans[1:] - spans[:-1]  # the pieces of them in [offset, end): how many ids, from where in all ids
             here = documents[order[low - 1 : high]]
             skip = offset - int(spans[0])
             here[0] += skip
@@ -529,7 +527,7 @@ class _Source:
 
     def _gather(self, out: np.ndarray, froms: np.ndarray, takes: np.ndarray) -> None:
         """Fill `out` with the pieces ``ids[froms[i] : froms[i] + takes[i]]`` of all ids, end to end."""
-        keep = takes > 0  # empty documents
+        keep = takes > 0  # empty documents (one may start where the last shard ends: no shard holds it)
         if not keep.all():
             froms, takes = froms[keep], takes[keep]
         id_starts = self._id_starts_array
@@ -538,49 +536,54 @@ class _Source:
         if shards[0] == shards[-1] and (shards == shards[0]).all():  # one shard: most batches of most datasets
             _copy(out, self.shard(int(shards[0])).ids, local, takes)
             return
-        targets = np.cumsum(takes) - takes
+        if takes.size * _PIECE_IDS <= out.size:  # long pieces: a slice each
+            self._slices(out, shards, local, takes)
+            return
         order = np.argsort(shards, kind="stable")
         grouped = shards[order]
         cuts = [0, *(np.flatnonzero(grouped[1:] != grouped[:-1]) + 1).tolist(), order.size]
         if (len(cuts) - 1) * _PIECES_A_SHARD > order.size:  # most pieces from shards of their own: a slice each
-            pieces = zip(shards.tolist(), local.tolist(), targets.tolist(), takes.tolist(), strict=True)
-            for shard, source, target, take in pieces:
-                out[target : target + take] = self.shard(shard).ids[source : source + take]
+            self._slices(out, shards, local, takes)
             return
+        # short pieces from a few shards: each shard's pieces end to end into `staged`, then one gather in order
+        # (numpy gathers faster than it scatters)
+        staged = np.empty(out.size, out.dtype)
+        sizes = takes[order]
+        ends = np.cumsum(sizes)
         for low, high in itertools.pairwise(cuts):
-            pick = order[low:high]
-            _copy(out, self.shard(int(grouped[low])).ids, local[pick], takes[pick], targets[pick])
+            begin = int(ends[low]) - int(sizes[low])
+            _copy(
+                staged[begin : int(ends[high - 1])],
+                self.shard(int(grouped[low])).ids,
+                local[order[low:high]],
+                sizes[low:high],
+            )
+        placed = np.empty_like(takes)
+        placed[order] = ends - sizes  # where each piece lies in `staged`
+        np.take(staged, _runs(placed, takes), out=out)
+
+    def _slices(self, out: np.ndarray, shards: np.ndarray, froms: np.ndarray, takes: np.ndarray) -> None:
+        """Fill `out` with the pieces ``shard(shards[i]).ids[froms[i] : froms[i] + takes[i]]`` end to end."""
+        targets = np.cumsum(takes) - takes
+        pieces = zip(shards.tolist(), froms.tolist(), targets.tolist(), takes.tolist(), strict=True)
+        for shard, source, target, take in pieces:
+            out[target : target + take] = self.shard(shard).ids[source : source + take]
 
     def packed_rows(self, first: int, count: int, out: np.ndarray | None = None) -> list[np.ndarray]:
         """Rows ``first`` to ``first + count``: their ids into `out` ([count, seq_len] int32), their cu_seqlens."""
         length = self.seq_len
         if out is None:
             out = np.empty((count, length), np.int32)
-        epoch, place = divmod(first, self.items)
-        if place + count <= self.items:  # in one epoch: one slice of its order
-            rows = self.epoch(epoch)[0][place : place + count].astype(np.int64)
-        else:
-            rows = np.empty(count, np.int64)
-            for i in range(count):
-                epoch, place = divmod(first + i, self.items)
-                rows[i] = self.epoch(epoch)[0][place]
-        count_starts = self._count_starts_array
-        shards = np.searchsorted(count_starts, rows, "right") - 1
-        local = rows - count_starts[shards]
-        cu_seqlens: list[np.ndarray] = [np.empty(0, np.int32)] * count
-        for shard_index in np.unique(shards).tolist():
-            pick = np.flatnonzero(shards == shard_index)
+        cu_seqlens = []
+        for i in range(count):  # a row is long: a slice each
+            epoch, place = divmod(first + i, self.items)
+            row = int(self.epoch(epoch)[0][place])
+            shard_index = bisect.bisect_right(self._count_starts, row) - 1
+            local = row - self._count_starts[shard_index]
             shard = self.shard(shard_index)
             assert shard.seg is not None
-            mine = local[pick]
-            if pick.size == count:
-                out[:] = shard.ids.reshape(-1, length)[mine]
-            else:
-                out[pick] = shard.ids.reshape(-1, length)[mine]
-            bounds = shard.offsets[np.concatenate([mine, mine + 1])].tolist()
-            seg = shard.seg
-            for i, low, high in zip(pick.tolist(), bounds[: pick.size], bounds[pick.size :], strict=True):
-                cu_seqlens[i] = seg[low:high]
+            out[i] = shard.ids[local * length : (local + 1) * length]
+            cu_seqlens.append(shard.seg[shard.offsets[local] : shard.offsets[local + 1]])
         return cu_seqlens
 
 
@@ -759,15 +762,10 @@ class Mixture:
                 out = np.empty((rows, length), np.int32)
             if reader.packed:
                 bounds = reader.packed_rows(first, rows, out)
-                sizes = np.fromiter(map(len, bounds), np.int64, rows)
-                flat = np.concatenate(bounds).astype(np.int64)
-                last = np.cumsum(sizes) - 1
                 if used is None:
                     used = np.full(count, length, np.int64)
-                used[slice(None) if where is None else where] = flat[last]
-                keep = np.ones(flat.size, np.bool_)
-                keep[last] = False
-                starts = flat[keep] + np.repeat(_arange(rows) * np.int64(length), sizes - 1)
+                used[slice(None) if where is None else where] = [int(b[-1]) for b in bounds]
+                starts = np.concatenate([b[:-1] + row * length for row, b in enumerate(bounds)], dtype=np.int64)
             else:
                 starts = reader.ragged_segments(first, rows, out)
             if where is not None:
@@ -896,7 +894,8 @@ class MixtureLoader:
     """One rank's micro-batches of a mixture, in order: an endless iterator with ``state_dict``.
 
     Batch g of rank r is global rows ``[g * G + r * batch_size, g * G + (r + 1) * batch_size)``. The state
-    after a batch is the global position ``(g + 1) * G``, the same on every rank.
+    after a batch is the global position ``(g + 1) * G``, the same on every rank. With world_size 1 it reads
+    :data:`READ_AHEAD_IDS` ids of whole micro-batches at once (each batch's arrays are views of that read's).
     """
 
     def __init__(
