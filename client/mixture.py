@@ -86,7 +86,7 @@ MAX_PERIOD = 1 << 16
 """Largest blend period D: weights are fractions p / D with D at most this."""
 CACHE_FROM_ITEMS = 1 << 16
 """Sources with fewer items (documents or rows) build their index arrays in memory: it takes microseconds."""
-READ_AHEAD_IDS = 1 << 16
+READ_AHEAD_IDS = 1 << 17
 """A loader of one rank (world_size 1) reads this many ids of rows at once, whole micro-batches (at least one),
 and hands them out one micro-batch at a time: the cost of a read is mostly per call on small batches."""
 STATE_FORMAT = "tokenizer-mixture"
