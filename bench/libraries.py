@@ -27,7 +27,6 @@ import json
 import os
 import statistics
 import time
-import unicodedata
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,11 +37,9 @@ from app.core import libraries
 from app.core.models import find_model_files
 from app.core.reference import InProcess
 from app.settings import BUNDLED
-from bench.throughput import RESULTS, ROOT, load_documents, start_server
+from bench.inputs import MULTILINGUAL_CORPUS, RESULTS, ROOT, describe_corpus, load_documents, start_server
 from client import TokenizerClient
 
-SHARED = ROOT.parent / "shared" / "corpus"
-MULTILINGUAL = SHARED / "debian_reference_multilingual.jsonl"
 FALLBACK = ROOT / "tests" / "data" / "multilingual.jsonl"
 BATCH = 256
 
@@ -192,7 +189,9 @@ def bench_one(label: str, path: Path, docs: list[str], workers: int, rounds: int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--corpus", type=Path, default=MULTILINGUAL if MULTILINGUAL.exists() else FALLBACK)
+    parser.add_argument(
+        "--corpus", type=Path, default=MULTILINGUAL_CORPUS if MULTILINGUAL_CORPUS.exists() else FALLBACK
+    )
     parser.add_argument("--docs", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
@@ -203,14 +202,8 @@ def main() -> None:
     models = train_models(args.corpus, docs)
     if args.only:
         models = {label: path for label, path in models.items() if args.only in label}
-    not_nfkc = sum(not unicodedata.is_normalized("NFKC", doc) for doc in docs) / len(docs)
-    chars = sum(len(doc) for doc in docs)
-    print(
-        f"corpus {args.corpus.name}: {len(docs)} documents, mean {chars / len(docs):,.0f} characters, "
-        f"{not_nfkc:.0%} not NFKC-normalized; {args.workers} workers and {args.workers} threads; "
-        f"{len(os.sched_getaffinity(0))} cores",
-        flush=True,
-    )
+    cores = len(os.sched_getaffinity(0))
+    describe_corpus(args.corpus, docs, f"{args.workers} workers and {args.workers} threads", f"{cores} cores")
     url, process = start_server(BUNDLED["default"], args.workers)
     try:
         TokenizerClient(url).tokenize(["warm"])

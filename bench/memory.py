@@ -18,11 +18,9 @@ from pathlib import Path
 
 import psutil
 
-from bench.throughput import FALLBACK_CORPUS, SHARED_CORPUS, load_documents
+from bench.inputs import load_documents, python_docs_corpus
 from tests.conftest import start_server, stop_server
 from tests.test_memory import body_of, peak_under_load, tree_rss
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
@@ -35,8 +33,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     args, server_flags = parser.parse_known_args()
 
-    corpus = SHARED_CORPUS if SHARED_CORPUS.exists() else FALLBACK_CORPUS
-    body = body_of(load_documents(corpus, 4000), int(args.body_mib * 2**20), args.emoji, int(args.text_kib * 1024))
+    docs = load_documents(python_docs_corpus(), 4000)
+    body = body_of(docs, int(args.body_mib * 2**20), args.emoji, int(args.text_kib * 1024))
     log = Path("/tmp") / "tokenizer-memory-bench.log"
     url, process = start_server(["--workers", str(args.workers), "--log-level", "warning", *server_flags], log)
     server = psutil.Process(process.pid)

@@ -2,7 +2,7 @@
 
     python -m bench.pack [--corpus FILE] [--docs N] [--rounds R] [--model FILE] [--texts-per-request N]
 
-Two tables, on the same 1-2 KB documents (built from the corpus as in bench/throughput.py):
+Two tables, on the same 1-2 KB documents (built from the corpus by bench/inputs.py):
 
 1. Throughput, tokens/s end to end through a server on a free loopback port, at L = 2048 and 8192:
    /v1/pack concat (one request after another: each needs the previous leftover as its carry),
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,7 +27,8 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
-from bench.throughput import FALLBACK_CORPUS, SHARED_CORPUS, bench_model, load_documents, start_server
+from app.tools.bench import alternate
+from bench.inputs import describe_corpus, documents_and_model, python_docs_corpus, start_server
 from client import TokenizerClient
 from client.packing import first_fit_rows, pack_best_fit, split_pieces
 
@@ -87,13 +87,7 @@ def throughput_table(
         methods[f"service /v1/pack best_fit L={seq_len}, 2 in flight"] = best_fit_run(
             client, docs, seq_len, per_request
         )
-    seconds: dict[str, list[float]] = {name: [] for name in methods}
-    tokens: dict[str, int] = {}
-    for _ in range(rounds):
-        for name, method in methods.items():
-            started = time.perf_counter()
-            tokens[name] = method()
-            seconds[name].append(time.perf_counter() - started)
+    seconds, tokens = alternate(methods, rounds)
     expected = tokens[baseline]
     assert all(count == expected for count in tokens.values()), f"token counts differ: {tokens}"
     print(f"\nThroughput: {len(docs):,} documents, {expected:,} tokens (with EOS), {rounds} rounds\n")
@@ -134,18 +128,17 @@ def padding_table(lengths: np.ndarray, per_request: int, pad_id: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--corpus", type=Path, default=SHARED_CORPUS if SHARED_CORPUS.exists() else FALLBACK_CORPUS)
+    parser.add_argument("--corpus", type=Path, default=python_docs_corpus())
     parser.add_argument("--docs", type=int, default=4000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", type=Path)
     parser.add_argument("--texts-per-request", type=int, default=256)
     args = parser.parse_args()
 
-    model = args.model or bench_model(args.corpus)
-    docs = load_documents(args.corpus, args.docs)
+    docs, model = documents_and_model(args.corpus, args.docs, args.model)
     sp = spm.SentencePieceProcessor(model_file=str(model))
     workers = len(os.sched_getaffinity(0))
-    print(f"corpus {args.corpus.name}, model {model.name}, {workers} workers")
+    describe_corpus(args.corpus, docs, f"model {model.name}", f"{workers} workers")
 
     url, process = start_server(model, workers)
     try:

@@ -3,7 +3,7 @@
     python -m bench.pretokenize [--corpus FILE] [--docs N] [--rounds R] [--model FILE]
     python -m bench.pretokenize --ranks W [--docs N] [--rounds R]
 
-The documents of bench/throughput.py (1-2 KB, from the Python docs corpus) are written to a .jsonl
+The documents of bench/inputs.py (1-2 KB, from the Python docs corpus) are written to a .jsonl
 file once; then, in alternating rounds (the machine drifts; the median of per-round ratios is reported):
   baseline   sp.encode(docs, num_threads=cores)                       (documents already in memory)
   floor      sp.encode(docs, num_threads=cores, out_type="numpy")
@@ -34,12 +34,11 @@ from pathlib import Path
 import orjson
 import sentencepiece as spm
 
+from app.tools.bench import alternate
 from app.tools.pretokenize.ranks import merge
 from app.tools.pretokenize.run import Options, run
-from bench.throughput import FALLBACK_CORPUS, SHARED_CORPUS, bench_model, load_documents, start_server
+from bench.inputs import ROOT, describe_corpus, documents_and_model, python_docs_corpus, start_server
 from client.dataset import TokenDataset
-
-ROOT = Path(__file__).resolve().parent.parent
 
 TARGETS = {"pretokenize --local": 0.8, "pretokenize --local --seq-len 2048": 0.8, "pretokenize --url": 0.7}
 
@@ -140,29 +139,24 @@ def ranks_versus_one_run(docs: list[str], model: Path, ranks: int, rounds: int) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--corpus", type=Path, default=SHARED_CORPUS if SHARED_CORPUS.exists() else FALLBACK_CORPUS)
+    parser.add_argument("--corpus", type=Path, default=python_docs_corpus())
     parser.add_argument("--docs", type=int, default=20000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", type=Path, help="a SentencePiece model (default: train one on the corpus)")
     parser.add_argument("--ranks", type=int, help="compare W ranks of --workers 1 with one run of --workers W")
     args = parser.parse_args()
+    docs, model = documents_and_model(args.corpus, args.docs, args.model)
     if args.ranks:
-        model = args.model or bench_model(args.corpus)
-        ranks_versus_one_run(load_documents(args.corpus, args.docs), model, args.ranks, args.rounds)
+        ranks_versus_one_run(docs, model, args.ranks, args.rounds)
         return
 
     cores = len(os.sched_getaffinity(0))
-    docs = load_documents(args.corpus, args.docs)
-    model = args.model or bench_model(args.corpus)
     sp = spm.SentencePieceProcessor(model_file=str(model))
     scratch = Path(tempfile.mkdtemp(prefix="bench-pretokenize-"))
     corpus = scratch / "corpus.jsonl"
     write_jsonl(docs, corpus)
-    print(
-        f"corpus {args.corpus.name}: {len(docs)} documents, {corpus.stat().st_size / 1e6:.1f} MB of .jsonl; "
-        f"model {model.name} (vocab {sp.vocab_size()}); {cores} cores",
-        flush=True,
-    )
+    size = f"{corpus.stat().st_size / 1e6:.1f} MB of .jsonl"
+    describe_corpus(args.corpus, docs, size, f"model {model.name} (vocab {sp.vocab_size()})", f"{cores} cores")
     url, server = start_server(model, cores)
     try:
         baseline = f"sp.encode(list, num_threads={cores})"
@@ -176,14 +170,9 @@ def main() -> None:
             "pretokenize --local --seq-len 2048": pretokenize(corpus, scratch, cores, model, None, seq_len=2048),
             "pretokenize --url": pretokenize(corpus, scratch, cores, None, url),
         }
-        seconds: dict[str, list[float]] = {name: [] for name in methods}
-        tokens: dict[str, int] = {}
-        for round_index in range(args.rounds):
-            for name, method in methods.items():
-                started = time.perf_counter()
-                tokens[name] = method()
-                seconds[name].append(time.perf_counter() - started)
-            print(f"round {round_index + 1}/{args.rounds} done", flush=True)
+        seconds, tokens = alternate(
+            methods, args.rounds, lambda done: print(f"round {done}/{args.rounds} done", flush=True)
+        )
     finally:
         server.terminate()
         server.wait(timeout=30)

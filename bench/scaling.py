@@ -22,11 +22,9 @@ from pathlib import Path
 import psutil
 import sentencepiece as spm
 
+from bench.inputs import describe_corpus, documents_and_model, python_docs_corpus, start_server
 from bench.serving import BATCH, Meter, in_flight
-from bench.throughput import FALLBACK_CORPUS, SHARED_CORPUS, bench_model, load_documents, start_server
 from client import TokenizerClient
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def measure(model: Path, workers: int, frontends: int, depth: int, docs: list[str], rounds: int) -> dict[str, float]:
@@ -60,7 +58,7 @@ def measure(model: Path, workers: int, frontends: int, depth: int, docs: list[st
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--corpus", type=Path, default=SHARED_CORPUS if SHARED_CORPUS.exists() else FALLBACK_CORPUS)
+    parser.add_argument("--corpus", type=Path, default=python_docs_corpus())
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4, 8, 15])
     parser.add_argument("--docs", type=int, default=8192)
     parser.add_argument("--rounds", type=int, default=3)
@@ -69,13 +67,9 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="a SentencePiece model (default: 16k unigram on the corpus)")
     args = parser.parse_args()
 
-    docs = load_documents(args.corpus, args.docs)
-    model = args.model or bench_model(args.corpus, vocab_size=16000)
-    print(
-        f"corpus {args.corpus.name}: {len(docs)} documents; model {model.name}; "
-        f"{len(os.sched_getaffinity(0))} cores; --frontends {args.frontends}",
-        flush=True,
-    )
+    docs, model = documents_and_model(args.corpus, args.docs, args.model, vocab_size=16000)
+    cores = len(os.sched_getaffinity(0))
+    describe_corpus(args.corpus, docs, f"model {model.name}", f"{cores} cores", f"--frontends {args.frontends}")
     print()
     print("| workers | in-process docs/s (N threads) | service docs/s | service / in-process | serial ceiling |")
     print("|---:|---:|---:|---:|---:|")

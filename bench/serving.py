@@ -40,10 +40,8 @@ from app.core import libraries
 from app.core.models import SENTENCEPIECE, find_model_files
 from app.core.reference import InProcess
 from app.core.requests import EncodeOptions
-from bench.throughput import bench_model, default_corpus, load_documents, not_nfkc, start_server
+from bench.inputs import default_corpus, describe_corpus, documents_and_model, start_server
 from client import TokenizerClient
-
-ROOT = Path(__file__).resolve().parent.parent
 
 BATCH = 256
 
@@ -225,16 +223,11 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    docs = load_documents(args.corpus, args.docs)
-    model = args.model or bench_model(args.corpus, vocab_size=16000)
+    docs, model = documents_and_model(args.corpus, args.docs, args.model, vocab_size=16000)
     cores = len(os.sched_getaffinity(0))
     reference = InProcess(find_model_files("bench", model), cores)
-    print(
-        f"corpus {args.corpus.name}: {len(docs)} documents, mean {sum(map(len, docs)) / len(docs):.0f} chars, "
-        f"{not_nfkc(docs):.0%} not NFKC-normalized; model {model.name} ({reference.library}, vocab "
-        f"{reference.model.vocab_size}); {cores} cores",
-        flush=True,
-    )
+    vocab = f"{reference.library}, vocab {reference.model.vocab_size}"
+    describe_corpus(args.corpus, docs, f"model {model.name} ({vocab})", f"{cores} cores")
     results = {}
     for workers in args.workers:
         print(f"measuring --workers {workers} --frontends {args.frontends} ...", flush=True)

@@ -17,12 +17,9 @@ paragraphs and joined into 1-2 KB documents); its share of non-NFKC documents is
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import time
-import unicodedata
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,93 +27,11 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
-from app.tools.launcher import ServerProcess
+from app.tools.bench import alternate
+from bench.inputs import default_corpus, describe_corpus, documents_and_model, start_server
 from client import TokenizerClient
 
-ROOT = Path(__file__).resolve().parent.parent
-
-SHARED_CORPUS = ROOT.parent / "shared" / "corpus" / "python_docs.txt"
-# The default where it exists: 10 languages, 71% of its documents not NFKC-normalized, like web text
-MULTILINGUAL_CORPUS = ROOT.parent / "shared" / "corpus" / "debian_reference_multilingual.jsonl"
-FALLBACK_CORPUS = ROOT / "tests" / "data" / "botchan.txt"
-RESULTS = ROOT / "bench" / "results"
 BATCH = 256
-
-
-def default_corpus() -> Path:
-    """The multilingual corpus where ../shared has it, else the Python docs, else the repository's Botchan."""
-    for corpus in (MULTILINGUAL_CORPUS, SHARED_CORPUS):
-        if corpus.exists():
-            return corpus
-    return FALLBACK_CORPUS
-
-
-def read_text(corpus: Path) -> str:
-    """A text file as it is, or a JSON Lines file's `text` fields separated by blank lines."""
-    if corpus.suffix == ".jsonl":
-        with corpus.open(encoding="utf-8") as file:
-            return "\n\n".join(json.loads(line)["text"] for line in file if line.strip())
-    return corpus.read_text(encoding="utf-8", errors="replace")
-
-
-def not_nfkc(docs: list[str]) -> float:
-    """The share of documents that Unicode NFKC normalization would change (web text: most of them)."""
-    return sum(not unicodedata.is_normalized("NFKC", doc) for doc in docs) / max(len(docs), 1)
-
-
-def load_documents(corpus: Path, count: int) -> list[str]:
-    """Paragraphs (blank-line separated; lines for texts without blank lines) joined into 1-2 KB documents."""
-    text = read_text(corpus)
-    paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
-    if len(paragraphs) < 100:
-        paragraphs = [line.strip() for line in text.splitlines() if line.strip()]
-    documents: list[str] = []
-    current: list[str] = []
-    size = 0
-    target = 1024
-    for paragraph in paragraphs:
-        current.append(paragraph)
-        size += len(paragraph) + 2
-        if size >= target:
-            documents.append("\n\n".join(current)[:2048])
-            current, size = [], 0
-            target = 1024 + (len(documents) * 397) % 1024
-            if len(documents) == count:
-                break
-    while len(documents) < count:  # a small corpus: repeat it
-        documents.extend(documents[: count - len(documents)])
-    return documents
-
-
-def bench_model(corpus: Path, vocab_size: int = 32000) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    prefix = RESULTS / f"bench-unigram-{vocab_size // 1000}k-{corpus.stem}"
-    model = prefix.with_suffix(".model")
-    if not model.exists():
-        print(f"training a {vocab_size // 1000}k unigram model on {corpus.name} (once) ...", flush=True)
-        if corpus.suffix == ".jsonl":
-            plain = prefix.with_suffix(".txt")
-            plain.write_text(read_text(corpus), encoding="utf-8")
-            corpus = plain
-        spm.SentencePieceTrainer.train(
-            input=str(corpus),
-            model_prefix=str(prefix),
-            model_type="unigram",
-            vocab_size=vocab_size if corpus.stat().st_size > 2_000_000 else 4000,
-            input_sentence_size=2_000_000,
-            shuffle_input_sentence=True,
-            num_threads=os.cpu_count() or 1,
-            minloglevel=2,
-        )
-    return model
-
-
-def start_server(model: Path, workers: int, *extra: str) -> tuple[str, subprocess.Popen[bytes]]:
-    """A server on a free loopback port serving `model` as "bench" (app.tools.launcher, as the tests start theirs)."""
-    args = ["--workers", str(workers), "--model", f"bench={model}", "--log-level", "warning", *extra]
-    server = ServerProcess(args).start(timeout=120)
-    assert server.process is not None
-    return server.url, server.process
 
 
 def service_run(client: TokenizerClient, docs: list[str], in_flight: int, format: str) -> Callable[[], int]:
@@ -146,16 +61,9 @@ def main() -> None:
     args = parser.parse_args()
 
     cores = len(os.sched_getaffinity(0))
-    docs = load_documents(args.corpus, args.docs)
-    model = args.model or bench_model(args.corpus)
+    docs, model = documents_and_model(args.corpus, args.docs, args.model)
     sp = spm.SentencePieceProcessor(model_file=str(model))
-    total_chars = sum(len(d) for d in docs)
-    print(
-        f"corpus {args.corpus.name}: {len(docs)} documents, mean {total_chars / len(docs):.0f} chars, "
-        f"{not_nfkc(docs):.0%} not NFKC-normalized; "
-        f"model {model.name} (vocab {sp.vocab_size()}); {cores} cores",
-        flush=True,
-    )
+    describe_corpus(args.corpus, docs, f"model {model.name} (vocab {sp.vocab_size()})", f"{cores} cores")
 
     url, server = start_server(model, cores)
     try:
@@ -176,14 +84,9 @@ def main() -> None:
             }
             baseline_name = f"sp.encode(list, num_threads={cores})"
             floor_name = f"sp.encode(list, num_threads={cores}, numpy)"
-            seconds: dict[str, list[float]] = {name: [] for name in methods}
-            tokens: dict[str, int] = {}
-            for round_index in range(args.rounds):
-                for name, run in methods.items():
-                    started = time.perf_counter()
-                    tokens[name] = run()
-                    seconds[name].append(time.perf_counter() - started)
-                print(f"round {round_index + 1}/{args.rounds} done", flush=True)
+            seconds, tokens = alternate(
+                methods, args.rounds, lambda done: print(f"round {done}/{args.rounds} done", flush=True)
+            )
 
             latencies = []
             single = docs[: args.latency_requests]

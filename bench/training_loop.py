@@ -30,10 +30,8 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
-from bench.throughput import FALLBACK_CORPUS, SHARED_CORPUS, bench_model, load_documents, start_server
+from bench.inputs import describe_corpus, documents_and_model, python_docs_corpus, start_server
 from client import PackSpec, PrefetchStats, TokenizerClient
-
-ROOT = Path(__file__).resolve().parent.parent
 
 TARGET_WAIT_FRACTION = 0.01
 
@@ -96,7 +94,7 @@ def capacity(client: TokenizerClient, docs: list[str], batch: int, depth: int, p
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--corpus", type=Path, default=SHARED_CORPUS if SHARED_CORPUS.exists() else FALLBACK_CORPUS)
+    parser.add_argument("--corpus", type=Path, default=python_docs_corpus())
     parser.add_argument("--model", type=Path, help="a SentencePiece model (default: train one on the corpus)")
     parser.add_argument("--docs", type=int, default=20_000, help="documents (the loop cycles over them)")
     parser.add_argument("--batch", type=int, default=256, help="texts a step consumes (B)")
@@ -107,17 +105,19 @@ def main() -> None:
     args = parser.parse_args()
 
     cores = len(os.sched_getaffinity(0))
-    docs = load_documents(args.corpus, args.docs)
-    model = args.model or bench_model(args.corpus)
+    docs, model = documents_and_model(args.corpus, args.docs, args.model)
     sp = spm.SentencePieceProcessor(model_file=str(model))
     tokens_per_doc = sum(len(ids) for ids in sp.encode(docs[:2000])) / 2000 + 1  # + EOS when packing
     rows = max(1, round(args.batch * tokens_per_doc / args.seq_len))
     spec = PackSpec(seq_len=args.seq_len, rows=rows)
-    print(
-        f"corpus {args.corpus.name}: {len(docs)} documents, {tokens_per_doc - 1:.0f} tokens each on average; "
-        f"model {model.name} (vocab {sp.vocab_size()}); {cores} cores; B={args.batch} texts a step, "
-        f"packed: {rows} x {args.seq_len}; depth {args.depth}",
-        flush=True,
+    describe_corpus(
+        args.corpus,
+        docs,
+        f"{tokens_per_doc - 1:.0f} tokens each on average",
+        f"model {model.name} (vocab {sp.vocab_size()})",
+        f"{cores} cores",
+        f"B={args.batch} texts a step, packed: {rows} x {args.seq_len}",
+        f"depth {args.depth}",
     )
 
     load_before = os.getloadavg()[0]

@@ -13,6 +13,7 @@ import contextlib
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -65,6 +66,26 @@ def peak_rss(server: psutil.Process, seconds: float) -> int:
     return peak
 
 
+def peak_rss_while(
+    server: psutil.Process,
+    seconds: float,
+    client: Callable[[], None],
+    clients: int,
+    stop: threading.Event,
+    join_timeout: float,
+) -> tuple[int, bool]:
+    """The peak RSS of the server tree over `seconds` while `clients` threads run `client` (each until `stop`
+    is set, which it is then), and whether one of them was still running `join_timeout` seconds later."""
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    peak = peak_rss(server, seconds)
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=join_timeout)
+    return peak, any(thread.is_alive() for thread in threads)
+
+
 def peak_under_load(url: str, server: psutil.Process, body: bytes, clients: int, seconds: float):
     statuses: collections.Counter[int] = collections.Counter()
     retry_after: set[str | None] = set()
@@ -83,14 +104,8 @@ def peak_under_load(url: str, server: psutil.Process, body: bytes, clients: int,
                     retry_after.add(answer.headers.get("retry-after"))
                     time.sleep(0.2)
 
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
-    for thread in threads:
-        thread.start()
-    peak = peak_rss(server, seconds)
-    stop.set()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert not any(thread.is_alive() for thread in threads), "a client hung"
+    peak, hung = peak_rss_while(server, seconds, client, clients, stop, join_timeout=120)
+    assert not hung, "a client hung"
     return peak, statuses, retry_after
 
 
@@ -151,13 +166,7 @@ def held_uploads(url: str, server: psutil.Process, clients: int, seconds: float,
                     return
                 sent += len(chunk)
 
-    threads = [threading.Thread(target=upload, daemon=True) for _ in range(clients)]
-    for thread in threads:
-        thread.start()
-    peak = peak_rss(server, seconds)
-    stop.set()
-    for thread in threads:
-        thread.join(timeout=30)
+    peak, _ = peak_rss_while(server, seconds, upload, clients, stop, join_timeout=30)
     return peak, len(answered)
 
 

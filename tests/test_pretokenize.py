@@ -101,6 +101,7 @@ def test_ragged_output_equals_in_process_tokenization(
     assert all(shard["tokens"] >= 9000 for shard in meta["shards"][:-1])
 
 
+@pytest.mark.slow  # a run of the pre-tokenizer each; .ci/run's slow stage
 @pytest.mark.parametrize("strategy", ["concat", "best_fit"])
 def test_packed_rows_equal_the_online_packing(
     strategy: str, corpus: tuple[list[Path], list[str]], model_files: dict[str, Path], tmp_path: Path
@@ -209,6 +210,7 @@ def test_strict_stops_at_the_first_bad_record(
     assert not json.loads((tmp_path / "out" / "metadata.json").read_text())["complete"]
 
 
+@pytest.mark.slow  # a run of the pre-tokenizer each; .ci/run's slow stage
 def test_a_wrong_text_field_stops_with_the_fix_and_leaves_no_output(
     documents: list[str], model_files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -322,20 +324,23 @@ def test_an_interrupted_run_resumes_to_byte_identical_files(
     assert len(TokenDataset(resumed).metadata["shards"]) > done
 
 
+@pytest.fixture
+def finished(corpus: tuple[list[Path], list[str]], model_files: dict[str, Path], tmp_path: Path) -> list[object]:
+    """The arguments of a run over the first input into tmp_path / "out" that has finished."""
+    args = [corpus[0][0], "--output", tmp_path / "out", "--local", "--model", model_files["uni"]]
+    args += ["--shard-tokens", SHARD_TOKENS]
+    assert pretokenize(*args) == 0
+    return args
+
+
 @pytest.mark.slow  # a run of the pre-tokenizer each; .ci/run's slow stage
 def test_a_finished_output_is_left_alone(
-    corpus: tuple[list[Path], list[str]],
-    model_files: dict[str, Path],
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
+    finished: list[object], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    inputs, _ = corpus
     out = tmp_path / "out"
-    args = [*inputs, "--output", out, "--local", "--model", model_files["uni"], "--shard-tokens", SHARD_TOKENS]
-    assert pretokenize(*args) == 0
     before = {path.name: path.stat().st_mtime_ns for path in out.iterdir()}
     capsys.readouterr()
-    assert pretokenize(*args) == 0
+    assert pretokenize(*finished) == 0
     assert "already complete, nothing to do" in capsys.readouterr().out
     assert {path.name: path.stat().st_mtime_ns for path in out.iterdir()} == before
 
@@ -354,25 +359,20 @@ def test_a_finished_output_is_left_alone(
 def test_another_model_or_other_options_refuse_to_mix(
     change: list[str],
     complaint: str,
+    finished: list[object],
     corpus: tuple[list[Path], list[str]],
     model_files: dict[str, Path],
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    inputs, _ = corpus
     out = tmp_path / "out"
-    base = {"inputs": [inputs[0]], "model": model_files["uni"], "options": ["--shard-tokens", SHARD_TOKENS]}
-    assert pretokenize(*base["inputs"], "--output", out, "--local", "--model", base["model"], *base["options"]) == 0
     before = files_of(out)
-    if change[0] == "--model":
-        base["model"] = model_files[change[1]]
-    elif change[0] == "--extra-input":
-        base["inputs"] = [inputs[0], inputs[1]]
-    else:
-        base["options"] = [*base["options"], *change] if change[0] != "--shard-tokens" else change
+    if change == ["--extra-input"]:
+        args = [finished[0], corpus[0][1], *finished[1:]]
+    else:  # the last of an option given twice counts
+        args = [*finished, *(model_files["bpe"] if word == "bpe" else word for word in change)]
     capsys.readouterr()
-    code = pretokenize(*base["inputs"], "--output", out, "--local", "--model", base["model"], *base["options"])
-    assert code == 2
+    assert pretokenize(*args) == 2
     errors = capsys.readouterr().err
     assert "refusing to mix" in errors and complaint in errors
     assert files_of(out) == before

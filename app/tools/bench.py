@@ -26,7 +26,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+import unicodedata
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,8 +42,8 @@ from app.tools.launcher import ServerNotReady, ServerProcess
 from app.tools.pretokenize.run import Options, run
 from app.tools.pretokenize.sources import DocumentReader, InputError, Source
 from client import TokenizerClient, TokenizerError
-from client._protocol import parse_urls
 from client.dataset import TokenDataset
+from client.urls import parse_urls
 
 BATCH = 256
 BASELINE = "batched"
@@ -138,15 +139,28 @@ def methods(
     ]
 
 
-def measure(candidates: list[Method], rounds: int) -> tuple[dict[str, list[float]], dict[str, int]]:
-    seconds: dict[str, list[float]] = {method.name: [] for method in candidates}
+def alternate(
+    runs: Mapping[str, Callable[[], int]], rounds: int, after_round: Callable[[int], object] = lambda done: None
+) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """Every run once a round, in order, `rounds` times (machines drift: ratios are taken round by round);
+    the seconds of each run in every round, and the tokens it produced. `after_round` gets the rounds done."""
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
     tokens: dict[str, int] = {}
-    for _ in range(rounds):
-        for method in candidates:
+    for done in range(1, rounds + 1):
+        for name, method in runs.items():
             started = time.perf_counter()
-            tokens[method.name] = method.run()
-            seconds[method.name].append(time.perf_counter() - started)
+            tokens[name] = method()
+            seconds[name].append(time.perf_counter() - started)
+        after_round(done)
     return seconds, tokens
+
+
+def describe_documents(docs: list[str], source: str) -> str:
+    """'N documents from SOURCE (mean M characters, P% not NFKC-normalized)': how long the texts are, and how
+    many a normalizing tokenizer has to change (web text: most of them)."""
+    chars = sum(len(doc) for doc in docs) / max(len(docs), 1)
+    not_nfkc = sum(not unicodedata.is_normalized("NFKC", doc) for doc in docs) / max(len(docs), 1)
+    return f"{len(docs):,} documents from {source} (mean {chars:,.0f} characters, {not_nfkc:.0%} not NFKC-normalized)"
 
 
 def table(candidates: list[Method], seconds: dict[str, list[float]], tokens: dict[str, int], docs: int) -> str:
@@ -204,9 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     if not docs:
         raise SystemExit(f"tokenizer-bench: no documents in {args.corpus}")
     reference = InProcess(find_model_files("bench", args.model), args.workers)
-    chars = sum(len(doc) for doc in docs)
     print(
-        f"{len(docs):,} documents from {args.corpus.name} (mean {chars / len(docs):,.0f} characters); "
+        f"{describe_documents(docs, args.corpus.name)}; "
         f"model {args.model.name} ({info.library} {info.type}, vocab {info.vocab_size:,}, served by {info.encoder}); "
         f"{args.workers} workers; {args.rounds} rounds",
         flush=True,
@@ -220,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         ):
             candidates = methods(reference, docs, args.model, args.workers, client, name, Path(scratch))
             client.tokenize_batch(docs[:BATCH], model=name)  # connections and workers warm
-            seconds, tokens = measure(candidates, args.rounds)
+            seconds, tokens = alternate({method.name: method.run for method in candidates}, args.rounds)
     except TokenizerError as exc:  # the --url server is down, or refuses
         raise SystemExit(f"tokenizer-bench: {exc}") from exc
     if len(set(tokens.values())) != 1:

@@ -88,15 +88,12 @@ def tokenize_locally(
     pool: ProcessPoolExecutor,
     model: str,
     texts: Iterable[str],
+    options: EncodeOptions,
     *,
-    add_bos: bool,
-    add_eos: bool,
-    parse_special_tokens: bool = False,
     chunk_chars: int,
     depth: int,
 ) -> Iterator[TokenizedBatch]:
     """Tokenize on the pool in chunks of about `chunk_chars` characters, `depth` chunks in flight."""
-    options = EncodeOptions(add_bos=add_bos, add_eos=add_eos, parse_special_tokens=parse_special_tokens)
     submitted = (
         pool.submit(process.encode_chunk, model, chunk, options) for chunk in chunks(texts, chunk_chars, 1 << 16)
     )
@@ -106,12 +103,10 @@ def tokenize_locally(
 def tokenize_via_service(
     client: TokenizerClient,
     texts: Iterable[str],
+    options: EncodeOptions,
     *,
     model: str,
     sha256: str,
-    add_bos: bool,
-    add_eos: bool,
-    parse_special_tokens: bool = False,
     batch_size: int,
     depth: int,
 ) -> Iterator[TokenizedBatch]:
@@ -120,15 +115,8 @@ def tokenize_via_service(
 
     Every answer must come from the model file the output was started with (its sha256).
     """
-    with client.prefetch(
-        texts,
-        batch_size=batch_size,
-        depth=depth,
-        model=model,
-        add_bos=add_bos,
-        add_eos=add_eos,
-        parse_special_tokens=parse_special_tokens,
-    ) as batches:
+    encode = options.model_dump(exclude_none=True)  # the keywords of /v1/tokenize that are set
+    with client.prefetch(texts, batch_size=batch_size, depth=depth, model=model, **encode) as batches:
         for batch in batches:
             if not isinstance(batch, TokenizedBatch):  # only with pack=, which is not asked for here
                 raise TypeError(f"prefetch handed out a {type(batch).__name__}, not a TokenizedBatch")

@@ -309,34 +309,25 @@ def main(argv: list[str] | None = None) -> int:
             summary = run(options, report_bad=bad_records, progress=bar.update, warn=bar.write)
         finally:
             bad_records.close()
+            bar.close()  # before any message below
     except KeyboardInterrupt:
-        bar.close()
         print(
             f"interrupted: the complete shards in {args.output} are kept; run the same command again to go on",
             file=sys.stderr,
         )
         return 130
-    except OutputError as exc:
-        bar.close()
+    except (OutputError, InputRefused) as exc:
         print(f"tokenizer-pretokenize: {exc}", file=sys.stderr)
         return 2
     except BadRecordError as exc:
-        bar.close()
         print(f"tokenizer-pretokenize: bad record (--strict): {exc}", file=sys.stderr)
         return 1
-    except InputRefused as exc:
-        bar.close()
-        print(f"tokenizer-pretokenize: {exc}", file=sys.stderr)
-        return 2
     except (InputError, ModelLoadError, ServiceError, TokenizerError) as exc:
-        bar.close()
         print(f"tokenizer-pretokenize: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:  # disk full, file too large, quota, read-only: say what, where, how much room
-        bar.close()
         print(f"tokenizer-pretokenize: {describe_os_error(exc, args.output)}", file=sys.stderr)
         return 1
-    bar.close()
     if not args.quiet:
         print(describe(summary))
     return 0

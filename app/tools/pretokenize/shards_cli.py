@@ -322,26 +322,24 @@ def main(argv: list[str] | None = None) -> int:
         bar.set_description(what)
 
     try:
-        done = export(
-            dataset,
-            args.to,
-            output,
-            per_shard=args.per_shard,
-            shard_tokens=args.shard_tokens,
-            val_documents=args.val_documents,
-            progress=bar.update,
-            stage=stage,
-        )
+        with bar:  # closed before any message
+            done = export(
+                dataset,
+                args.to,
+                output,
+                per_shard=args.per_shard,
+                shard_tokens=args.shard_tokens,
+                val_documents=args.val_documents,
+                progress=bar.update,
+                stage=stage,
+            )
     except ExportError as exc:
-        bar.close()
         print(f"tokenizer-shards: cannot export to {args.to}: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
-        bar.close()
         hint = "make room (or raise the limit) and export again"
         print(f"tokenizer-shards: {describe_os_error(exc, output, hint)}", file=sys.stderr)
         return 1
-    bar.close()
     if not args.quiet:
         print(describe_export(dataset, args.to, output, done, args.val_documents))
     return 0

@@ -1,0 +1,114 @@
+"""The corpora, models and server a benchmark runs on, and the line that says what they are.
+
+Corpora: the shared multilingual one (10 languages, most documents not NFKC-normalized, like web text) or
+the shared Python docs where ../shared has them, else the repository's Botchan. Documents: paragraphs
+joined into 1-2 KB. Models: a unigram SentencePiece model trained on the corpus once, cached under
+bench/results/ (git-ignored). Server: app.tools.launcher on a free loopback port, as the tests start theirs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import sentencepiece as spm
+
+from app.tools.bench import describe_documents
+from app.tools.launcher import ServerProcess
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SHARED_CORPUS = ROOT.parent / "shared" / "corpus" / "python_docs.txt"
+# The default where it exists: 10 languages, 71% of its documents not NFKC-normalized, like web text
+MULTILINGUAL_CORPUS = ROOT.parent / "shared" / "corpus" / "debian_reference_multilingual.jsonl"
+FALLBACK_CORPUS = ROOT / "tests" / "data" / "botchan.txt"
+RESULTS = ROOT / "bench" / "results"
+
+
+def python_docs_corpus() -> Path:
+    """The Python docs corpus where ../shared has it, else the repository's Botchan."""
+    return SHARED_CORPUS if SHARED_CORPUS.exists() else FALLBACK_CORPUS
+
+
+def default_corpus() -> Path:
+    """The multilingual corpus where ../shared has it, else the Python docs, else the repository's Botchan."""
+    return MULTILINGUAL_CORPUS if MULTILINGUAL_CORPUS.exists() else python_docs_corpus()
+
+
+def read_text(corpus: Path) -> str:
+    """A text file as it is, or a JSON Lines file's `text` fields separated by blank lines."""
+    if corpus.suffix == ".jsonl":
+        with corpus.open(encoding="utf-8") as file:
+            return "\n\n".join(json.loads(line)["text"] for line in file if line.strip())
+    return corpus.read_text(encoding="utf-8", errors="replace")
+
+
+def load_documents(corpus: Path, count: int) -> list[str]:
+    """Paragraphs (blank-line separated; lines for texts without blank lines) joined into 1-2 KB documents."""
+    text = read_text(corpus)
+    paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
+    if len(paragraphs) < 100:
+        paragraphs = [line.strip() for line in text.splitlines() if line.strip()]
+    documents: list[str] = []
+    current: list[str] = []
+    size = 0
+    target = 1024
+    for paragraph in paragraphs:
+        current.append(paragraph)
+        size += len(paragraph) + 2
+        if size >= target:
+            documents.append("\n\n".join(current)[:2048])
+            current, size = [], 0
+            target = 1024 + (len(documents) * 397) % 1024
+            if len(documents) == count:
+                break
+    while len(documents) < count:  # a small corpus: repeat it
+        documents.extend(documents[: count - len(documents)])
+    return documents
+
+
+def bench_model(corpus: Path, vocab_size: int = 32000) -> Path:
+    """A unigram SentencePiece model of `vocab_size` pieces (4k for a small corpus) trained on `corpus`, once."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    prefix = RESULTS / f"bench-unigram-{vocab_size // 1000}k-{corpus.stem}"
+    model = prefix.with_suffix(".model")
+    if not model.exists():
+        print(f"training a {vocab_size // 1000}k unigram model on {corpus.name} (once) ...", flush=True)
+        if corpus.suffix == ".jsonl":
+            plain = prefix.with_suffix(".txt")
+            plain.write_text(read_text(corpus), encoding="utf-8")
+            corpus = plain
+        spm.SentencePieceTrainer.train(
+            input=str(corpus),
+            model_prefix=str(prefix),
+            model_type="unigram",
+            vocab_size=vocab_size if corpus.stat().st_size > 2_000_000 else 4000,
+            input_sentence_size=2_000_000,
+            shuffle_input_sentence=True,
+            num_threads=os.cpu_count() or 1,
+            minloglevel=2,
+        )
+    return model
+
+
+def documents_and_model(
+    corpus: Path, count: int, model: Path | None, vocab_size: int = 32000
+) -> tuple[list[str], Path]:
+    """`count` documents of the corpus, and `model`, or without one a model trained on the corpus (cached)."""
+    return load_documents(corpus, count), model or bench_model(corpus, vocab_size)
+
+
+def start_server(model: Path, workers: int, *extra: str) -> tuple[str, subprocess.Popen[bytes]]:
+    """A server on a free loopback port serving `model` as "bench" (app.tools.launcher, as the tests start theirs)."""
+    args = ["--workers", str(workers), "--model", f"bench={model}", "--log-level", "warning", *extra]
+    server = ServerProcess(args).start(timeout=120)
+    assert server.process is not None
+    return server.url, server.process
+
+
+def describe_corpus(corpus: Path, docs: list[str], *details: str) -> None:
+    """Print the line every benchmark starts with: its documents (how many, how long, how many not NFKC-normalized,
+    as tokenizer-bench says it), then `details` (the model, the cores...), separated by semicolons."""
+    print("; ".join([describe_documents(docs, corpus.name), *details]), flush=True)
