@@ -16,6 +16,8 @@ from client import (
 from tests.client_servers import GaugedServer, gauged_server, numbered_texts
 from tests.conftest import Server
 
+pytestmark = pytest.mark.slow  # replicas as real servers (the rest: test_client_inprocess.py); .ci/run's slow stage
+
 API_KEY = "replica-test-key"
 
 

@@ -16,6 +16,8 @@ import pytest
 
 from tests.conftest import start_server, stop_server
 
+pytestmark = pytest.mark.slow  # raw connections to a uvicorn server with limits of its own; .ci/run's slow stage
+
 MAX_CONNECTIONS = 24
 
 

@@ -21,6 +21,8 @@ import pytest
 
 from tests.conftest import start_server, stop_server
 
+pytestmark = pytest.mark.slow  # raw connections to a uvicorn server with limits of its own; .ci/run's slow stage
+
 MAX_REQUEST_BYTES = 4 * 1024 * 1024
 MAX_QUEUED_BYTES = 6 * 1024 * 1024
 HEADER_TIMEOUT = 3.0  # also the grace before a body's minimum rate (64 KiB/s by default) applies

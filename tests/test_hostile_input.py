@@ -111,6 +111,7 @@ def bare(tmp_path_factory, bare_model) -> Iterator[str]:
         ("/v1/pack", "add_bos", {"texts": ["a"], "seq_len": 8, "add_bos": True}),
     ],
 )
+@pytest.mark.slow  # a server of its own; .ci/run's slow stage
 def test_special_tokens_the_model_lacks_are_422_naming_the_field(bare, path, field, document):
     answer = post(bare, path, orjson.dumps(document))
     assert answer.status_code == 422, answer.text
@@ -125,6 +126,7 @@ def packed_tokens(answer: httpx.Response) -> list[int]:
     return [token for row in document["input_ids"] for token in row] + document["leftover"]
 
 
+@pytest.mark.slow  # a server of its own; .ci/run's slow stage
 def test_pack_defaults_to_eos_only_when_the_model_has_one(bare, bare_model, server, documents):
     texts = documents[:20]
     answer = post(bare, "/v1/pack", orjson.dumps({"texts": texts, "seq_len": 64}))

@@ -116,6 +116,7 @@ def test_an_endless_generator_is_read_lazily(client):
         assert next(read) <= (20 + 4 + 1) * 16
 
 
+@pytest.mark.slow  # a server of its own, gauged or killed; .ci/run's slow stage
 @pytest.mark.parametrize("depth", [1, 3])
 def test_depth_bounds_the_requests_the_server_handles_at_once(own_server: GaugedServer, documents, depth):
     texts = list(numbered_texts(documents, 2400))
@@ -128,6 +129,7 @@ def test_depth_bounds_the_requests_the_server_handles_at_once(own_server: Gauged
     assert gauge["peak"] >= min(depth, 2)  # the requests really did overlap
 
 
+@pytest.mark.slow  # a server of its own, gauged or killed; .ci/run's slow stage
 def test_a_server_killed_and_restarted_mid_stream_loses_and_repeats_nothing(own_server: GaugedServer, documents):
     texts = list(numbered_texts(documents, 3000))
     expected = own_server_ids(own_server, "bpe", texts)
@@ -260,6 +262,7 @@ def test_best_fit_packs_each_request_on_the_server_and_regroups_rows(client, ser
     assert all(b.leftover.size == 0 for b in batches)
 
 
+@pytest.mark.slow  # a server of its own, gauged or killed; .ci/run's slow stage
 def test_close_break_with_and_garbage_collection_stop_everything(own_server: GaugedServer, documents):
     texts = list(numbered_texts(documents, 2000))
     before = set(threading.enumerate())

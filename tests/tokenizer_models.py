@@ -77,9 +77,14 @@ def write_unigram(path: Path, texts: list[str]) -> Path:
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
     tokenizer.decoder = decoders.Metaspace()
     trainer = trainers.UnigramTrainer(
-        vocab_size=1500, special_tokens=["<unk>", "<s>", "</s>"], unk_token="<unk>", show_progress=False
+        vocab_size=1500,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        unk_token="<unk>",
+        show_progress=False,
+        shrinking_factor=0.5,  # fewer, coarser EM rounds: 3 CPU-seconds instead of 12, a unigram model all the same
+        n_sub_iterations=1,
     )
-    tokenizer.train_from_iterator(texts[-600:], trainer)  # the multilingual ones and some English: seconds
+    tokenizer.train_from_iterator(texts[-600:], trainer)  # the multilingual ones and some English
     tokenizer.save(str(path))
     return path
 
