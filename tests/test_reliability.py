@@ -502,6 +502,14 @@ def gone(pids: list[int]) -> bool:
     return not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
 
 
+def assert_gone(pids: list[int], message: str, timeout: float = 10.0) -> None:
+    """Every one of these processes exits (a zombie counts as gone) within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not gone(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone(pids), message
+
+
 def test_sigterm_finishes_in_flight_requests_and_leaves_no_worker(tmp_path_factory, model_files, uni_args):
     server = launch(tmp_path_factory, "drain", [*uni_args, "--workers", "2", "--drain-timeout", "20"], model_files)
     try:
@@ -525,10 +533,7 @@ def test_sigterm_finishes_in_flight_requests_and_leaves_no_worker(tmp_path_facto
         # uvicorn re-raises the signal it handled once it has shut down cleanly.
         assert server.process.wait(timeout=30) in (0, -signal.SIGTERM)
         assert "Traceback" not in server.log.read_text()
-        deadline = time.monotonic() + 10
-        while not gone(pids) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert gone(pids), "a worker process outlived the server"
+        assert_gone(pids, "a worker process outlived the server")
     finally:
         stop_server(server.process)
 
@@ -541,10 +546,7 @@ def test_workers_exit_when_the_server_is_killed(tmp_path_factory, model_files, u
         assert len(pids) == 3  # two workers and the seeded sampler
         server.process.kill()
         server.process.wait(timeout=10)
-        deadline = time.monotonic() + 10
-        while not gone(pids) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert gone(pids), "a worker process outlived its killed server"
+        assert_gone(pids, "a worker process outlived its killed server")
     finally:
         for pid in pids:
             with contextlib.suppress(psutil.NoSuchProcess):
@@ -568,10 +570,7 @@ def test_drain_timeout_bounds_shutdown_even_with_a_hung_worker(tmp_path_factory,
         assert answer[0].status_code == 503 and answer[0].headers["retry-after"] == "1"
         assert answer[0].json()["error"]["type"] == "unavailable"
         assert "Traceback" not in server.log.read_text()
-        deadline = time.monotonic() + 10
-        while not gone(pids) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert gone(pids), "the hung worker outlived the server"
+        assert_gone(pids, "the hung worker outlived the server")
     finally:
         stop_server(server.process)
 
