@@ -163,7 +163,7 @@ class Worker:
         self._transport.writelines(channel.frame_parts(job.number, job.kind, job.parts))
 
     def poison(self, payload: bytes) -> None:
-        if self._transport is not None and self.state is WorkerState.SERVING:
+        if self._transport is not None and self.state is not WorkerState.GONE:  # a starting one too (Lane._ready)
             self._transport.writelines(channel.frame(0, channel.POISON, payload))
 
     def _start_clock(self, job: Job) -> None:
