@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import operator
 from bisect import bisect_left, insort
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from heapq import heappop, heappush
 from typing import NamedTuple
 
@@ -77,11 +77,18 @@ class PackedRows:
     def num_rows(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The arrays by name, in field order (what a binary /v1/pack answer carries; ``stats`` aside)."""
+        return {name: getattr(self, name) for name in _ARRAYS}
+
     def row_cu_seqlens(self, row: int) -> np.ndarray:
         """``[0, end of segment 1, ..., end of last segment]`` of one row."""
         row = range(self.num_rows)[row]
         start, stop = self.cu_seqlens_offsets[row], self.cu_seqlens_offsets[row + 1]
         return self.cu_seqlens[start:stop]
+
+
+_ARRAYS = tuple(field.name for field in fields(PackedRows) if field.name != "stats")
 
 
 class Pieces(NamedTuple):

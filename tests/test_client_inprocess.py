@@ -110,15 +110,7 @@ class Service:
         else:
             packed = pack_best_fit(ids, offsets, seq_len, pad_id=0)
         meta = {"model": model, "seq_len": seq_len, "strategy": strategy, "stats": packed.stats.as_dict()}
-        arrays = {
-            "input_ids": packed.input_ids,
-            "labels": packed.labels,
-            "position_ids": packed.position_ids,
-            "cu_seqlens": packed.cu_seqlens,
-            "cu_seqlens_offsets": packed.cu_seqlens_offsets,
-            "leftover": packed.leftover,
-            "leftover_document_starts": packed.leftover_document_starts,
-        }
+        arrays = packed.arrays()
         if binary:
             return httpx.Response(
                 200, content=wire.encode(arrays, meta), headers={**headers, "content-type": wire.MEDIA_TYPE}

@@ -514,15 +514,7 @@ def check_carry_starts(request: PackRequest) -> None:
 
 def pack_answer(model: str, context: PackContext, packed: PackedRows) -> Sequence[bytes | bytearray | memoryview]:
     if context.binary:
-        arrays = {
-            "input_ids": packed.input_ids,
-            "labels": packed.labels,
-            "position_ids": packed.position_ids,
-            "cu_seqlens": packed.cu_seqlens,
-            "cu_seqlens_offsets": packed.cu_seqlens_offsets,
-            "leftover": packed.leftover,
-            "leftover_document_starts": packed.leftover_document_starts,
-        }
+        arrays = packed.arrays()
         meta = {
             "model": model,
             "seq_len": context.seq_len,
