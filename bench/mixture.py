@@ -23,7 +23,6 @@ which must not replay the stream. The issue's target: >= 50 M tokens/s at L = 20
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import tempfile
 import time
@@ -32,11 +31,11 @@ from pathlib import Path
 
 import numpy as np
 
-from client.dataset import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, TokenDataset, shard_name, write_shard
+from client.dataset import TokenDataset, write_dataset
 from client.mixture import Mixture, MixtureBatch
-from client.packing import pack_best_fit
 
 SHARD_IDS = 1 << 25  # ids a shard holds, at least (64 MiB of uint16)
+MODEL = {"name": "bench", "sha256": "0" * 64, "vocab_size": 32000, "bos_id": 1, "eos_id": 2, "pad_id": 0}
 
 
 def lengths(rng: np.random.Generator, tokens: int, median: float) -> np.ndarray:
@@ -45,55 +44,13 @@ def lengths(rng: np.random.Generator, tokens: int, median: float) -> np.ndarray:
     return drawn[: int(np.searchsorted(np.cumsum(drawn), tokens)) + 1]
 
 
-def write_dataset(path: Path, sizes: np.ndarray, rng: np.random.Generator, seq_len: int | None = None) -> TokenDataset:
-    """A tokenizer-pretokenize output of documents of these lengths (random ids, EOS = 2 last)."""
-    path.mkdir(parents=True)
-    dtype = np.dtype("<u2")
-    ends = np.cumsum(sizes)
-    shards: list[dict[str, int | str]] = []
-    first = 0
-    while first < sizes.size:
-        last = int(np.searchsorted(ends, (ends[first - 1] if first else 0) + SHARD_IDS)) + 1
-        chunk = sizes[first:last]
-        offsets = np.concatenate([[0], np.cumsum(chunk)])
-        ids = rng.integers(3, 32000, int(offsets[-1]), dtype=np.int32)
-        ids[offsets[1:] - 1] = 2
-        name = shard_name(len(shards))
-        entry: dict[str, int | str] = {"name": name, "documents": int(chunk.size), "tokens": int(ids.size)}
-        if seq_len is None:
-            write_shard(path / name, ids, offsets, dtype=dtype)
-        else:
-            rows = pack_best_fit(ids, offsets, seq_len, pad_id=0)
-            write_shard(
-                path / name,
-                rows.input_ids.reshape(-1),
-                rows.cu_seqlens_offsets,
-                rows.cu_seqlens,
-                dtype=dtype,
-                seq_len=seq_len,
-            )
-            entry["rows"] = rows.num_rows
-        shards.append(entry)
-        first = last
-    meta = {
-        "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
-        "complete": True,
-        "layout": "ragged" if seq_len is None else "packed",
-        "dtype": dtype.str,
-        "seq_len": seq_len,
-        "strategy": None if seq_len is None else "best_fit",
-        "model": {"name": "bench", "sha256": "0" * 64, "vocab_size": 32000, "bos_id": 1, "eos_id": 2, "pad_id": 0},
-        "documents": int(sizes.size),
-        "tokens": int(sizes.sum()),
-        "shards": shards,
-        "bad_records": 0,
-        "sources": [],
-    }
-    if seq_len is not None:
-        meta["rows"] = sum(shard["rows"] for shard in shards)
-    (path / METADATA_FILE).write_text(json.dumps(meta))
-    return TokenDataset(path)
+def random_dataset(path: Path, sizes: np.ndarray, rng: np.random.Generator, seq_len: int | None = None) -> TokenDataset:
+    """A tokenizer-pretokenize output of documents of these lengths (random ids, EOS = 2 last), best_fit rows
+    of `seq_len` if given."""
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    ids = rng.integers(3, 32000, int(offsets[-1]), dtype=np.int32)
+    ids[offsets[1:] - 1] = 2
+    return write_dataset(path, ids, offsets, model=MODEL, seq_len=seq_len, strategy="best_fit", shard_tokens=SHARD_IDS)
 
 
 def warm(path: Path) -> None:
@@ -149,9 +106,9 @@ def main() -> None:
         began = time.perf_counter()
         third = args.tokens // 3
         sources = {
-            "web": write_dataset(root / "web", lengths(rng, third, 450), rng),
-            "short": write_dataset(root / "short", lengths(rng, third, 60), rng),
-            "packed": write_dataset(root / "packed", lengths(rng, third, 450), rng, seq_len=args.seq_len),
+            "web": random_dataset(root / "web", lengths(rng, third, 450), rng),
+            "short": random_dataset(root / "short", lengths(rng, third, 60), rng),
+            "packed": random_dataset(root / "packed", lengths(rng, third, 450), rng, seq_len=args.seq_len),
         }
         for dataset in sources.values():
             warm(dataset.path)

@@ -2,8 +2,9 @@
 
 This docstring is the one description of the format and this module its one implementation: the constants,
 ``write_shard`` (one shard's files, byte for byte), ``read_shard`` and ``TokenDataset`` (reading them back),
-``check_metadata``. ``app.tools.pretokenize`` decides what goes into which shard, has ``write_shard`` write it under
-temporary names, and keeps ``metadata.json``. Everything is little-endian.
+``check_metadata``; ``write_dataset`` (a whole output of ids tokenized elsewhere, for tests and benchmarks).
+``app.tools.pretokenize`` decides what goes into which shard, has ``write_shard`` write it under temporary names,
+and keeps ``metadata.json``. Everything is little-endian.
 
 An output directory holds::
 
@@ -67,20 +68,22 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import json
 import operator
 import re
 import struct
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
+import numpy.typing as npt
 
-from client.packing import IGNORE_INDEX
+from client.packing import IGNORE_INDEX, pack_best_fit, pack_concat
 
 if TYPE_CHECKING:
     import torch
@@ -112,6 +115,7 @@ __all__ = [
     "read_shard",
     "shard_index",
     "shard_name",
+    "write_dataset",
     "write_shard",
 ]
 
@@ -252,6 +256,107 @@ def write_shard(
         with opener(files[2]) as file:
             file.write(np.ascontiguousarray(seg, SEG_DTYPE).data)
     return files
+
+
+def _shard_bounds(offsets: np.ndarray, shard_documents: int | None, shard_tokens: int | None) -> list[int]:
+    """The first document of each shard, then the number of documents."""
+    count = offsets.size - 1
+    bounds = [0]
+    while bounds[-1] < count:
+        first = bounds[-1]
+        if shard_documents is not None:
+            last = first + shard_documents
+        elif shard_tokens is not None:  # closes with the document that brings it to shard_tokens ids
+            last = int(np.searchsorted(offsets[1:], offsets[first] + shard_tokens)) + 1
+        else:
+            last = count
+        bounds.append(min(last, count))
+    return bounds
+
+
+def write_dataset(
+    path: str | Path,
+    ids: npt.ArrayLike,
+    offsets: npt.ArrayLike,
+    *,
+    model: Mapping[str, Any],
+    seq_len: int | None = None,
+    strategy: str = "concat",
+    shard_documents: int | None = None,
+    shard_tokens: int | None = None,
+    dtype: np.dtype | None = None,
+) -> TokenDataset:
+    """Write documents tokenized elsewhere as a complete output in `path` (new or empty); ``TokenDataset(path)``.
+
+    `ids` are the documents end to end, `offsets` their ``count + 1`` starts from 0. A shard holds
+    `shard_documents` documents, or closes with the document that brings it to `shard_tokens` ids (the
+    pre-tokenizer's ``--shard-tokens``); with neither, one shard. With `seq_len` each shard's documents are
+    packed into rows: ``best_fit`` pads with the model's pad id (else EOS, else 0); ``concat`` leaves out the
+    ids after a shard's last full row (the pre-tokenizer carries them into the next shard instead). `model`
+    is ``metadata.json``'s (name, sha256, vocab_size, bos_id, eos_id, pad_id); `dtype` defaults to
+    ``id_dtype(vocab_size)``. metadata.json has the pre-tokenizer's keys; ``options`` says how shards were cut.
+    """
+    path = Path(path)
+    ids = np.asarray(ids)
+    offsets = np.asarray(offsets, np.int64)
+    if offsets.ndim != 1 or offsets.size < 1 or offsets[0] != 0 or (np.diff(offsets) < 0).any():
+        raise ValueError("offsets must be count + 1 non-decreasing values starting at 0")
+    if ids.ndim != 1 or int(offsets[-1]) != ids.size:
+        raise ValueError(f"offsets end at {int(offsets[-1])}, the documents hold {ids.size} ids")
+    if shard_documents is not None and shard_tokens is not None:
+        raise ValueError("give shard_documents or shard_tokens, not both")
+    if any(size is not None and size < 1 for size in (shard_documents, shard_tokens, seq_len)):
+        raise ValueError("shard_documents, shard_tokens and seq_len must be at least 1")
+    if seq_len is not None and strategy not in ("concat", "best_fit"):
+        raise ValueError(f"strategy must be 'concat' or 'best_fit', got {strategy!r}")
+    dtype = id_dtype(int(model["vocab_size"])) if dtype is None else np.dtype(dtype)
+    pad_id = next((int(i) for i in (model.get("pad_id"), model.get("eos_id")) if i is not None and i >= 0), 0)
+    path.mkdir(parents=True, exist_ok=True)
+    if any(path.iterdir()):
+        raise ValueError(f"{path} is not empty")
+    bounds = _shard_bounds(offsets, shard_documents, shard_tokens)
+    shards: list[dict[str, Any]] = []
+    for first, last in itertools.pairwise(bounds):
+        name = shard_name(len(shards))
+        start = int(offsets[first])
+        chunk, chunk_offsets = ids[start : offsets[last]], offsets[first : last + 1] - start
+        if seq_len is None:
+            write_shard(path / name, chunk, chunk_offsets, dtype=dtype)
+            shards.append({"name": name, "tokens": int(chunk.size), "documents": last - first})
+            continue
+        if strategy == "concat":
+            rows = pack_concat(chunk, chunk_offsets, seq_len)
+        else:
+            rows = pack_best_fit(chunk, chunk_offsets, seq_len, pad_id=pad_id)
+        flat = rows.input_ids.reshape(-1)
+        write_shard(path / name, flat, rows.cu_seqlens_offsets, rows.cu_seqlens, dtype=dtype, seq_len=seq_len)
+        record = {"documents": last - first, "rows": rows.num_rows, "padding": rows.stats.padding_tokens}
+        shards.append({"name": name, "tokens": int(flat.size), **record})
+    meta: dict[str, Any] = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "complete": True,
+        "layout": "ragged" if seq_len is None else "packed",
+        "dtype": dtype.str,
+        "seq_len": seq_len,
+        "strategy": None if seq_len is None else strategy,
+        "model": dict(model),
+        "options": {
+            "seq_len": seq_len,
+            "strategy": None if seq_len is None else strategy,
+            "shard_documents": shard_documents,
+            "shard_tokens": shard_tokens,
+        },
+        "documents": int(offsets.size - 1),
+        "tokens": sum(shard["tokens"] - shard.get("padding", 0) for shard in shards),  # padding not counted
+        "bad_records": 0,
+        "shards": shards,
+        "sources": [],
+    }
+    if seq_len is not None:
+        meta["rows"] = sum(shard["rows"] for shard in shards)
+    (path / METADATA_FILE).write_text(json.dumps(meta), encoding="utf-8")
+    return TokenDataset(path)
 
 
 def read_shard(base: Path, dtype: np.dtype, expected: IndexHeader) -> Shard:
@@ -586,8 +691,16 @@ def _torch_dataset_class() -> type:
     return TorchTokenDataset
 
 
-def __getattr__(name: str) -> Any:
-    """``client.dataset.TorchTokenDataset`` exists once asked for (pickle finds it by this name)."""
-    if name == "TorchTokenDataset":
-        return _torch_dataset_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def lazy_attributes(module: str, **factories: Callable[[], Any]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` by which ``module.NAME`` is ``factories[NAME]()`` once asked for: the torch
+    classes, built on first use so that importing the module never imports torch (pickle finds them by name)."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in factories:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        return factories[name]()
+
+    return __getattr__
+
+
+__getattr__ = lazy_attributes(__name__, TorchTokenDataset=_torch_dataset_class)

@@ -61,7 +61,16 @@ from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
-from client.dataset import IGNORE_INDEX, LAYOUT_PACKED, LAYOUT_RAGGED, IndexHeader, Shard, TokenDataset, read_shard
+from client.dataset import (
+    IGNORE_INDEX,
+    LAYOUT_PACKED,
+    LAYOUT_RAGGED,
+    IndexHeader,
+    Shard,
+    TokenDataset,
+    lazy_attributes,
+    read_shard,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -890,13 +899,13 @@ def _ranks(rank: Any, world_size: Any, batch_size: Any) -> tuple[int, int, int]:
     return rank, world_size, _positive(batch_size, "batch_size")
 
 
-class MixtureLoader:
-    """One rank's micro-batches of a mixture, in order: an endless iterator with ``state_dict``.
+class _RankBatches:
+    """One rank's micro-batches of a mixture, from the start or from `state`: what MixtureLoader and
+    TorchMixture share. Batch g of rank r is global rows ``[g * G + r * batch_size, g * G + (r + 1) * batch_size)``
+    (G, the global batch size: batch_size x world_size); the state after it is the global position ``(g + 1) * G``,
+    the same on every rank."""
 
-    Batch g of rank r is global rows ``[g * G + r * batch_size, g * G + (r + 1) * batch_size)``. The state
-    after a batch is the global position ``(g + 1) * G``, the same on every rank. With world_size 1 it reads
-    :data:`READ_AHEAD_IDS` ids of whole micro-batches at once (each batch's arrays are views of that read's).
-    """
+    _next: int  # the global batch this rank hands out next
 
     def __init__(
         self,
@@ -907,22 +916,32 @@ class MixtureLoader:
         batch_size: int,
         state: Mapping[str, Any] | None = None,
     ) -> None:
+        super().__init__()
         self.mixture = mixture
         self.rank, self.world_size, self.batch_size = _ranks(rank, world_size, batch_size)
         self.global_batch_size = self.world_size * self.batch_size
-        self._next = mixture.position(state, self.global_batch_size) // self.global_batch_size
-        self._ahead: deque[MixtureBatch] = deque()  # batches read and not yet handed out (world_size 1)
-        ids = self.batch_size * mixture.seq_len
-        self._read = max(1, READ_AHEAD_IDS // ids) if self.world_size == 1 else 1
+        self.load_state_dict(state)
+
+    def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
+        raise NotImplementedError
+
+
+class MixtureLoader(_RankBatches):
+    """One rank's micro-batches of a mixture, in order: an endless iterator with ``state_dict``.
+
+    With world_size 1 it reads :data:`READ_AHEAD_IDS` ids of whole micro-batches at once (each batch's arrays
+    are views of that read's).
+    """
 
     def __iter__(self) -> MixtureLoader:
         return self
 
     def __next__(self) -> MixtureBatch:
         if not self._ahead:
+            read = max(1, READ_AHEAD_IDS // (self.batch_size * self.mixture.seq_len)) if self.world_size == 1 else 1
             self._ahead.extend(
                 self.mixture._batches(
-                    self._next, self._read, rank=self.rank, batch_size=self.batch_size, world_size=self.world_size
+                    self._next, read, rank=self.rank, batch_size=self.batch_size, world_size=self.world_size
                 )
             )
         batch = self._ahead.popleft()
@@ -932,9 +951,9 @@ class MixtureLoader:
     def state_dict(self) -> dict[str, Any]:
         return self.mixture.state_dict(self._next * self.global_batch_size, self.global_batch_size)
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
         self._next = self.mixture.position(state, self.global_batch_size) // self.global_batch_size
-        self._ahead.clear()
+        self._ahead: deque[MixtureBatch] = deque()  # batches read and not yet handed out (world_size 1)
 
 
 @functools.cache
@@ -942,7 +961,7 @@ def _torch_class() -> type:
     """Build the torch IterableDataset class on first use, so that importing this module never imports torch."""
     from torch.utils.data import IterableDataset, get_worker_info
 
-    class TorchMixture(IterableDataset):  # type: ignore[type-arg]
+    class TorchMixture(_RankBatches, IterableDataset):  # type: ignore[type-arg]
         """One rank's micro-batches of a mixture as torch tensors, for ``DataLoader(batch_size=None)``.
 
         DataLoader worker w of k builds the batches g with ``(g - first) % k == w`` (``first``: the batch it
@@ -951,22 +970,6 @@ def _torch_class() -> type:
         state says which of its batches the loader has consumed, and ``StatefulDataLoader`` (same number of
         workers) resumes each worker and the turn. The state of a batch (``batch.state``) resumes any loader.
         """
-
-        def __init__(
-            self,
-            mixture: Mixture,
-            *,
-            rank: int = 0,
-            world_size: int = 1,
-            batch_size: int,
-            state: Mapping[str, Any] | None = None,
-        ) -> None:
-            super().__init__()
-            self.mixture = mixture
-            self.rank, self.world_size, self.batch_size = _ranks(rank, world_size, batch_size)
-            self.global_batch_size = self.world_size * self.batch_size
-            self._next = self._first = 0
-            self.load_state_dict(state)
 
         def __iter__(self) -> Any:
             info = get_worker_info()
@@ -990,15 +993,11 @@ def _torch_class() -> type:
             if isinstance(first, bool) or not isinstance(first, int) or first % self.global_batch_size:
                 raise ValueError(f"state first {first!r} is not a whole number of global batches")
             self._next = rows // self.global_batch_size
-            self._first = first // self.global_batch_size
+            self._first: int = first // self.global_batch_size  # the batch its workers started at
 
     TorchMixture.__module__ = __name__
     TorchMixture.__qualname__ = "TorchMixture"
     return TorchMixture
 
 
-def __getattr__(name: str) -> Any:
-    """``client.mixture.TorchMixture`` exists once asked for (pickle finds it by this name)."""
-    if name == "TorchMixture":
-        return _torch_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, TorchMixture=_torch_class)

@@ -37,6 +37,7 @@ from client import (
 )
 from client._retry import Attempt, Replicas
 from client.packing import pack_best_fit, pack_concat
+from tests.packed_rows import assert_same_rows
 
 A, B = "http://replica-a:8000", "http://replica-b:8000"
 SHA = "a" * 64
@@ -173,14 +174,8 @@ def test_pack_answers_are_read_alike_from_either_format(service, strategy):
             strategy,
             "bytes",
         )
-        np.testing.assert_array_equal(packed.input_ids, expected.input_ids)
-        np.testing.assert_array_equal(packed.labels, expected.labels)
-        np.testing.assert_array_equal(packed.position_ids, expected.position_ids)
-        np.testing.assert_array_equal(packed.leftover, expected.leftover)
-        assert [row.tolist() for row in packed.cu_seqlens] == [
-            expected.row_cu_seqlens(row).tolist() for row in range(expected.num_rows)
-        ]
-        assert packed.input_ids.dtype == np.int32 and packed.stats == expected.stats.as_dict()
+        assert_same_rows(packed, expected)
+        assert packed.input_ids.dtype == np.int32
 
 
 def test_pack_stream_threads_the_carry_through_its_requests(service):

@@ -15,7 +15,7 @@ import pytest
 import sentencepiece as spm
 
 from app.tools.pretokenize import main
-from client.dataset import IDX_HEADER, TokenDataset
+from client.dataset import IDX_HEADER, METADATA_FILE, TokenDataset, check_metadata, write_dataset
 from tests.conftest import ROOT
 
 
@@ -143,6 +143,37 @@ def test_torch_datasets_and_a_dataloader(ragged_dir: Path, packed_dir: Path, exp
     batch = next(iter(DataLoader(rows, batch_size=2)))
     assert set(batch) == {"input_ids", "labels", "position_ids"} and batch["labels"].shape == (2, 128)
     assert pickle.loads(pickle.dumps(rows))[1]["input_ids"].tolist() == rows[1]["input_ids"].tolist()
+
+
+@pytest.mark.parametrize("strategy", ["concat", "best_fit"])
+def test_write_dataset_reads_back_what_it_was_given(ragged_dir: Path, tmp_path: Path, strategy: str) -> None:
+    real = TokenDataset(ragged_dir)
+    docs = [real[i] for i in range(len(real))]
+    ids, offsets = np.concatenate(docs), np.concatenate([[0], np.cumsum([doc.size for doc in docs])])
+    model = real.model
+    ragged = write_dataset(tmp_path / "ragged", ids, offsets, model=model, shard_tokens=3000)
+    assert [ragged[i].tolist() for i in range(len(ragged))] == [doc.tolist() for doc in docs]
+    assert [shard["documents"] for shard in ragged.metadata["shards"]] == [
+        shard["documents"] for shard in real.metadata["shards"]
+    ]  # cut where the pre-tokenizer's --shard-tokens cuts
+    assert ragged.dtype == real.dtype and ragged.num_tokens == real.num_tokens == ragged.metadata["tokens"]
+    packed = write_dataset(tmp_path / strategy, ids, offsets, model=model, seq_len=64, strategy=strategy)
+    for dataset in (ragged, packed):
+        meta = json.loads((dataset.path / METADATA_FILE).read_text())
+        assert check_metadata(meta, dataset.path) == dataset.metadata and meta["complete"]
+        assert set(meta) - {"leftover"} >= set(json.loads((ragged_dir / METADATA_FILE).read_text())) - {"leftover"}
+        for index in range(dataset.num_shards):
+            dataset.check(index)
+    rows = [packed.row(i) for i in range(len(packed))]
+    used = [row.input_ids[: row.cu_seqlens[-1]] for row in rows]
+    stream = np.concatenate(used).tolist()
+    if strategy == "concat":  # one shard, its ids after the last full row left out
+        assert stream == ids[: len(rows) * 64].tolist() and packed.metadata["tokens"] == len(rows) * 64
+    else:
+        assert sorted(stream) == sorted(ids.tolist()) and packed.metadata["tokens"] == ids.size
+    assert packed.metadata["rows"] == len(packed) and packed.metadata["documents"] == len(docs)
+    with pytest.raises(ValueError, match="not empty"):
+        write_dataset(tmp_path / "ragged", ids, offsets, model=model)
 
 
 def corrupt(source: Path, destination: Path) -> Path:

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from client.dataset import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, TokenDataset, shard_name, write_shard
+from client.dataset import TokenDataset, write_dataset
 from client.mixture import (
     MAX_PERIOD,
     Blend,
@@ -29,7 +29,7 @@ from client.mixture import (
     epoch_permutation,
     exact_weights,
 )
-from client.packing import pack_best_fit, pack_concat
+from client.packing import pack_concat
 from tests.conftest import ROOT
 
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -41,53 +41,18 @@ def documents(tag: int, lengths: Sequence[int]) -> list[np.ndarray]:
     return [tag * 10**6 + i * 1000 + np.arange(n, dtype=np.int64) for i, n in enumerate(lengths)]
 
 
+MODEL = {"name": "test", "sha256": "0" * 64, "vocab_size": 1 << 24, "bos_id": -1, "eos_id": 0, "pad_id": 0}
+
+
 def make_dataset(
     path: Path, docs: list[np.ndarray], *, per_shard: int = 3, seq_len: int | None = None, strategy: str = "concat"
 ) -> TokenDataset:
-    """A pre-tokenized output as tokenizer-pretokenize writes it (ragged, or packed with `seq_len`)."""
-    path.mkdir(parents=True)
-    shards: list[dict[str, Any]] = []
-    for number, first in enumerate(range(0, len(docs), per_shard)):
-        chunk = docs[first : first + per_shard]
-        ids = np.concatenate([*chunk, np.zeros(0, np.int64)])
-        offsets = np.concatenate([[0], np.cumsum([doc.size for doc in chunk])])
-        entry: dict[str, Any] = {"name": shard_name(number), "documents": len(chunk), "tokens": int(ids.size)}
-        if seq_len is None:
-            write_shard(path / shard_name(number), ids, offsets, dtype=DTYPE)
-        else:
-            if strategy == "concat":
-                rows = pack_concat(ids, offsets, seq_len)
-            else:
-                rows = pack_best_fit(ids, offsets, seq_len, pad_id=0)
-            write_shard(
-                path / shard_name(number),
-                rows.input_ids.reshape(-1),
-                rows.cu_seqlens_offsets,
-                rows.cu_seqlens,
-                dtype=DTYPE,
-                seq_len=seq_len,
-            )
-            entry.update(rows=rows.num_rows, tokens=int(rows.input_ids.size - rows.stats.padding_tokens))
-        shards.append(entry)
-    meta = {
-        "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
-        "complete": True,
-        "layout": "ragged" if seq_len is None else "packed",
-        "dtype": DTYPE.str,
-        "seq_len": seq_len,
-        "strategy": None if seq_len is None else strategy,
-        "model": {"name": "test", "sha256": "0" * 64, "vocab_size": 1 << 24, "bos_id": -1, "eos_id": 0, "pad_id": 0},
-        "documents": len(docs),
-        "tokens": sum(int(shard["tokens"]) for shard in shards),
-        "shards": shards,
-        "bad_records": 0,
-        "sources": [],
-    }
-    if seq_len is not None:
-        meta["rows"] = sum(int(shard["rows"]) for shard in shards)
-    (path / METADATA_FILE).write_text(json.dumps(meta))
-    return TokenDataset(path)
+    """A pre-tokenized output of `per_shard` documents a shard (ragged, or packed with `seq_len`)."""
+    ids = np.concatenate([*docs, np.zeros(0, np.int64)])
+    offsets = np.concatenate([[0], np.cumsum([doc.size for doc in docs], dtype=np.int64)])
+    return write_dataset(
+        path, ids, offsets, model=MODEL, dtype=DTYPE, seq_len=seq_len, strategy=strategy, shard_documents=per_shard
+    )
 
 
 @pytest.fixture(scope="module")

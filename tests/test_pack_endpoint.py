@@ -15,6 +15,7 @@ from client import AsyncTokenizerClient, TokenizerClient, TokenizerServiceError
 from client.packing import IGNORE_INDEX, pack_best_fit, pack_concat
 from client.wire import ragged_offsets
 from tests.conftest import Server
+from tests.packed_rows import assert_same_rows
 
 
 @pytest.fixture(scope="module")
@@ -27,17 +28,6 @@ def reference_ids(server: Server, model: str, texts: list[str], add_bos=False, a
     encoded = server.processor(model).encode(texts, add_bos=add_bos, add_eos=add_eos)
     ids = np.array([i for row in encoded for i in row], dtype=np.int32)
     return ids, ragged_offsets(np.array([len(row) for row in encoded], dtype=np.int64))
-
-
-def assert_same_rows(batch, expected):
-    np.testing.assert_array_equal(batch.input_ids, expected.input_ids)
-    np.testing.assert_array_equal(batch.labels, expected.labels)
-    np.testing.assert_array_equal(batch.position_ids, expected.position_ids)
-    np.testing.assert_array_equal(batch.leftover, expected.leftover)
-    assert [row.tolist() for row in batch.cu_seqlens] == [
-        expected.row_cu_seqlens(r).tolist() for r in range(expected.num_rows)
-    ]
-    assert batch.stats == expected.stats.as_dict()
 
 
 @pytest.mark.parametrize("format", ["binary", "json"])
