@@ -37,7 +37,7 @@ TARGET_WAIT_FRACTION = 0.01
 
 
 @dataclass
-class Result:
+class LoopResult:
     name: str
     steps: int
     wall_s: float
@@ -54,7 +54,7 @@ class Result:
         return float(self.waits_s.sum()) / self.wall_s
 
 
-def training_loop(name: str, next_batch: Callable[[], object], steps: int, step_s: float) -> Result:
+def training_loop(name: str, next_batch: Callable[[], object], steps: int, step_s: float) -> LoopResult:
     """`steps` steps of: wait for the next batch (timed), then a step of `step_s` seconds (sleep).
 
     The first batch is fetched before the clock starts (a cold start, reported apart): the table
@@ -71,7 +71,7 @@ def training_loop(name: str, next_batch: Callable[[], object], steps: int, step_
         next_batch()
         waits[step] = time.perf_counter() - asked
         time.sleep(step_s)
-    return Result(name, steps, time.perf_counter() - started, waits, 1 / step_s, first_s)
+    return LoopResult(name, steps, time.perf_counter() - started, waits, 1 / step_s, first_s)
 
 
 def texts_forever(docs: list[str]) -> Iterator[str]:
@@ -125,7 +125,7 @@ def main() -> None:
     try:
         with TokenizerClient(url, timeout=120) as client:
 
-            def prefetching(name: str, pack: PackSpec | None, seconds: float) -> Result:
+            def prefetching(name: str, pack: PackSpec | None, seconds: float) -> LoopResult:
                 with client.prefetch(
                     texts_forever(docs), batch_size=args.batch, depth=args.depth, model="bench", pack=pack
                 ) as prefetcher:

@@ -23,7 +23,7 @@ from client import TokenizedBatch, TokenizerClient
 Result = TypeVar("Result")
 
 
-class ServiceError(Exception):
+class ServedModelChanged(Exception):
     """The service answered with another model file than the one the output was started with."""
 
 
@@ -122,7 +122,7 @@ def tokenize_via_service(
                 raise TypeError(f"prefetch handed out a {type(batch).__name__}, not a TokenizedBatch")
             answered = batch.model_sha256
             if answered is not None and answered != sha256:
-                raise ServiceError(
+                raise ServedModelChanged(
                     f"the service answered with model {model!r} sha256 {answered[:12]}…, "
                     f"but this output is tokenized with {sha256[:12]}…"
                 )

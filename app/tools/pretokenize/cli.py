@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from app.core.models import ModelLoadError
 from app.settings import usable_cpus
-from app.tools.pretokenize.backends import ServiceError
+from app.tools.pretokenize.backends import ServedModelChanged
 from app.tools.pretokenize.ranks import RankError, rank_from_environment
 from app.tools.pretokenize.run import DEFAULT_SHARD_TOKENS, Options, Progress, Summary, run
 from app.tools.pretokenize.sources import KINDS, BadRecordError, InputError, InputRefused, peek
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     except BadRecordError as exc:
         print(f"tokenizer-pretokenize: bad record (--strict): {exc}", file=sys.stderr)
         return 1
-    except (InputError, ModelLoadError, ServiceError, TokenizerError) as exc:
+    except (InputError, ModelLoadError, ServedModelChanged, TokenizerError) as exc:
         print(f"tokenizer-pretokenize: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:  # disk full, file too large, quota, read-only: say what, where, how much room
