@@ -14,9 +14,10 @@ temporary directory, removed at the end), reads every file once so the page cach
 Document ids are random: what reading costs depends on lengths, not on which ids. Each case reports M
 tokens/s (row ids, padding included) per second of wall time and per second of this process's CPU time
 (the two differ when other jobs share the cores), and rows/s; the first batch (building the first epoch's
-permutation and cumulative lengths) is timed apart. A loader of world_size 1 reads ``READ_AHEAD_IDS`` ids of
-whole micro-batches at once; the case "mixture, a batch a read" times ``Mixture.batch`` one micro-batch at a
-time, as loaders of several ranks and torch workers read. Finally the time to resume at global row 10**9,
+permutation and cumulative lengths) is timed apart. A loader reads ``READ_AHEAD_IDS`` ids of whole
+micro-batches at once; the case "mixture, a batch a read" times ``Mixture.batch`` one micro-batch at a time,
+and the cases "rank 0 of 8" a loader of rank 0 of world_size 8 (its micro-batches are every eighth of the
+global stream's, read ahead several at once). Finally the time to resume at global row 10**9,
 which must not replay the stream. The issue's target: >= 50 M tokens/s at L = 2048.
 """
 
@@ -35,6 +36,7 @@ from client.dataset import TokenDataset, write_dataset
 from client.mixture import Mixture, MixtureBatch
 
 SHARD_IDS = 1 << 25  # ids a shard holds, at least (64 MiB of uint16)
+RANKS = 8  # the world size of the cases "rank 0 of 8"
 MODEL = {"name": "bench", "sha256": "0" * 64, "vocab_size": 32000, "bos_id": 1, "eos_id": 2, "pad_id": 0}
 
 
@@ -72,11 +74,12 @@ class OneAtATime:
 
 
 def measure(
-    mix: Mixture, batch_size: int, seconds: float, one_at_a_time: bool = False
+    mix: Mixture, batch_size: int, seconds: float, one_at_a_time: bool = False, world_size: int = 1
 ) -> tuple[float, float, float, float]:
-    """(seconds for the first batch, M tokens/s of wall time, M tokens/s of this process's CPU time, rows/s)."""
+    """(seconds for the first batch, M tokens/s of wall time, M tokens/s of this process's CPU time, rows/s) of
+    rank 0 of `world_size`."""
     loader: Iterator[MixtureBatch] | OneAtATime = (
-        OneAtATime(mix, batch_size) if one_at_a_time else mix.loader(batch_size=batch_size)
+        OneAtATime(mix, batch_size) if one_at_a_time else mix.loader(world_size=world_size, batch_size=batch_size)
     )
     began = time.perf_counter()
     next(loader)
@@ -128,6 +131,9 @@ def main() -> None:
             print(f"| {name} | {first * 1e3:.1f} | {wall:.0f} | {cpu:.0f} | {rows:,.0f} |")
         first, wall, cpu, rows = measure(cases["mixture"], args.batch_size, args.seconds, one_at_a_time=True)
         print(f"| mixture, a batch a read | {first * 1e3:.1f} | {wall:.0f} | {cpu:.0f} | {rows:,.0f} |")
+        for name in ("web", "mixture"):
+            first, wall, cpu, rows = measure(cases[name], args.batch_size, args.seconds, world_size=RANKS)
+            print(f"| {name}, rank 0 of {RANKS} | {first * 1e3:.1f} | {wall:.0f} | {cpu:.0f} | {rows:,.0f} |")
 
         mix = cases["mixture"]
         began = time.perf_counter()

@@ -96,8 +96,9 @@ MAX_PERIOD = 1 << 16
 CACHE_FROM_ITEMS = 1 << 16
 """Sources with fewer items (documents or rows) build their index arrays in memory: it takes microseconds."""
 READ_AHEAD_IDS = 1 << 17
-"""A loader of one rank (world_size 1) reads this many ids of rows at once, whole micro-batches (at least one),
-and hands them out one micro-batch at a time: the cost of a read is mostly per call on small batches."""
+"""A loader (and each torch worker) reads this many ids of its rows at once, whole micro-batches (at least one),
+and hands them out one micro-batch at a time: the cost of a read is mostly per call on small batches. Its
+micro-batches need not be consecutive rows (several ranks, several workers): one read takes several ranges."""
 STATE_FORMAT = "tokenizer-mixture"
 STATE_VERSION = 1
 
@@ -223,7 +224,10 @@ class Blend:
         """Source (int32) and row within that source (int64) of global rows ``start`` to ``stop``."""
         if not 0 <= start <= stop:
             raise ValueError(f"rows [{start}, {stop}) are not a range of non-negative row numbers")
-        rows = np.arange(start, stop, dtype=np.int64)
+        return self.of(np.arange(start, stop, dtype=np.int64))
+
+    def of(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Source (int32) and row within that source (int64) of global rows `rows` (int64, non-negative)."""
         turn, place = np.divmod(rows, self.period)
         sources = self._table[place]
         return sources, turn * self._p[sources] + self._local[place]
@@ -477,62 +481,50 @@ class _Source:
 
     # rows
 
-    def rows(self, first: int, count: int) -> Rows:
-        """Rows ``first`` to ``first + count`` of this source's stream."""
-        if self.packed:
-            ids = np.empty((count, self.seq_len), np.int32)
-            bounds = self.packed_rows(first, count, ids)
-            starts = np.concatenate([b[:-1] + r * self.seq_len for r, b in enumerate(bounds)]).astype(np.int64)
-            return row_fields(ids, starts, np.array([b[-1] for b in bounds], np.int64))
-        ids, document_starts = self.ragged_ids(first, count)
-        return cut_rows(ids, document_starts, self.seq_len)
-
-    def ragged_ids(self, first: int, count: int, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Ids of rows ``first`` to ``first + count`` end to end (into `out`, int32), and where documents start."""
+    def ragged_ids(self, firsts: np.ndarray, counts: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Ids of the runs of rows ``firsts[i]`` to ``firsts[i] + counts[i]`` end to end into `out` (int32),
+        and the increasing positions in `out` where documents start (int64). Counts are positive."""
         length = self.seq_len
-        start, stop = first * length, (first + count) * length
-        if out is None:
-            out = np.empty(stop - start, np.int32)
+        begin = firsts * length  # each run: ids [begin, end) of the endless stream
+        end = (firsts + counts) * length
+        # the runs cut at epoch ends: pieces [low, high) of the stream, each inside one epoch
+        first_epoch = begin // self.tokens
+        epochs = (end - 1) // self.tokens - first_epoch + 1
+        if int(epochs.max()) == 1:
+            epoch, low, high = first_epoch, begin, end
+        else:
+            epoch = _runs(first_epoch, epochs)
+            run = np.repeat(_arange(epochs.size, np.int64), epochs)
+            low = np.maximum(begin[run], epoch * self.tokens)
+            high = np.minimum(end[run], (epoch + 1) * self.tokens)
+        placed = np.cumsum(high - low) - (high - low)  # where each piece goes in `out`
         documents = self.documents()
-        document_starts, froms, takes = [], [], []
-        position = start
-        while position < stop:  # once an epoch the rows reach into: once, unless they cross an epoch's end
-            epoch, offset = divmod(position, self.tokens)
-            order, ends = self.epoch(epoch)
+        cuts = [0, *(np.flatnonzero(epoch[1:] != epoch[:-1]) + 1).tolist(), epoch.size]
+        froms, takes, document_starts = [], [], []
+        for a, b in itertools.pairwise(cuts):  # once an epoch the pieces are in
+            order, ends = self.epoch(int(epoch[a]))
             assert ends is not None
-            end = min(self.tokens, offset + stop - position)
-            # documents low to high - 1 hold ids [offset, end): ends[low] <= offset < ends[low + 1], ends[high] >= end
-            low, high = ends.searchsorted([offset, end - 1], "right").tolist()
-            spans = ends[low - 1 : high + 1]
-            sizes = spans[1:] - spans[:-1]  # the pieces of them in [offset, end): how many ids, from where in all ids
-            here = documents[order[low - 1 : high]]
-            skip = offset - int(spans[0])
-            here[0] += skip
-            sizes[0] -= skip
-            sizes[-1] -= int(spans[-1]) - end
-            begins = spans[1:-1]  # the documents after the first start inside, where they are not empty
-            begins = begins[sizes[1:] > 0] - offset
-            if skip == 0:
-                begins = np.concatenate([[0], begins])
-            document_starts.append(begins + (position - start))
-            froms.append(here)
-            takes.append(sizes)
-            position += end - offset
+            offset = low[a:b] - int(epoch[a]) * self.tokens  # the pieces [offset, stop) of the epoch's ids
+            stop = offset + (high[a:b] - low[a:b])
+            # a piece holds (some ids of) documents first to last of the epoch's order: ends[first] <= offset <
+            # ends[first + 1], ends[last] < stop <= ends[last + 1]
+            first = ends.searchsorted(offset, "right") - 1
+            many = ends.searchsorted(stop - 1, "right") - first
+            items = _runs(first, many)
+            piece = np.repeat(_arange(b - a, np.int64), many)
+            starts, finishes = ends[items], ends[items + 1]
+            since = np.maximum(starts, offset[piece])
+            take = np.minimum(finishes, stop[piece]) - since
+            froms.append(documents[order[items]] + (since - starts))
+            takes.append(take)
+            inside = (starts >= offset[piece]) & (take > 0)  # documents that start in the piece (not empty ones)
+            document_starts.append((starts - offset[piece] + placed[a:b][piece])[inside])
         if len(froms) == 1:
             self._gather(out, froms[0], takes[0])
-            return out, document_starts[0]
+            found: np.ndarray = document_starts[0]
+            return found
         self._gather(out, np.concatenate(froms), np.concatenate(takes))
-        return out, np.concatenate(document_starts)
-
-    def ragged_segments(self, first: int, count: int, out: np.ndarray) -> np.ndarray:
-        """Ids of rows ``first`` to ``first + count`` into `out` ([count, seq_len] int32), and the increasing
-        positions in them where segments start: row starts and document starts."""
-        length = self.seq_len
-        _, document_starts = self.ragged_ids(first, count, out.reshape(-1))
-        inside = document_starts[document_starts % length != 0]
-        starts = np.concatenate([_arange(count * length)[::length], inside])
-        starts.sort()
-        return starts
+        return np.concatenate(document_starts)
 
     def _gather(self, out: np.ndarray, froms: np.ndarray, takes: np.ndarray) -> None:
         """Fill `out` with the pieces ``ids[froms[i] : froms[i] + takes[i]]`` of all ids, end to end."""
@@ -578,14 +570,12 @@ class _Source:
         for shard, source, target, take in pieces:
             out[target : target + take] = self.shard(shard).ids[source : source + take]
 
-    def packed_rows(self, first: int, count: int, out: np.ndarray | None = None) -> list[np.ndarray]:
-        """Rows ``first`` to ``first + count``: their ids into `out` ([count, seq_len] int32), their cu_seqlens."""
+    def packed_rows(self, numbers: np.ndarray, out: np.ndarray) -> list[np.ndarray]:
+        """Rows `numbers` of the stream: their ids into `out` ([len(numbers), seq_len] int32), their cu_seqlens."""
         length = self.seq_len
-        if out is None:
-            out = np.empty((count, length), np.int32)
         cu_seqlens = []
-        for i in range(count):  # a row is long: a slice each
-            epoch, place = divmod(first + i, self.items)
+        for i, number in enumerate(numbers.tolist()):  # a row is long: a slice each
+            epoch, place = divmod(number, self.items)
             row = int(self.epoch(epoch)[0][place])
             shard_index = bisect.bisect_right(self._count_starts, row) - 1
             local = row - self._count_starts[shard_index]
@@ -739,44 +729,67 @@ class Mixture:
 
     def rows(self, start: int, stop: int) -> MixtureBatch:
         """Global rows ``start`` to ``stop`` (any, in any order of calls: nothing depends on what came before)."""
-        count, length = stop - start, self.seq_len
-        groups: list[tuple[int, int, np.ndarray | None]] = []  # source, its first row, where in the batch (None: all)
-        if len(self._sources) == 1:
+        if not 0 <= start <= stop:
+            raise ValueError(f"rows [{start}, {stop}) are not a range of non-negative row numbers")
+        return self._read([(start, stop)])
+
+    def _read(self, ranges: Sequence[tuple[int, int]]) -> MixtureBatch:
+        """Global rows of the ranges ``[start, stop)`` end to end, in one read: the rows of ``rows(start, stop)``
+        of each, concatenated. Ranges must not overlap (a source's rows are read once, in any order)."""
+        merged: list[list[int]] = []  # ranges that continue the one before are one range
+        for start, stop in ranges:
             if not 0 <= start <= stop:
                 raise ValueError(f"rows [{start}, {stop}) are not a range of non-negative row numbers")
+            if start == stop:
+                continue
+            if merged and merged[-1][1] == start:
+                merged[-1][1] = stop
+            else:
+                merged.append([start, stop])
+        count, length = sum(stop - start for start, stop in merged), self.seq_len
+        if len(merged) == 1:
+            numbers = np.arange(merged[0][0], merged[0][1], dtype=np.int64)
+        else:
+            starts = np.array([start for start, _ in merged], np.int64)
+            numbers = _runs(starts, np.array([stop for _, stop in merged], np.int64) - starts) if merged else starts
+        groups: list[tuple[int, np.ndarray, np.ndarray | None]] = []  # source, its rows, where in the batch (None: all)
+        if len(self._sources) == 1:
             sources = np.zeros(count, np.int32)
             if count:
-                groups = [(0, start, None)]
+                groups = [(0, numbers, None)]
         else:
-            sources, local = self.blend(start, stop)
+            sources, local = self.blend.of(numbers)
             if not count:
                 pass
             elif sources[0] == sources[-1] and (sources == sources[0]).all():
-                groups = [(int(sources[0]), int(local[0]), None)]
-            else:  # a source's rows in a batch are consecutive rows of it
+                groups = [(int(sources[0]), local, None)]
+            else:
                 for source in np.unique(sources).tolist():
                     mine = np.flatnonzero(sources == source)
-                    groups.append((source, int(local[mine[0]]), mine))
+                    groups.append((source, local[mine], mine))
         ids = np.empty((count, length), np.int32)
         used: np.ndarray | None = None
-        segment_starts = []  # flat positions in the batch where segments start, each source's increasing
-        for source, first, where in groups:
+        inside = []  # flat positions in the batch where segments start inside a row (not at its start)
+        for source, rows, where in groups:
             reader = self._sources[source]
-            rows = count if where is None else where.size
             together = where is None or where[-1] - where[0] + 1 == where.size
             if together:
                 low = 0 if where is None else int(where[0])
-                out = ids[low : low + rows]
+                out = ids[low : low + rows.size]
             else:
-                out = np.empty((rows, length), np.int32)
+                out = np.empty((rows.size, length), np.int32)
             if reader.packed:
-                bounds = reader.packed_rows(first, rows, out)
+                bounds = reader.packed_rows(rows, out)
                 if used is None:
                     used = np.full(count, length, np.int64)
                 used[slice(None) if where is None else where] = [int(b[-1]) for b in bounds]
-                starts = np.concatenate([b[:-1] + row * length for row, b in enumerate(bounds)], dtype=np.int64)
+                starts = np.concatenate([b[1:-1] + row * length for row, b in enumerate(bounds)], dtype=np.int64)
             else:
-                starts = reader.ragged_segments(first, rows, out)
+                breaks = np.flatnonzero(rows[1:] != rows[:-1] + 1) + 1  # runs of consecutive rows of the source
+                firsts = np.concatenate([[0], breaks])
+                counts = np.diff(np.concatenate([firsts, [rows.size]]))
+                starts = reader.ragged_ids(rows[firsts], counts, out.reshape(-1))
+                starts = starts[starts % length != 0]
             if where is not None:
                 if together:
                     starts += int(where[0]) * length
@@ -784,11 +797,9 @@ class Mixture:
                     ids[where] = out
                     row = starts // length
                     starts += (where[row] - row) * length
-            segment_starts.append(starts)
-        if len(segment_starts) < 2:
-            flat_starts = segment_starts[0] if segment_starts else np.zeros(0, np.int64)
-        else:
-            flat_starts = np.concatenate(segment_starts)
+            inside.append(starts)
+        flat_starts = np.concatenate([np.arange(0, count * length, length, dtype=np.int64), *inside])
+        if any(starts.size for starts in inside):
             flat_starts.sort()
         fields = row_fields(ids, flat_starts, used)
         return MixtureBatch(fields.input_ids, fields.labels, fields.position_ids, fields.cu_seqlens, sources)
@@ -844,30 +855,24 @@ class Mixture:
 
     def batch(self, index: int, *, rank: int, batch_size: int, world_size: int) -> MixtureBatch:
         """Rank `rank`'s micro-batch of global batch `index`, with the state to resume after it."""
-        return self._batches(index, 1, rank=rank, batch_size=batch_size, world_size=world_size)[0]
+        return self._batches([index], rank=rank, batch_size=batch_size, world_size=world_size)[0]
 
-    def _batches(self, index: int, count: int, *, rank: int, batch_size: int, world_size: int) -> list[MixtureBatch]:
-        """Rank `rank`'s micro-batches of global batches ``index`` to ``index + count``: one read of their rows
-        when they are consecutive rows (world_size 1), the arrays of each a view of the read's."""
+    def _batches(self, numbers: Sequence[int], *, rank: int, batch_size: int, world_size: int) -> list[MixtureBatch]:
+        """Rank `rank`'s micro-batches of the global batches `numbers` (increasing), in one read of all their rows,
+        the arrays of each a view of the read's."""
         size = batch_size * world_size
-        if world_size > 1 or count == 1:
-            batches = []
-            for number in range(index, index + count):
-                start = number * size + rank * batch_size
-                batches.append(self.rows(start, start + batch_size))
-        else:
-            rows = self.rows(index * size, (index + count) * size)
-            batches = [
-                MixtureBatch(
-                    rows.input_ids[low : low + size],
-                    rows.labels[low : low + size],
-                    rows.position_ids[low : low + size],
-                    rows.cu_seqlens[low : low + size],
-                    rows.sources[low : low + size],
-                )
-                for low in range(0, count * size, size)
-            ]
-        for number, batch in enumerate(batches, index):  # frozen, made here
+        rows = self._read([(g * size + rank * batch_size, g * size + (rank + 1) * batch_size) for g in numbers])
+        batches = [
+            MixtureBatch(
+                rows.input_ids[low : low + batch_size],
+                rows.labels[low : low + batch_size],
+                rows.position_ids[low : low + batch_size],
+                rows.cu_seqlens[low : low + batch_size],
+                rows.sources[low : low + batch_size],
+            )
+            for low in range(0, len(numbers) * batch_size, batch_size)
+        ]
+        for number, batch in zip(numbers, batches, strict=True):  # frozen, made here
             batch.__dict__.update(index=number, state=self.state_dict((number + 1) * size, size))
         return batches
 
@@ -925,12 +930,16 @@ class _RankBatches:
     def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
         raise NotImplementedError
 
+    def _read_ahead(self) -> int:
+        """Micro-batches a read takes: READ_AHEAD_IDS ids of them, at least one."""
+        return max(1, READ_AHEAD_IDS // (self.batch_size * self.mixture.seq_len))
+
 
 class MixtureLoader(_RankBatches):
     """One rank's micro-batches of a mixture, in order: an endless iterator with ``state_dict``.
 
-    With world_size 1 it reads :data:`READ_AHEAD_IDS` ids of whole micro-batches at once (each batch's arrays
-    are views of that read's).
+    It reads :data:`READ_AHEAD_IDS` ids of whole micro-batches at once (each batch's arrays are views of that
+    read's); ``load_state_dict`` drops what was read ahead.
     """
 
     def __iter__(self) -> MixtureLoader:
@@ -938,11 +947,9 @@ class MixtureLoader(_RankBatches):
 
     def __next__(self) -> MixtureBatch:
         if not self._ahead:
-            read = max(1, READ_AHEAD_IDS // (self.batch_size * self.mixture.seq_len)) if self.world_size == 1 else 1
+            numbers = range(self._next, self._next + self._read_ahead())
             self._ahead.extend(
-                self.mixture._batches(
-                    self._next, read, rank=self.rank, batch_size=self.batch_size, world_size=self.world_size
-                )
+                self.mixture._batches(numbers, rank=self.rank, batch_size=self.batch_size, world_size=self.world_size)
             )
         batch = self._ahead.popleft()
         self._next += 1
@@ -953,7 +960,7 @@ class MixtureLoader(_RankBatches):
 
     def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
         self._next = self.mixture.position(state, self.global_batch_size) // self.global_batch_size
-        self._ahead: deque[MixtureBatch] = deque()  # batches read and not yet handed out (world_size 1)
+        self._ahead: deque[MixtureBatch] = deque()  # batches read and not yet handed out
 
 
 @functools.cache
@@ -965,23 +972,34 @@ def _torch_class() -> type:
         """One rank's micro-batches of a mixture as torch tensors, for ``DataLoader(batch_size=None)``.
 
         DataLoader worker w of k builds the batches g with ``(g - first) % k == w`` (``first``: the batch it
-        starts at); DataLoader takes batches from its workers in turn, so any k hands them out in the order
-        k = 0 does. ``state_dict``/``load_state_dict`` follow torchdata's Stateful protocol: in a worker the
-        state says which of its batches the loader has consumed, and ``StatefulDataLoader`` (same number of
-        workers) resumes each worker and the turn. The state of a batch (``batch.state``) resumes any loader.
+        starts at), :data:`READ_AHEAD_IDS` ids of them a read; DataLoader takes batches from its workers in
+        turn, so any k hands them out in the order k = 0 does. ``state_dict``/``load_state_dict`` follow
+        torchdata's Stateful protocol: in a worker the state says which of its batches the loader has consumed,
+        and ``StatefulDataLoader`` (same number of workers) resumes each worker and the turn. The state of a
+        batch (``batch.state``) resumes any loader.
         """
 
         def __iter__(self) -> Any:
             info = get_worker_info()
             worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-            index = self._next + (worker - (self._next - self._first)) % workers
+            ahead: deque[MixtureBatch] = deque()  # this worker's batches read and not yet handed out
+            handed = None  # the batch after the last one handed out
             while True:
-                batch = self.mixture.batch(
-                    index, rank=self.rank, batch_size=self.batch_size, world_size=self.world_size
-                ).as_torch()
-                self._next = index + 1
-                yield batch
-                index += workers
+                if self._next != handed:  # the start, or a state was loaded: read from there
+                    ahead.clear()
+                    index = self._next + (worker - (self._next - self._first)) % workers
+                if not ahead:
+                    numbers = range(index, index + workers * self._read_ahead(), workers)
+                    ahead.extend(
+                        self.mixture._batches(
+                            numbers, rank=self.rank, batch_size=self.batch_size, world_size=self.world_size
+                        )
+                    )
+                    index = numbers.stop
+                batch = ahead.popleft()
+                assert batch.index is not None
+                self._next = handed = batch.index + 1
+                yield batch.as_torch()
 
         def state_dict(self) -> dict[str, Any]:
             size = self.global_batch_size
