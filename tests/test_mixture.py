@@ -300,6 +300,92 @@ def test_a_loader_reading_ahead_gives_the_batches_of_one_at_a_time(
     assert same(next(loader), got[4]) and next(loader).index == 7
 
 
+@FAST
+@given(
+    lengths=st.lists(st.integers(0, 50), min_size=1, max_size=10).filter(lambda x: sum(x) > 0),
+    per_shard=st.integers(1, 4),
+    seq_len=st.integers(1, 40),
+    weights=st.tuples(st.integers(1, 4), st.integers(0, 3), st.integers(0, 3)),
+    cuts=st.lists(st.integers(0, 300), max_size=12, unique=True),
+    order=st.randoms(use_true_random=False),
+    piece_ids=st.sampled_from([0, 128, 10**9]),
+)
+def test_a_read_of_several_ranges_equals_a_read_of_each(
+    lengths: list[int],
+    per_shard: int,
+    seq_len: int,
+    weights: tuple[int, int, int],
+    cuts: list[int],
+    order: Any,
+    piece_ids: int,
+) -> None:
+    """Disjoint ranges of rows (empty ones, adjacent ones, in any order; runs that cross epochs, several shards,
+    empty documents, packed rows) read at once: the rows of ``rows(start, stop)`` of each, end to end."""
+    with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as patch:
+        patch.setattr("client.mixture._PIECE_IDS", piece_ids)
+        docs = {"a": documents(1, lengths), "b": documents(2, [1 + (13 * i) % 70 for i in range(5)])}
+        sources = {name: make_dataset(Path(tmp) / name, d, per_shard=per_shard) for name, d in docs.items()}
+        books = documents(3, [5 + (7 * i) % 40 for i in range(2 * per_shard + 3)])
+        sources["p"] = make_dataset(Path(tmp) / "p", books, per_shard=per_shard, seq_len=seq_len, strategy="best_fit")
+        chosen = {name: w for name, w in zip("abp", weights, strict=True) if w}
+        mix = Mixture({name: sources[name] for name in chosen}, weights=chosen, seq_len=seq_len, seed=len(cuts))
+        bounds = sorted(cuts)
+        ranges = [(bounds[i], bounds[i + 1]) for i in range(0, len(bounds) - 1, 2)]  # every other gap: disjoint
+        ranges += [(stop, stop) for _, stop in ranges[:1]]  # an empty one
+        ranges += [(bounds[i], bounds[i + 1]) for i in range(1, len(bounds) - 1, 4)]  # some adjacent to others
+        order.shuffle(ranges)
+        expected = concat([mix.rows(start, stop) for start, stop in ranges]) if ranges else mix.rows(0, 0)
+        assert same(mix._read(ranges), expected)
+
+
+@FAST
+@given(
+    world_size=st.integers(1, 5),
+    rank_at=st.floats(0, 1, exclude_max=True),
+    batch_size=st.integers(1, 4),
+    start=st.integers(0, 30),
+    ahead=st.integers(0, 7),
+)
+def test_a_rank_reading_ahead_gives_the_batches_of_one_at_a_time(
+    mix: Mixture, world_size: int, rank_at: float, batch_size: int, start: int, ahead: int
+) -> None:
+    """A loader of any rank of any world size reads ``ahead`` micro-batches at once (0: one, as without reading
+    ahead), and each TorchMixture worker its own; every batch is the one read alone, with its index and state."""
+    rank, size = int(rank_at * world_size), world_size * batch_size
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("client.mixture.READ_AHEAD_IDS", ahead * batch_size * mix.seq_len)
+        state = mix.state_dict(start * size, size)
+        loader = mix.loader(rank=rank, world_size=world_size, batch_size=batch_size, state=state)
+        got = [next(loader) for _ in range(11)]
+        assert [b.index for b in got] == list(range(start, start + 11))
+        for b in got:
+            assert same(b, mix.batch(b.index, rank=rank, batch_size=batch_size, world_size=world_size))
+            assert b.state == mix.state_dict((b.index + 1) * size, size)
+        assert loader.state_dict() == got[-1].state
+        loader.load_state_dict(got[2].state)  # mid-read: what was read ahead is dropped
+        assert same(next(loader), got[3]) and loader.state_dict() == got[3].state
+
+
+def test_torch_workers_read_their_own_batches_ahead(mix: Mixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DataLoader workers read 3 of their batches (every other one) at once and hand out the batches read alone;
+    without workers, a state loaded while the dataset iterates drops what it read ahead."""
+    pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    monkeypatch.setattr("client.mixture.READ_AHEAD_IDS", 3 * 2 * 32)
+    state = mix.state_dict(5 * 6, 6)
+    reference = [mix.batch(g, rank=2, batch_size=2, world_size=3) for g in range(5, 16)]
+    got = batches(
+        DataLoader(mix.torch(rank=2, world_size=3, batch_size=2, state=state), batch_size=None, num_workers=2), 11
+    )
+    assert [b.index for b in got] == list(range(5, 16)) and all(same(a, b) for a, b in zip(got, reference, strict=True))
+    dataset = mix.torch(rank=2, world_size=3, batch_size=2, state=state)
+    iterator = iter(dataset)
+    assert [next(iterator).index for _ in range(4)] == [5, 6, 7, 8]
+    dataset.load_state_dict(got[1].state)
+    assert same(next(iterator), reference[2]) and dataset.state_dict()["rows"] == 8 * 6
+
+
 def test_packed_rows_in_a_permutation_per_epoch(tmp_path: Path) -> None:
     rng = np.random.default_rng(3)
     packed = make_dataset(
