@@ -333,3 +333,30 @@ def test_the_per_character_bound_is_never_below_what_nfkc_adds(text):
     grown = len(unicodedata.normalize("NFKC", text).encode()) - len(text.encode())
     assert growth_bound([text]) >= grown
     assert growth_bound([text, text]) == 2 * growth_bound([text])
+
+
+def test_readiness_is_one_state_the_gauge_follows():
+    from app.core.readiness import Readiness, ServiceState
+    from app.metrics import Metrics
+
+    class Pool:  # what ServiceState reads of a WorkerPool: `ready`, and the `on_change` it sets
+        ready = True
+        on_change = None
+
+    metrics, pool = Metrics(), Pool()
+    state = ServiceState(metrics)
+
+    def gauge() -> float:
+        return metrics.ready._value.get()
+
+    assert state.readiness is Readiness.STARTING and state.phase is Readiness.STARTING and gauge() == 0
+    state.serving(pool)  # type: ignore[arg-type]
+    assert state.readiness is Readiness.READY and gauge() == 1
+    pool.ready = False
+    pool.on_change()  # the pool says its workers changed
+    assert state.readiness is Readiness.REBUILDING and state.phase is Readiness.READY and gauge() == 0
+    pool.ready = True
+    pool.on_change()
+    assert state.readiness is Readiness.READY and gauge() == 1
+    state.stopping()
+    assert state.readiness is Readiness.STOPPING and gauge() == 0

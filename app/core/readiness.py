@@ -28,15 +28,15 @@ class ServiceState:
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
         self._pool: WorkerPool | None = None
-        self._stopping = False
+        self.phase = Readiness.STARTING  # STARTING, READY or STOPPING: what the edge reads on each request
         self.publish()
 
     @property
     def readiness(self) -> Readiness:
-        if self._stopping:
-            return Readiness.STOPPING
-        if self._pool is None:
-            return Readiness.STARTING
+        """The phase, with READY made REBUILDING while the pool's workers do not serve."""
+        if self.phase is not Readiness.READY:
+            return self.phase
+        assert self._pool is not None
         return Readiness.READY if self._pool.ready else Readiness.REBUILDING
 
     @property
@@ -48,10 +48,11 @@ class ServiceState:
         """The pool is started: serve with it, and follow its workers."""
         self._pool = pool
         pool.on_change = self.publish
+        self.phase = Readiness.READY
         self.publish()
 
     def stopping(self) -> None:
-        self._stopping = True
+        self.phase = Readiness.STOPPING
         self.publish()
 
     def publish(self) -> None:

@@ -227,9 +227,9 @@ class Edge:
     # -- the hot routes ------------------------------------------------------------------------------------
 
     async def _serve(self, route: int, scope: Scope, receive: Receive, send: Send) -> int:
-        readiness = self.state.readiness
-        if readiness is Readiness.STARTING or readiness is Readiness.STOPPING:
-            return await send_error(send, starting() if readiness is Readiness.STARTING else shutting_down())
+        phase = self.state.phase  # while rebuilding, requests wait for a worker (or get the pool's 503)
+        if phase is not Readiness.READY:
+            return await send_error(send, starting() if phase is Readiness.STARTING else shutting_down())
         if self.active >= self.max_concurrent:
             self.metrics.rejected_requests.labels("concurrency").inc()
             overloaded = Overloaded(
