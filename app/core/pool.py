@@ -2,7 +2,7 @@
 
 Two lanes of worker processes (app.core.lanes): `workers` tokenizers, and one seeded sampler
 (sentencepiece 0.2.3 mixes per-process random state into its sampler, so a seed reproduces ids
-only within one process). A request goes to a tokenizer as raw bytes; a large one comes back
+only within one process), started only when a SentencePiece model is served. A request goes to a tokenizer as raw bytes; a large one comes back
 split into chunks that run in parallel on the least busy workers (app.core.handler, app.core.join).
 
 Supervision, per job: a job whose worker died runs once more; one that dies again, or stalls,
@@ -26,7 +26,7 @@ from app.core.errors import PoisonInput, ServiceError, Unavailable
 from app.core.handler import Limits
 from app.core.join import Answer, ChunkResult, join_detokenize, join_tokenize, read_chunk_result, read_done
 from app.core.lanes import Lane, WorkerCrashed
-from app.core.models import ModelInfo
+from app.core.models import SENTENCEPIECE, ModelInfo
 from app.core.poison import text_digest
 from app.core.process import Startup
 from app.core.protocol import (
@@ -72,32 +72,38 @@ class WorkerPool:
         startup = Startup(tuple(models), default, limits)
         common = {"stall_timeout": stall_timeout, "stall_seconds_per_unit": STALL_SECONDS_PER_UNIT}
         self.tokenizers = Lane("tokenizer", workers, startup, metrics, on_change=self._changed, **common)
-        self.sampler = Lane("seeded-sampler", 1, startup, metrics, on_change=self._changed, **common)
+        # Only SentencePiece samples (a seeded request for another model is refused while it is parsed):
+        # without a SentencePiece model there is no sampler process at all.
+        self.sampler: Lane | None = None
+        if any(info.library == SENTENCEPIECE for info in models):
+            self.sampler = Lane("seeded-sampler", 1, startup, metrics, on_change=self._changed, **common)
+        self.lanes = [lane for lane in (self.tokenizers, self.sampler) if lane is not None]
 
     async def start(self) -> None:
         try:
-            await asyncio.gather(self.tokenizers.start(), self.sampler.start())
+            await asyncio.gather(*(lane.start() for lane in self.lanes))
         except BaseException:
             self.close(grace=0.0)
             raise
         self.metrics.workers.set(self.size)
 
     def close(self, grace: float = 2.0) -> None:
-        for lane in (self.tokenizers, self.sampler):
+        for lane in self.lanes:
             lane.close(grace)
         self.metrics.workers.set(0)
 
     @property
     def ready(self) -> bool:
-        """Tokenizers serve, and the seeded sampler serves or is restarting (not failing)."""
+        """Tokenizers serve, and the seeded sampler (if any) serves or is restarting (not failing)."""
         tokenizers, sampler = self.tokenizers, self.sampler
-        return bool(tokenizers.serving) and not tokenizers.closed and not (sampler.failing and not sampler.serving)
+        sampler_down = sampler is not None and sampler.failing and not sampler.serving
+        return bool(tokenizers.serving) and not tokenizers.closed and not sampler_down
 
     def _changed(self) -> None:
         self.on_change()
 
     def pids(self) -> list[int]:
-        return sorted([*self.tokenizers.pids(), *self.sampler.pids()])
+        return sorted(pid for lane in self.lanes for pid in lane.pids())
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -124,7 +130,7 @@ class WorkerPool:
     async def _split(self, payload: Buffer, binary: bool) -> Answer:
         split = read_split(payload)
         model, route, units, context, chunks = split.model, split.route, split.units, split.context, split.chunks
-        lane = self.sampler if split.seeded else self.tokenizers
+        lane = self.sampler if split.seeded and self.sampler is not None else self.tokenizers
 
         def run(chunk: memoryview, size: int) -> Awaitable[tuple[int, Buffer]]:
             return self._supervised(
@@ -199,7 +205,7 @@ class WorkerPool:
 
     def _remember(self, model: int, text: str) -> None:
         payload = poison_payload(model, len(text), text_digest(text))
-        for lane in (self.tokenizers, self.sampler):
+        for lane in self.lanes:
             lane.broadcast_poison(payload)
 
     def _text_at(self, body: bytes, route: int, index: int) -> Culprit:
