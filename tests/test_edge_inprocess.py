@@ -220,7 +220,7 @@ def test_tokenizer_json_and_tiktoken_models_are_served_with_their_librarys_ids(l
             assert decoded.json()["texts"] == [reference.decode(row) for row in rows]
         sampled = {"texts": ["a"], "model": "hfbpe", "sample": {"alpha": 0.1, "seed": 1}}
         assert error_of(served.request("POST", "/v1/tokenize", json=sampled), 422)["field"] == "sample"
-        pool = served.state["service"].pool
+        pool = served.state["service"].state.pool
         assert pool.sampler is None and len(pool.pids()) == 1  # no SentencePiece model: no sampler process
     finally:
         served.close()

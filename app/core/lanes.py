@@ -101,11 +101,11 @@ class _Protocol(asyncio.BufferedProtocol):
 
 
 class WorkerState(enum.Enum):
-    """Where a worker process is in its life; only `SERVING` takes jobs and poison."""
+    """Where a worker process is in its life: only `SERVING` takes jobs; all but `GONE` take poison texts."""
 
     STARTING = "starting"  # the process runs; its first ping is answered once its models are loaded
     SERVING = "serving"
-    STALLED = "stalled"  # killed for running past a deadline; its socket has not closed yet
+    STALLED = "stalled"  # a serving one killed for running past a deadline; its socket has not closed yet
     GONE = "gone"  # its socket closed (it died, was killed or was stopped), or it failed to start
 
 
@@ -175,13 +175,14 @@ class Worker:
     def _stall(self, job: Job) -> None:
         if self.state is WorkerState.GONE or not self.inflight or self.inflight[0] is not job:
             return
-        self.state = WorkerState.STALLED
+        if self.state is WorkerState.SERVING:  # one still starting fails its first ping: its starter retries
+            self.state = WorkerState.STALLED
         self.lane.metrics.worker_stalls.inc()
         logger.error(
             "%s worker %s: a job ran past its %.1fs deadline; killing it",
             self.lane.name,
             self.pid,
-            self.lane.deadline(job.units),
+            self.lane.deadline(job.units) if job.deadline is None else job.deadline,
         )
         self.process.kill()
 

@@ -2,8 +2,9 @@
 
 Two lanes of worker processes (app.core.lanes): `workers` tokenizers, and one seeded sampler
 (sentencepiece 0.2.3 mixes per-process random state into its sampler, so a seed reproduces ids
-only within one process), started only when a SentencePiece model is served. A request goes to a tokenizer as raw bytes; a large one comes back
-split into chunks that run in parallel on the least busy workers (app.core.handler, app.core.join).
+only within one process), started only when a SentencePiece model is served. A request goes to a
+tokenizer as raw bytes; a large one comes back split into chunks that run in parallel on the least
+busy workers (app.core.handler, app.core.join).
 
 Supervision, per job: a job whose worker died runs once more; one that dies again, or stalls,
 runs *carefully* (one text at a time, its position in shared memory), and if that worker dies

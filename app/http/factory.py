@@ -58,7 +58,7 @@ def create_app(settings: Settings | None = None, registry: ModelRegistry | None 
         pool = WorkerPool(
             served, models.default, settings.workers, metrics, limits, stall_timeout=settings.stall_timeout
         )
-        service = Service(settings=settings, registry=models, metrics=metrics, pool=pool, state=state)
+        service = Service(settings=settings, registry=models, metrics=metrics, state=state)
         started = time.perf_counter()
         await pool.start()
         edge.open(served)

@@ -1,4 +1,4 @@
-"""What the lifespan builds and the FastAPI routes read: models, pool, readiness, metrics, settings."""
+"""What the lifespan builds and the FastAPI routes read: models, readiness (and the pool), metrics, settings."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from app.core.pool import WorkerPool
 from app.core.readiness import ServiceState
 from app.core.registry import ModelRegistry
 from app.metrics import Metrics
@@ -19,7 +18,6 @@ class Service:
     settings: Settings
     registry: ModelRegistry
     metrics: Metrics
-    pool: WorkerPool
     state: ServiceState
 
 
