@@ -11,6 +11,9 @@ For each worker count it starts a server on a free loopback port and prints:
                    sp.encode(chunk, num_threads=1, out_type="numpy"); for tokenizer.json and tiktoken
                    the encoder the workers use, fastokens where it passed its check) / (main + workers)
                    CPU; with 2 requests in flight, and one request at a time
+  split cost       one request at a time, the server's CPU (main + workers) on this server, which splits
+                   a lone request over its idle workers, / on one started with --min-chunk-chars huge
+                   (never splits), passes alternating
   single text      p50/p99 latency of one 1-2 KB text through TokenizerClient, and main-process CPU each
   client CPU       this process's CPU per 256-document binary request (TokenizerClient)
   throughput       binary and JSON, 2 requests in flight, against the library's batch call on all cores
@@ -118,10 +121,16 @@ def measure(
     expected = sum(encode(batch) for batch in batches)
     inproc_cpu = time.process_time() - started
     url, process = start_server(model, workers, "--frontends", str(frontends))
+    # The same server, but one that never splits a request: what a lone request's split costs.
+    whole_url, whole_process = start_server(
+        model, workers, "--frontends", str(frontends), "--min-chunk-chars", str(10**12)
+    )
     server = psutil.Process(process.pid)
+    whole_server = psutil.Process(whole_process.pid)
     result: dict[str, float] = {}
     try:
-        with TokenizerClient(url, timeout=120) as client:
+        with TokenizerClient(url, timeout=120) as client, TokenizerClient(whole_url, timeout=120) as whole:
+            in_flight(whole, batches[:4], 2, "binary")
             in_flight(client, batches[:4], 2, "binary")  # warm connections, workers and heaps
             for text in docs[:200]:
                 client.tokenize_batch([text], model="bench")
@@ -139,14 +148,23 @@ def measure(
             result["ceiling"] = meter.worker / meter.main
             result["efficiency"] = inproc_cpu / (meter.main + meter.worker)
             # One request at a time: the client alone, and the server's efficiency when requests come singly
-            # (a lone large request is split over the idle workers).
-            started = time.process_time()
-            with Meter(server, frontends) as meter:
-                for _ in range(passes):
+            # (a lone large request is split over the idle workers), against the server that never splits.
+            split_cpu = whole_cpu = client_cpu = 0.0
+            for _ in range(passes):
+                started = time.process_time()
+                with Meter(server, frontends) as meter:
                     for batch in batches:
                         client.tokenize_batch(batch, model="bench")
-            result["client_serial_ms"] = (time.process_time() - started) / requests * 1e3
-            result["efficiency_serial"] = inproc_cpu / (meter.main + meter.worker)
+                client_cpu += time.process_time() - started
+                split_cpu += meter.main + meter.worker
+                with Meter(whole_server, frontends) as meter:
+                    for batch in batches:
+                        whole.tokenize_batch(batch, model="bench")
+                whole_cpu += meter.main + meter.worker
+            result["client_serial_ms"] = client_cpu / requests * 1e3
+            result["efficiency_serial"] = inproc_cpu / split_cpu
+            result["efficiency_whole"] = inproc_cpu / whole_cpu
+            result["split_cost"] = split_cpu / whole_cpu - 1
             # Single texts, one at a time.
             latencies = []
             with Meter(server, frontends) as meter:
@@ -183,8 +201,9 @@ def measure(
             for name, values in ratios.items():
                 result[name] = statistics.median(values)
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        for started_server in (process, whole_process):
+            started_server.terminate()
+            started_server.wait(timeout=30)
     return result
 
 
@@ -194,6 +213,8 @@ ROWS = [
     ("worker CPU per 256-doc request (ms)", "worker_ms", "{:.2f}"),
     ("CPU efficiency, 2 in flight (in-process encode CPU / server CPU)", "efficiency", "{:.2f}"),
     ("CPU efficiency, one request at a time", "efficiency_serial", "{:.2f}"),
+    ("CPU efficiency, one request at a time, never split (--min-chunk-chars huge)", "efficiency_whole", "{:.2f}"),
+    ("a lone request's split: server CPU split / never split - 1", "split_cost", "{:+.1%}"),
     ("single text p50 (ms)", "single_p50_ms", "{:.2f}"),
     ("single text p99 (ms)", "single_p99_ms", "{:.2f}"),
     ("main-process CPU per single text (ms)", "single_main_ms", "{:.3f}"),

@@ -118,7 +118,7 @@ class Attempt:
         self.policy = policy
         self.replicas = replicas
         self._clock = clock
-        self._rng = rng or random.Random()
+        self._rng = rng  # made at the first backoff: seeding one costs more than a request's own bookkeeping
         self.started = clock()
         self.attempts = 0
         self.retries = 0
@@ -147,6 +147,8 @@ class Attempt:
             self.retries += 1
             return 0.0
         retry_after = exc.retry_after if isinstance(exc, TokenizerServiceError) else None
+        if self._rng is None:
+            self._rng = random.Random()
         delay = self.policy.backoff(self._rounds, retry_after, self._rng)
         self._rounds += 1
         remaining = self.policy.budget_s - elapsed

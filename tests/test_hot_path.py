@@ -76,15 +76,29 @@ def sp() -> spm.SentencePieceProcessor:
     return spm.SentencePieceProcessor(model_file=str(MODEL))
 
 
-def run(handler: Handler, kind: int, payload: list) -> tuple[int, bytes]:
-    reply, parts = handler.handle(kind, b"".join(bytes(part) for part in payload))
+def run(handler: Handler, kind: int, payload: list, shared: list | None = None) -> tuple[int, bytes]:
+    """The reply to one job; what the job shares before it (SHARE frames) goes into `shared`."""
+
+    def share(kind: int, parts: list) -> None:
+        assert shared is not None, "this job was not expected to share"
+        shared.append((kind, b"".join(bytes(part) for part in parts)))
+
+    reply, parts = handler.handle(kind, b"".join(bytes(part) for part in payload), share)
     return reply, b"".join(bytes(part) for part in parts)
 
 
 def request(
-    handler: Handler, route: int, document: dict, *, binary: bool = False, parts: int = 1, careful: bool = False
+    handler: Handler,
+    route: int,
+    document: dict,
+    *,
+    binary: bool = False,
+    parts: int = 1,
+    careful: bool = False,
+    shared: list | None = None,
 ):
-    return run(handler, channel.REQUEST, [REQUEST_HEAD.pack(route, binary, parts, careful), orjson.dumps(document)])
+    head = REQUEST_HEAD.pack(route, binary, parts, careful)
+    return run(handler, channel.REQUEST, [head, orjson.dumps(document)], shared)
 
 
 def answered_whole(handler: Handler, route: int, document: dict, binary: bool) -> bytes:
@@ -94,14 +108,20 @@ def answered_whole(handler: Handler, route: int, document: dict, binary: bool) -
 
 
 def answered_split(handler: Handler, route: int, document: dict, binary: bool, parts: int) -> bytes:
-    kind, payload = request(handler, route, document, binary=binary, parts=parts)
-    assert kind == channel.SPLIT, "the request should be large enough to split"
+    """The answer as the pool builds it: the worker shares every chunk but its own, then replies its own PART."""
+    shared: list = []
+    kind, own = request(handler, route, document, binary=binary, parts=parts, shared=shared)
+    assert [frame_kind for frame_kind, _ in shared] == [channel.SHARE], "the request should be large enough to split"
+    assert kind == channel.PART
+    payload = shared[0][1]
     model, split_route, texts, seeded = SPLIT_HEAD.unpack_from(payload)
     assert (split_route, seeded) == (route, False)
     blobs = channel.split_blobs(payload, SPLIT_HEAD.size)
     units, context, chunks = np.frombuffer(blobs[0], dtype=np.int64), blobs[1], blobs[2:]
-    assert 1 < len(chunks) <= parts and len(chunks) == len(units)
-    replies = []
+    assert 1 <= len(chunks) < parts and len(chunks) == len(units)
+    first = pickle.loads(chunks[0])
+    assert first.first_index == read_chunk_result(own, blobs=False).texts > 0  # the worker kept texts 0.. for itself
+    replies = [own]
     for chunk in chunks:
         reply, part = run(handler, channel.CHUNK, [CHUNK_HEAD.pack(False), chunk])
         assert reply == channel.PART

@@ -9,7 +9,8 @@ Every message, either way, is one frame::
     9       L     payload
 
 A worker answers the jobs on its socket one at a time, in the order they came: the oldest job
-without a reply is the one it is running. That is how the server knows which job a dead or
+without a reply is the one it is running. Only a SHARE comes before a job's reply (carrying that
+job's number); the job still runs until its reply. That is how the server knows which job a dead or
 stalled worker held, with no bookkeeping in the worker.
 
 Pure logic: building frames and cutting a byte stream into frames. Both sides use it.
@@ -32,10 +33,11 @@ POISON = 5  # remember a text that killed workers (no reply)
 
 # Worker to server
 DONE = 11  # the whole answer: meta + body bytes
-SPLIT = 12  # the request is large: here are its chunks
+SPLIT = 12  # the request is large: here are its chunks (seeded: all of them, for the sampler)
 PART = 13  # one chunk's result
 FAILED = 14  # the request is refused: an error body (JSON)
 PONG = 15
+SHARE = 16  # before a job's reply: chunks of a large request for other workers; the job's own chunk follows
 
 
 def frame(job: int, kind: int, payload: bytes | bytearray | memoryview = b"") -> list[bytes | bytearray | memoryview]:

@@ -2,9 +2,12 @@
 
 The server process only moves bytes. A request body goes to one worker as it arrived; that worker
 parses and checks it, then either answers it whole (`DONE`: the answer's bytes, JSON or the
-binary frame) or, when it is large and other workers may help, cuts it into chunks (`SPLIT`). The
-server hands the chunks to workers (`CHUNK` -> `PART`) and joins the parts' bytes into the answer
-(app.core.join); a split /v1/pack request is packed by one more job (`FINISH` -> `DONE`).
+binary frame) or, when it is large and other workers may help, cuts it into chunks: it shares
+every chunk but the first (`SHARE`, which the server hands to the other workers as `CHUNK` jobs),
+runs the first itself and replies with its `PART`. Parsed once, and only the others' texts
+travel. The server joins the parts' bytes into the answer (app.core.join); a split /v1/pack
+request is packed by one more job (`FINISH` -> `DONE`). A seeded request goes whole to the
+seeded sampler (`SPLIT`, one chunk).
 
 Errors are replies too (`FAILED`, a ServiceError's dict): a worker never dies of bad input.
 A job marked *careful* (a retry after its worker died or stalled) runs one text at a time and
@@ -20,7 +23,7 @@ import math
 import struct
 import time
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +58,13 @@ from client.packing import PackedRows, pack_best_fit, pack_concat
 from client.wire import ragged_offsets, split_ragged
 
 NO_OPTIONS = EncodeOptions()  # what a detokenize chunk carries
+
+Parts = list[bytes | bytearray | memoryview]
+Share = Callable[[int, Parts], None]  # sends a frame for the running job before its reply (a SHARE)
+
+
+def no_share(kind: int, parts: Parts) -> None:
+    raise RuntimeError("this job has no one to share chunks with")
 
 
 @dataclass(frozen=True)
@@ -99,11 +109,14 @@ class Handler:
 
     # -- dispatch --------------------------------------------------------------------------------
 
-    def handle(self, kind: int, payload: bytes | bytearray) -> tuple[int, list[bytes | bytearray | memoryview]]:
-        """(reply kind, reply payload) for one job; bad input is a FAILED reply, never an exception."""
+    def handle(self, kind: int, payload: bytes | bytearray, share: Share = no_share) -> tuple[int, Parts]:
+        """(reply kind, reply payload) for one job; bad input is a FAILED reply, never an exception.
+
+        A REQUEST large enough to split sends its other chunks through `share` before it replies.
+        """
         try:
             if kind == channel.REQUEST:
-                return self.request(payload)
+                return self.request(payload, share)
             if kind == channel.CHUNK:
                 careful, chunk = read_chunk(payload)
                 return channel.PART, self.chunk(chunk, careful).payload()
@@ -129,10 +142,10 @@ class Handler:
             )
         return position, self.models[position]
 
-    def request(self, payload: bytes | bytearray) -> tuple[int, list[bytes | bytearray | memoryview]]:
+    def request(self, payload: bytes | bytearray, share: Share) -> tuple[int, Parts]:
         route, binary, max_parts, careful, body = read_request(payload)
         if route == DETOKENIZE:
-            return self.detokenize(body, max_parts, careful)
+            return self.detokenize(body, max_parts, careful, share)
         request: TokenizeRequest | PackRequest
         if route == TOKENIZE:
             request = parse_request(body, TokenizeRequest, "texts", self.limits.max_texts)
@@ -169,7 +182,9 @@ class Handler:
                 Chunk(route, position, carried, start, binary, texts=texts[start:end]) for start, end in bounds
             ] or [Chunk(route, position, carried, 0, binary, texts=[])]
             units = np.array([int(sizes[start:end].sum()) for start, end in bounds] or [0], dtype=np.int64)
-            return channel.SPLIT, split_payload(position, route, len(texts), seeded, units, context, chunks)
+            if seeded:
+                return channel.SPLIT, split_payload(position, route, len(texts), True, units, context, chunks)
+            return self.shared(share, chunks, units, context, len(texts))
         started = time.monotonic()
         ids, offsets, seconds = self.encode(position, texts, options, 0, careful)
         if context is not None:
@@ -189,9 +204,7 @@ class Handler:
         result = Result(position, binary, len(texts), tokens, started, seconds, math.nan, parts_out)
         return channel.DONE, result.payload()
 
-    def detokenize(
-        self, body: memoryview, max_parts: int, careful: bool
-    ) -> tuple[int, list[bytes | bytearray | memoryview]]:
+    def detokenize(self, body: memoryview, max_parts: int, careful: bool, share: Share) -> tuple[int, Parts]:
         request = parse_request(body, DetokenizeRequest, "ids", self.limits.max_texts)
         position, info = self.model(request.model)
         ids, offsets = flatten_ids(request.ids, info.vocab_size)
@@ -211,7 +224,7 @@ class Handler:
                 for start, end in bounds
             ]
             units = np.array([int(offsets[end] - offsets[start]) for start, end in bounds], dtype=np.int64)
-            return channel.SPLIT, split_payload(position, DETOKENIZE, len(lengths), False, units, None, chunks)
+            return self.shared(share, chunks, units, None, len(lengths))
         started = time.monotonic()
         texts = self.decode(position, ids, offsets, careful)
         content = orjson.dumps({"model": info.name, "texts": texts})
@@ -220,6 +233,14 @@ class Handler:
         return channel.DONE, result.payload()
 
     # -- chunks of split requests ------------------------------------------------------------------
+
+    def shared(
+        self, share: Share, chunks: list[Chunk], units: np.ndarray, context: PackContext | None, texts: int
+    ) -> tuple[int, Parts]:
+        """Share every chunk but the first with the other workers (SHARE), then run the first here: its PART."""
+        first = chunks[0]
+        share(channel.SHARE, split_payload(first.model, first.route, texts, False, units[1:], context, chunks[1:]))
+        return channel.PART, self.chunk(first, careful=False).payload()
 
     def chunk(self, chunk: Chunk, careful: bool) -> Result:
         started = time.monotonic()

@@ -59,7 +59,7 @@ class WorkerCrashed(Exception):
 class Job:
     """One message for a worker, and the future its reply settles."""
 
-    __slots__ = ("deadline", "future", "kind", "number", "parts", "queued_at", "sent", "stamp", "units")
+    __slots__ = ("deadline", "future", "interim", "kind", "number", "parts", "queued_at", "sent", "stamp", "units")
 
     def __init__(
         self,
@@ -69,8 +69,10 @@ class Job:
         future: asyncio.Future[tuple[int, Buffer]],
         stamp: Callable[[int], Buffer] | None = None,
         deadline: float | None = None,
+        interim: Callable[[Buffer], None] | None = None,
     ) -> None:
         self.kind = kind
+        self.interim = interim  # takes a SHARE the worker sends while it runs the job
         self.deadline = deadline  # seconds it may run; None: the lane's stall deadline for its units
         self.parts = parts
         self.stamp = stamp  # builds parts[0] at hand-off from the number of idle workers then
@@ -190,6 +192,11 @@ class Worker:
         if not self.inflight or self.inflight[0].number != number:
             logger.error("%s worker %s answered job %d out of turn; restarting it", self.lane.name, self.pid, number)
             self.process.kill()
+            return
+        if kind == channel.SHARE:  # the job goes on: its reply comes later
+            job = self.inflight[0]
+            if job.interim is not None and not job.future.done():
+                job.interim(payload)
             return
         job = self.inflight.popleft()
         if self.inflight:
@@ -334,19 +341,25 @@ class Lane:
     # -- dispatch --------------------------------------------------------------------------------
 
     def submit(
-        self, kind: int, parts: Sequence[Buffer], units: int, stamp: Callable[[int], Buffer] | None = None
+        self,
+        kind: int,
+        parts: Sequence[Buffer],
+        units: int,
+        stamp: Callable[[int], Buffer] | None = None,
+        interim: Callable[[Buffer], None] | None = None,
     ) -> asyncio.Future[tuple[int, Buffer]]:
         """Queue a job; the future settles with (reply kind, payload) or a WorkerCrashed/Unavailable.
 
         `stamp(idle)`, if given, builds the job's first buffer when a worker takes it, knowing how
-        many workers are idle then (it is how a large request decides how far to split).
+        many workers are idle then (it is how a large request decides how far to split);
+        `interim(payload)` takes a SHARE the worker sends before the reply.
         """
         if self.closed:
             raise Unavailable("the server is shutting down")
         if self.failing and not self.serving:
             raise Unavailable("the tokenizer workers are restarting; retry")
         future: asyncio.Future[tuple[int, Buffer]] = self.loop.create_future()
-        job = Job(kind, parts, units, future, stamp)
+        job = Job(kind, parts, units, future, stamp, interim=interim)
         self.waiting.append(job)
         self.pump()
         if not job.sent:

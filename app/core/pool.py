@@ -3,8 +3,9 @@
 Two lanes of worker processes (app.core.lanes): `workers` tokenizers, and one seeded sampler
 (sentencepiece 0.2.3 mixes per-process random state into its sampler, so a seed reproduces ids
 only within one process), started only when a SentencePiece model is served. A request goes to a
-tokenizer as raw bytes; a large one comes back split into chunks that run in parallel on the least
-busy workers (app.core.handler, app.core.join).
+tokenizer as raw bytes; the worker splits a large one into chunks when other workers are idle:
+it shares the others (SHARE), which run on the least busy workers, while it runs the first
+(app.core.handler); the parts are joined here (app.core.join).
 
 Supervision, per job: a job whose worker died runs once more; one that dies again, or stalls,
 runs *carefully* (one text at a time, its position in shared memory), and if that worker dies
@@ -17,8 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
 import orjson
 
@@ -33,6 +34,7 @@ from app.core.process import Startup
 from app.core.protocol import (
     DETOKENIZE,
     PACK,
+    Split,
     chunk_head,
     finish_payload,
     load_chunk,
@@ -113,32 +115,46 @@ class WorkerPool:
 
         A large request is split over the workers idle when it is handed over (the one taking it
         and every idle other): under load nothing is split and nothing travels twice, while a lone
-        large request still runs on every core.
+        large request still runs on every core. The worker that takes it parses it once, shares
+        the other chunks (they start on the other workers at once) and runs the first itself.
         """
 
         def head(careful: bool) -> Callable[[int], bytes]:
             return lambda idle: request_head(route, binary, max(idle, 1), careful)
 
-        kind, payload = await self._supervised(
-            self.tokenizers, channel.REQUEST, head, [body], len(body), lambda index: self._text_at(body, route, index)
-        )
-        if kind == channel.DONE:
-            return read_done(payload)
-        if kind == channel.SPLIT:
-            return await self._split(payload, binary)
-        raise _failure(kind, payload)
-
-    async def _split(self, payload: Buffer, binary: bool) -> Answer:
-        split = read_split(payload)
-        model, route, units, context, chunks = split.model, split.route, split.units, split.context, split.chunks
-        lane = self.sampler if split.seeded and self.sampler is not None else self.tokenizers
-
-        def run(chunk: memoryview, size: int) -> Awaitable[tuple[int, Buffer]]:
-            return self._supervised(
-                lane, channel.CHUNK, _chunk_head, [chunk], size, lambda index: _chunk_text(chunk, index)
+        shared = _Shared(self)
+        try:
+            kind, payload = await self._supervised(
+                self.tokenizers,
+                channel.REQUEST,
+                head,
+                [body],
+                len(body),
+                lambda index: self._text_at(body, route, index),
+                interim=shared,
             )
+            if kind == channel.DONE:
+                return read_done(payload)
+            if kind == channel.PART and shared.split is not None:
+                others = await _all_or_none(shared.tasks)
+                return await self._join(shared.split, [(kind, payload), *others], binary)
+            if kind == channel.SPLIT:
+                split = read_split(payload)
+                lane = self.sampler if split.seeded and self.sampler is not None else self.tokenizers
+                replies = await _all_or_none([self._chunk(lane, chunk, size) for chunk, size in split.jobs()])
+                return await self._join(split, replies, binary)
+            raise _failure(kind, payload)
+        finally:
+            shared.cancel()  # a request that failed or was cancelled withdraws its chunks (done ones: no-op)
 
-        replies = await _all_or_none([run(chunk, size) for chunk, size in zip(chunks, units, strict=True)])
+    def _chunk(self, lane: Lane, chunk: memoryview, size: int) -> Coroutine[Any, Any, tuple[int, Buffer]]:
+        return self._supervised(
+            lane, channel.CHUNK, _chunk_head, [chunk], size, lambda index: _chunk_text(chunk, index)
+        )
+
+    async def _join(self, split: Split, replies: list[tuple[int, Buffer]], binary: bool) -> Answer:
+        """The answer of a split request from its chunks' replies, in order."""
+        model, route, context = split.model, split.route, split.context
         for kind, reply in replies:
             if kind != channel.PART:
                 raise _failure(kind, reply)
@@ -173,16 +189,20 @@ class WorkerPool:
         body: Sequence[Buffer],
         units: int,
         culprit: Callable[[int], Culprit],
+        interim: _Shared | None = None,
     ) -> tuple[int, Buffer]:
         """Run a job: once more if its worker died, then carefully; a text that kills that is poison.
 
         `culprit(index)` names the field, model and text at `index`; it runs (in a thread) only
-        when a careful run died, so the hot path never looks at texts.
+        when a careful run died, so the hot path never looks at texts. `interim` takes what the
+        job shares before it replies (withdrawn when its worker dies: the job runs again whole).
         """
         for attempt in (1, 2):
             try:
-                return await lane.submit(kind, [b"", *body], units, head(False))
+                return await lane.submit(kind, [b"", *body], units, head(False), interim)
             except WorkerCrashed as crash:
+                if interim is not None:
+                    interim.cancel()
                 if crash.stalled:
                     logger.warning("a job stalled its worker; running it carefully")
                     break
@@ -191,7 +211,7 @@ class WorkerPool:
                     break
                 self.metrics.chunk_retries.inc()
         try:
-            return await lane.submit(kind, [b"", *body], units, head(True))
+            return await lane.submit(kind, [b"", *body], units, head(True))  # careful: never split, shares nothing
         except WorkerCrashed as crash:
             if crash.progress < 0:  # the worker died between texts: nothing to blame
                 raise Unavailable("a tokenizer worker died; retry") from None
@@ -226,6 +246,39 @@ def _nothing() -> None:
     pass
 
 
+class _Shared:
+    """The chunks a worker shared out of the request it runs (SHARE), running on other workers meanwhile."""
+
+    __slots__ = ("pool", "split", "tasks")
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool = pool
+        self.split: Split | None = None
+        self.tasks: list[asyncio.Task[tuple[int, Buffer]]] = []
+
+    def __call__(self, payload: Buffer) -> None:
+        """Called by the lane as the SHARE arrives: start its chunks now, on the least busy workers."""
+        self.cancel()
+        pool = self.pool
+        lane = pool.tokenizers
+        self.split = split = read_split(payload)
+        self.tasks = [lane.loop.create_task(pool._chunk(lane, chunk, size)) for chunk, size in split.jobs()]
+        for task in self.tasks:
+            task.add_done_callback(_retrieved)
+
+    def cancel(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        self.tasks = []
+        self.split = None
+
+
+def _retrieved(task: asyncio.Task[object]) -> None:
+    """A chunk's failure is raised to its request (or moot once the request failed): never 'never retrieved'."""
+    if not task.cancelled():
+        task.exception()
+
+
 def _chunk_head(careful: bool) -> Callable[[int], bytes]:
     head = chunk_head(careful)
     return lambda idle: head
@@ -248,7 +301,7 @@ def _chunk_text(chunk: memoryview, index: int) -> Culprit:
     return "texts", item.model, item.texts[index - item.first_index]
 
 
-async def _all_or_none(jobs: list[Awaitable[T]]) -> list[T]:
+async def _all_or_none(jobs: Sequence[Awaitable[T]]) -> list[T]:
     """Await every job; on the first failure (or cancellation) withdraw the others."""
     if len(jobs) == 1:
         return [await jobs[0]]

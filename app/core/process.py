@@ -22,6 +22,7 @@ a quarter of the tokenization time again).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -161,7 +162,7 @@ def serve(connection: socket.socket, startup: Startup, progress: Any) -> None:
                 handler.remember_poison(payload)
                 continue
             try:
-                reply, parts = handler.handle(kind, payload)
+                reply, parts = handler.handle(kind, payload, _sharer(connection, number))
             except Exception:
                 traceback.print_exc()
                 reply, parts = channel.FAILED, [INTERNAL_ERROR]
@@ -174,6 +175,16 @@ def serve(connection: socket.socket, startup: Startup, progress: Any) -> None:
             del parts
         if big and not _waiting(connection):  # everything of the last jobs is freed by now
             memory.trim()
+
+
+def _sharer(connection: socket.socket, number: int) -> Callable[[int, Sequence[Buffer]], None]:
+    """Send a frame for job `number` before its reply (a SHARE); a server that is gone is not an error here."""
+
+    def share(kind: int, parts: Sequence[Buffer]) -> None:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            _send_all(connection, channel.frame_parts(number, kind, parts))
+
+    return share
 
 
 def _waiting(connection: socket.socket) -> bool:

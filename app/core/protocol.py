@@ -11,8 +11,12 @@ FINISH     to worker    blobs: the pickled `PackContext`, then each PART payload
 POISON     to worker    POISON_HEAD (model index, text length), then the text's digest
 DONE       to server    RESULT_HEAD, then the answer's bytes (JSON, or the binary frame)
 PART       to server    RESULT_HEAD, then blobs (ids and lengths) or one JSON fragment (detokenize)
+SHARE      to server    sent by a worker that splits a REQUEST, before its reply: SPLIT's layout,
+                        holding every chunk but the first, for other workers; the worker runs the
+                        first itself and replies with its PART (texts 0.. of the request)
 SPLIT      to server    SPLIT_HEAD (model, route, texts, seeded), then blobs: chunk units (int64),
                         the pickled `PackContext` (empty but for /v1/pack), then each pickled `Chunk`
+                        (a seeded request: all of it, in one chunk, for the seeded sampler)
 FAILED     to server    a ServiceError's JSON (`as_dict()`)
 =========  ===========  ==========================================================================
 
@@ -166,15 +170,19 @@ def split_payload(
 
 
 class Split(NamedTuple):
-    """A SPLIT as the server reads it: the chunks stay pickled bytes, to be handed to workers."""
+    """A SPLIT or SHARE as the server reads it: the chunks stay pickled bytes, to be handed to workers."""
 
     model: int
     route: int
-    texts: int
+    texts: int  # in the whole request
     seeded: bool
     units: list[int]  # work in each chunk (characters or ids), for the stall clock
     context: memoryview  # the pickled PackContext, empty but for /v1/pack
     chunks: list[memoryview]
+
+    def jobs(self) -> list[tuple[memoryview, int]]:
+        """Each pickled chunk with its units of work."""
+        return list(zip(self.chunks, self.units, strict=True))
 
 
 def read_split(payload: Buffer) -> Split:
