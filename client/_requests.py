@@ -64,18 +64,28 @@ def default_headers(api_key: str | None) -> dict[str, str]:
 
 
 class RequestBuilder:
-    """Builds the httpx.Request both clients hand straight to their transport (see the module)."""
+    """Builds the httpx.Request both clients hand straight to their transport (see the module).
+
+    Each URL is parsed, and each set of headers normalized, once per client, not per request: for a
+    single text they were a third of the client's own CPU.
+    """
 
     def __init__(self, api_key: str | None, timeout: float) -> None:
         self.headers = default_headers(api_key)
         self.extensions = {"timeout": httpx.Timeout(timeout).as_dict()}
+        self._urls: dict[tuple[str, str], httpx.URL] = {}
+        self._header_sets: dict[tuple[tuple[str, str], ...], httpx.Headers] = {}
 
     def build(self, base_url: str, call: Call) -> httpx.Request:
         """`call` to the replica at `base_url`."""
-        merged = {**self.headers, **call.headers} if call.headers else self.headers
-        return httpx.Request(
-            call.method, f"{base_url}{call.path}", content=call.content, headers=merged, extensions=self.extensions
-        )
+        url = self._urls.get((base_url, call.path))
+        if url is None:
+            url = self._urls[(base_url, call.path)] = httpx.URL(f"{base_url}{call.path}")
+        key = tuple(call.headers.items()) if call.headers else ()
+        headers = self._header_sets.get(key)
+        if headers is None:
+            headers = self._header_sets[key] = httpx.Headers({**self.headers, **dict(key)})
+        return httpx.Request(call.method, url, content=call.content, headers=headers, extensions=self.extensions)
 
 
 def accept_header(format: Format) -> str:

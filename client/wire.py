@@ -20,7 +20,6 @@ entry than there are sequences): sequence i is ``ids[offsets[i]:offsets[i + 1]]`
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import struct
 from collections.abc import Mapping, Sequence
@@ -28,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from client._json import dumps, loads
 
 MEDIA_TYPE = "application/x-tokenizer-arrays"
 MAGIC = b"TKNA"
@@ -98,7 +99,7 @@ def encode_parts(
         prepared[name] = pieces
         descriptors.append({"name": name, "dtype": _dtype_code(pieces[0].dtype), "shape": shape, "offset": offset})
         offset += _aligned(nbytes)
-    header = json.dumps({"meta": dict(meta or {}), "arrays": descriptors}, separators=(",", ":")).encode()
+    header = dumps({"meta": dict(meta or {}), "arrays": descriptors})
     head = _PREFIX.pack(MAGIC, VERSION, 0, len(header)) + header
     parts: list[bytes | memoryview] = [head + b"\0" * (_aligned(len(head)) - len(head))]
     for pieces in prepared.values():
@@ -131,7 +132,7 @@ def decode(buffer: bytes | bytearray | memoryview) -> Frame:
     if header_end > view.nbytes:
         raise WireFormatError("frame is truncated inside its header")
     try:
-        header = json.loads(bytes(view[_PREFIX.size : header_end]))
+        header = loads(bytes(view[_PREFIX.size : header_end]))
         descriptors = header["arrays"]
         meta = header["meta"]
     except (ValueError, KeyError, TypeError) as exc:
