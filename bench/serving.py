@@ -7,14 +7,18 @@ For each worker count it starts a server on a free loopback port and prints:
   serial ceiling   worker CPU / main-process CPU per 256-document request: how many busy workers
                    one server process can feed before its own core is the bottleneck (with
                    --frontends N: per front-end, each of which feeds its own workers)
-  CPU efficiency   in-process CPU of the workers' own encode for the same documents (for SentencePiece
-                   sp.encode(chunk, num_threads=1, out_type="numpy"); for tokenizer.json and tiktoken
-                   the encoder the workers use, fastokens where it passed its check) / (main + workers)
-                   CPU; with 2 requests in flight, and one request at a time
+  CPU efficiency   CPU of the workers' own encode of the same documents (fresh str objects) in a
+                   single-threaded process of its own, as a worker is (for SentencePiece sp.encode(chunk, num_threads=1,
+                   out_type="numpy"); for tokenizer.json and tiktoken the encoder the workers use,
+                   fastokens where it passed its check), measured before each pass of requests / (main +
+                   workers) CPU; with 2 requests in flight, and one request at a time
   split cost       one request at a time, the server's CPU (main + workers) on this server, which splits
                    a lone request over its idle workers, / on one started with --min-chunk-chars huge
-                   (never splits), passes alternating
-  single text      p50/p99 latency of one 1-2 KB text through TokenizerClient, and main-process CPU each
+                   (never splits), passes alternating; beside it, what the same split costs without any
+                   service: two such processes encoding the two halves of each request at once / one
+  single text      p50/p99 latency of one 1-2 KB text through TokenizerClient, and main-process CPU each;
+                   beside it the floor (bench.floor): a bare uvicorn app that answers 16 bytes, called
+                   through the same httpx transport, on the same texts
   client CPU       this process's CPU per 256-document binary request (TokenizerClient)
   throughput       binary and JSON, 2 requests in flight, against the library's batch call on all cores
                    (sp.encode(list, num_threads=cores), tok.encode_batch, enc.encode_ordinary_batch) and,
@@ -30,19 +34,24 @@ from __future__ import annotations
 
 import argparse
 import math
+import multiprocessing
 import os
 import statistics
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import orjson
 import psutil
 
 from app.core import libraries
 from app.core.models import SENTENCEPIECE, find_model_files
 from app.core.reference import InProcess
 from app.core.requests import EncodeOptions
+from bench.floor import measure_floor
 from bench.inputs import default_corpus, describe_corpus, documents_and_model, start_server
 from client import TokenizerClient
 
@@ -91,6 +100,75 @@ def in_flight(client: TokenizerClient, batches: list[list[str]], depth: int, fmt
         return sum(pool.map(one, batches))
 
 
+def encoder(model: Path, reference: InProcess | None = None) -> Callable[[list[str]], int]:
+    """The workers' own encode, in this process, one thread: it returns the number of ids."""
+    work = libraries.load(find_model_files("bench", model))
+    if work.library == SENTENCEPIECE:
+        processor = reference.processor if reference is not None else work.processor  # type: ignore[attr-defined]
+
+        def encode(batch: list[str]) -> int:
+            return int(sum(len(ids) for ids in processor.encode(batch, num_threads=1, out_type="numpy")))
+
+        return encode
+    options = EncodeOptions()
+    return lambda batch: len(work.encode(batch, options)[0])
+
+
+def _encoding(model: Path, batches: list[list[str]], half: int, barrier: Any, connection: Any) -> None:
+    """A single-threaded process, as a worker is, that encodes on command: every batch whole, or one half of
+    every batch at the same moment as its twin encodes the other half. It answers with its CPU seconds."""
+    libraries.single_threaded()
+    encode = encoder(model)
+    middle = BATCH // 2
+    encode(batches[0])  # caches warm, as the workers' are
+    while (command := connection.recv()) is not None:
+        # Fresh str objects, as a training loop has them from its reader (and a worker from a request): a
+        # str already encoded once keeps its UTF-8, which the libraries would then not pay for again.
+        fresh = [[text.encode().decode() for text in batch] for batch in batches]
+        if command == "half":
+            barrier.wait()
+        started = time.process_time()
+        for batch in fresh:
+            encode(batch if command == "whole" else batch[:middle] if half == 0 else batch[middle:])
+        connection.send(time.process_time() - started)
+
+
+class InProcess1:
+    """The work itself, without a service: the workers' own encode in single-threaded processes.
+
+    `whole()`: one process encodes every batch. `pair()`: two processes encode the two halves of each
+    batch at once, as a lone request split over two workers; on a machine whose cores slow each other
+    down (shared caches, SMT siblings on the host) the same work costs more CPU on two cores at once.
+    """
+
+    def __init__(self, model: Path, batches: list[list[str]]) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.barrier = barrier = context.Barrier(2)  # held here: a collected one is gone before the children load it
+        self.connections = []
+        self.processes = []
+        for half in (0, 1):
+            ours, theirs = context.Pipe()
+            process = context.Process(target=_encoding, args=(model, batches, half, barrier, theirs), daemon=True)
+            process.start()
+            self.connections.append(ours)
+            self.processes.append(process)
+
+    def whole(self) -> float:
+        self.connections[0].send("whole")
+        return float(self.connections[0].recv())
+
+    def pair(self) -> float:
+        for connection in self.connections:
+            connection.send("half")
+        return float(sum(connection.recv() for connection in self.connections))
+
+    def close(self) -> None:
+        for connection in self.connections:
+            connection.send(None)
+        for process in self.processes:
+            process.join(timeout=30)
+
+
 def measure(
     model: Path,
     workers: int,
@@ -103,23 +181,10 @@ def measure(
 ) -> dict[str, float]:
     cores = len(os.sched_getaffinity(0))
     batches = [docs[i : i + BATCH] for i in range(0, len(docs), BATCH)]
-    # In-process single-thread CPU of the workers' own encode of the same batches: the work itself.
-    work = libraries.load(find_model_files("bench", model))
-    options = EncodeOptions()
-    if work.library == SENTENCEPIECE:
-        processor = reference.processor
-
-        def encode(batch: list[str]) -> int:
-            return int(sum(len(ids) for ids in processor.encode(batch, num_threads=1, out_type="numpy")))
-    else:
-
-        def encode(batch: list[str]) -> int:
-            return len(work.encode(batch, options)[0])
-
-    encode(batches[0])  # caches warm, as the workers' are
-    started = time.process_time()
-    expected = sum(encode(batch) for batch in batches)
-    inproc_cpu = time.process_time() - started
+    # Single-threaded CPU of the workers' own encode of the same batches, in processes of their own: the
+    # work itself, measured again before each pass of requests (this machine's speed drifts within minutes).
+    expected = sum(encoder(model, reference)(batch) for batch in batches)
+    work = InProcess1(model, batches)
     url, process = start_server(model, workers, "--frontends", str(frontends))
     # The same server, but one that never splits a request: what a lone request's split costs.
     whole_url, whole_process = start_server(
@@ -136,21 +201,28 @@ def measure(
                 client.tokenize_batch([text], model="bench")
             # CPU per 256-document binary request, 2 in flight: enough requests that the 10 ms
             # granularity of process CPU times does not matter.
-            with Meter(server, frontends) as meter:
-                for _ in range(passes):
+            inproc_cpu = main_cpu = worker_cpu = client_cpu = 0.0
+            for _ in range(passes):
+                inproc_cpu += work.whole()
+                with Meter(server, frontends) as meter:
                     tokens = in_flight(client, batches, 2, "binary")
                     assert tokens == expected, (tokens, expected)
+                main_cpu += meter.main
+                worker_cpu += meter.worker
+                client_cpu += meter.client
             requests = len(batches) * passes
-            inproc_cpu *= passes
-            result["main_ms"] = meter.main / requests * 1e3
-            result["worker_ms"] = meter.worker / requests * 1e3
-            result["client_ms"] = meter.client / requests * 1e3
-            result["ceiling"] = meter.worker / meter.main
-            result["efficiency"] = inproc_cpu / (meter.main + meter.worker)
+            result["main_ms"] = main_cpu / requests * 1e3
+            result["worker_ms"] = worker_cpu / requests * 1e3
+            result["client_ms"] = client_cpu / requests * 1e3
+            result["ceiling"] = worker_cpu / main_cpu
+            result["efficiency"] = inproc_cpu / (main_cpu + worker_cpu)
             # One request at a time: the client alone, and the server's efficiency when requests come singly
-            # (a lone large request is split over the idle workers), against the server that never splits.
-            split_cpu = whole_cpu = client_cpu = 0.0
+            # (a lone large request is split over the idle workers), against the server that never splits,
+            # and the same encode split over two processes in-process.
+            inproc_cpu = split_cpu = whole_cpu = client_cpu = pair_cpu = 0.0
             for _ in range(passes):
+                inproc_cpu += work.whole()
+                pair_cpu += work.pair()
                 started = time.process_time()
                 with Meter(server, frontends) as meter:
                     for batch in batches:
@@ -165,8 +237,10 @@ def measure(
             result["efficiency_serial"] = inproc_cpu / split_cpu
             result["efficiency_whole"] = inproc_cpu / whole_cpu
             result["split_cost"] = split_cpu / whole_cpu - 1
-            # Single texts, one at a time.
+            result["pair_cost"] = pair_cpu / inproc_cpu - 1
+            # Single texts, one at a time, then the same bodies to a bare uvicorn app (the floor).
             latencies = []
+            client_started = time.process_time()
             with Meter(server, frontends) as meter:
                 for text in docs[:singles]:
                     begun = time.perf_counter()
@@ -176,6 +250,11 @@ def measure(
             result["single_p99_ms"] = float(np.percentile(latencies, 99) * 1e3)
             result["single_main_ms"] = meter.main / singles * 1e3
             result["single_worker_ms"] = meter.worker / singles * 1e3
+            result["single_client_ms"] = (time.process_time() - client_started) / singles * 1e3
+            bare = measure_floor([orjson.dumps({"texts": [text], "model": "bench"}) for text in docs[:singles]])
+            result["floor_p50_ms"] = bare["p50_ms"]
+            result["floor_server_ms"] = bare["server_ms"]
+            result["floor_client_ms"] = bare["client_ms"]
             # Throughput, alternating with in-process encodes in each round.
             ratios: dict[str, list[float]] = {"binary/list": [], "binary/floor": [], "json/list": [], "json/floor": []}
             for _ in range(rounds):
@@ -201,6 +280,7 @@ def measure(
             for name, values in ratios.items():
                 result[name] = statistics.median(values)
     finally:
+        work.close()
         for started_server in (process, whole_process):
             started_server.terminate()
             started_server.wait(timeout=30)
@@ -215,10 +295,15 @@ ROWS = [
     ("CPU efficiency, one request at a time", "efficiency_serial", "{:.2f}"),
     ("CPU efficiency, one request at a time, never split (--min-chunk-chars huge)", "efficiency_whole", "{:.2f}"),
     ("a lone request's split: server CPU split / never split - 1", "split_cost", "{:+.1%}"),
+    ("the same encode on 2 processes at once, in-process / on one - 1", "pair_cost", "{:+.1%}"),
     ("single text p50 (ms)", "single_p50_ms", "{:.2f}"),
     ("single text p99 (ms)", "single_p99_ms", "{:.2f}"),
     ("main-process CPU per single text (ms)", "single_main_ms", "{:.3f}"),
     ("worker CPU per single text (ms)", "single_worker_ms", "{:.3f}"),
+    ("client CPU per single text (ms)", "single_client_ms", "{:.3f}"),
+    ("floor: bare uvicorn app, same client transport: p50 (ms)", "floor_p50_ms", "{:.2f}"),
+    ("floor: its server CPU per request (ms)", "floor_server_ms", "{:.3f}"),
+    ("floor: its client CPU per request (ms)", "floor_client_ms", "{:.3f}"),
     ("client CPU per 256-doc binary request, 1 in flight (ms)", "client_serial_ms", "{:.2f}"),
     ("client CPU per 256-doc binary request, 2 in flight (ms)", "client_ms", "{:.2f}"),
     ("binary, 2 in flight / the library's batch call", "binary/list", "{:.2f}"),

@@ -1,0 +1,104 @@
+"""What one request costs on this machine before any tokenizing: the floor under the single-text figures.
+
+A bare ASGI app under uvicorn (httptools and uvloop, as the service runs) that reads the body and
+answers 16 fixed bytes, called through the same httpx transport TokenizerClient uses
+(`HTTPTransport.handle_request`). Its server CPU, client CPU and p50 are the most a request to any
+Python HTTP service costs here; the service's own single-text figures sit on top of them.
+
+    python -m bench.floor            # prints the floor alone
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+
+ANSWER = b"0123456789abcdef"
+
+
+async def app(scope: dict, receive, send) -> None:  # type: ignore[no-untyped-def]
+    """Read the whole body, answer 16 bytes: an HTTP round trip and nothing else."""
+    if scope["type"] != "http":
+        return
+    more = True
+    while more:
+        message = await receive()
+        more = message.get("more_body", False)
+    headers = [(b"content-type", b"application/octet-stream"), (b"content-length", b"16")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": ANSWER})
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def measure_floor(bodies: list[bytes]) -> dict[str, float]:
+    """p50 (ms), server CPU (ms) and client CPU (ms) per request, one request at a time, over `bodies`."""
+    port = _free_port()
+    command = [
+        sys.executable, "-m", "uvicorn", "bench.floor:app", "--host", "127.0.0.1", "--port", str(port),
+        "--log-level", "warning", "--no-access-log", "--http", "httptools", "--loop", "uvloop",
+    ]  # fmt: skip
+    process = subprocess.Popen(command)
+    url = f"http://127.0.0.1:{port}/v1/tokenize"
+    transport = httpx.HTTPTransport()
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError:
+                if time.monotonic() > deadline or process.poll() is not None:
+                    raise RuntimeError("the floor's uvicorn server did not start") from None
+                time.sleep(0.1)
+
+        def call(body: bytes) -> None:
+            request = httpx.Request("POST", url, content=body, headers={"content-type": "application/json"})
+            response = transport.handle_request(request)
+            response.read()
+            response.close()
+
+        for body in bodies[:200]:
+            call(body)
+        server = psutil.Process(process.pid)
+        before = sum(server.cpu_times()[:2])
+        client = time.process_time()
+        latencies = []
+        for body in bodies:
+            began = time.perf_counter()
+            call(body)
+            latencies.append(time.perf_counter() - began)
+        count = len(bodies)
+        return {
+            "p50_ms": statistics.median(latencies) * 1e3,
+            "server_ms": (sum(server.cpu_times()[:2]) - before) / count * 1e3,
+            "client_ms": (time.process_time() - client) / count * 1e3,
+        }
+    finally:
+        transport.close()
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def main() -> None:
+    import orjson
+
+    from bench.inputs import default_corpus, load_documents
+
+    docs = load_documents(default_corpus(), 3000)
+    floor = measure_floor([orjson.dumps({"texts": [doc]}) for doc in docs])
+    print(", ".join(f"{key} {value:.3f}" for key, value in floor.items()))
+
+
+if __name__ == "__main__":
+    main()
