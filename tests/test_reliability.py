@@ -300,6 +300,26 @@ def test_a_text_that_kills_workers_is_refused_by_index_and_others_are_served(fau
     check_answer(faulty, texts, faulty.tokenize(texts))
 
 
+@pytest.mark.parametrize("position", [20, 350], ids=["kept chunk", "shared chunk"])
+def test_a_killing_text_in_a_lone_split_request_is_refused_by_index(faulty, documents, position):
+    """A lone large request is split over both idle workers: the one that parsed it keeps the first chunk and
+    shares the second. Whichever part holds the text, the worker running it dies twice (the shared chunk is
+    withdrawn when the first worker dies), the text is named, and the same request without it is answered."""
+    texts = documents[:400]
+    assert sum(map(len, texts)) >= 2 * 16384  # two chunks of at least --min-chunk-chars (its default)
+    poisoned = [*texts[:position], f"FAULT:kill in the request's {position}", *texts[position:]]
+    restarts = faulty.metric("tokenizer_worker_restarts_total")
+    # Both workers serve (every restart so far is back), so both are idle when the request arrives.
+    rebuilt = faulty.wait_for_metric("tokenizer_worker_rebuild_seconds_count", lambda value: value >= restarts)
+    assert rebuilt >= restarts, "a restarted worker did not come back"
+    response = faulty.tokenize(poisoned)
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["index"] == position
+    assert faulty.metric("tokenizer_worker_restarts_total") >= restarts + 2
+    check_answer(faulty, texts, faulty.tokenize(texts))
+    assert httpx.get(f"{faulty.url}/readyz").status_code == 200
+
+
 def test_a_text_that_hangs_a_worker_is_refused_by_index(faulty, documents):
     stalls = faulty.metric("tokenizer_worker_stalls_total")
     started = time.monotonic()
