@@ -43,16 +43,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import orjson
 import psutil
-from prometheus_client.parser import text_string_to_metric_families
 
 from app.core import libraries
 from app.core.models import SENTENCEPIECE, find_model_files
 from app.core.reference import InProcess
 from app.core.requests import EncodeOptions
+from app.tools.launcher import metric_total
 from bench.floor import measure_floor
 from bench.inputs import default_corpus, describe_corpus, documents_and_model, start_server
 from client import TokenizerClient
@@ -96,13 +95,7 @@ class Meter:
 
 def encode_seconds(url: str) -> float:
     """Seconds the workers have spent in the library's encode, by their own clock (tokenizer_worker_seconds_total)."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "tokenizer_worker_seconds_total"
-    )
+    return metric_total(url, "tokenizer_worker_seconds_total")
 
 
 def in_flight(client: TokenizerClient, batches: list[list[str]], depth: int, fmt: str) -> int:

@@ -6,10 +6,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from app.tools.launcher import metric_total
 from client import (
     TokenizerClient,
 )
@@ -35,13 +34,7 @@ def guarded(model_files: dict[str, Path], tmp_path_factory: pytest.TempPathFacto
 
 
 def tokenize_requests(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "tokenizer_requests_total" and sample.labels.get("endpoint") == "/v1/tokenize"
-    )
+    return metric_total(url, "tokenizer_requests_total", endpoint="/v1/tokenize")
 
 
 def test_requests_go_round_robin_over_replicas(server: Server, guarded: GaugedServer, documents):

@@ -11,21 +11,15 @@ import httpx
 import psutil
 import pytest
 import sentencepiece as spm
-from prometheus_client.parser import text_string_to_metric_families
 
 from app.frontends import shares
+from app.tools.launcher import metric_total
 from tests.conftest import ROOT, start_server, stop_server
 
 pytestmark = pytest.mark.slow  # several server processes; part of .ci/run's slow stage
 
 
-def metric(url: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
+metric = metric_total
 
 
 def test_workers_are_shared_out_evenly():

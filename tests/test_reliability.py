@@ -27,8 +27,8 @@ import orjson
 import psutil
 import pytest
 import sentencepiece as spm
-from prometheus_client.parser import text_string_to_metric_families
 
+from app.tools.launcher import metric_total
 from tests.conftest import start_server, stop_server
 
 pytestmark = pytest.mark.slow  # faults: workers killed, stalled, signals; part of .ci/run's slow stage
@@ -53,13 +53,7 @@ class Running:
         return self.post("/v1/tokenize", {"texts": texts, "model": "uni", **options}, timeout=timeout)
 
     def metric(self, name: str, **labels: str) -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        total = 0.0
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                    total += sample.value
-        return total
+        return metric_total(self.url, name, **labels)
 
     def wait_for_metric(self, name: str, check: Callable[[float], bool], timeout: float = 15.0) -> float:
         deadline = time.monotonic() + timeout

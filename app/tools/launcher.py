@@ -1,5 +1,5 @@
 """A tokenizer-server in a process of its own, on a loopback port: the one launcher of tests, benchmarks
-and `tokenizer-bench`.
+and `tokenizer-bench`; `metric_total` reads a sum out of its /metrics.
 
 `ServerProcess(args).start()` picks a free port (or keeps the one it had, so a restarted server comes
 back on the same URL), runs `python -m app` (or another module that takes `--host`/`--port`) in a
@@ -26,6 +26,18 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: app/tools/launcher.py
 READY_TIMEOUT_SECONDS = 60.0
+
+
+def metric_total(url: str, name: str, **labels: str) -> float:
+    """The sum of the samples named `name` (with these labels) in a server's /metrics (for tests, benchmarks)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(key) == value for key, value in labels.items()):
+                total += sample.value
+    return total
 
 
 def free_port(host: str = "127.0.0.1") -> int:
