@@ -1,28 +1,29 @@
 """What one request costs on this machine before any tokenizing: the floor under the single-text figures.
 
-A bare ASGI app under uvicorn (httptools and uvloop, as the service runs) that reads the body and
-answers 16 fixed bytes, called through the same httpx transport TokenizerClient uses
-(`HTTPTransport.handle_request`). Its server CPU, client CPU and p50 are the most a request to any
-Python HTTP service costs here; the service's own single-text figures sit on top of them.
+A bare ASGI app under uvicorn (httptools and uvloop, as the service runs; started by the launcher the
+benchmarks use) that reads the body and answers 16 fixed bytes, called through the same httpx
+transport TokenizerClient uses (`HTTPTransport.handle_request`). Its server CPU, client CPU and p50
+are the least a request to a Python HTTP service costs here; the service's own single-text figures sit
+on top of them.
 
     python -m bench.floor            # prints the floor alone
 """
 
 from __future__ import annotations
 
-import socket
 import statistics
-import subprocess
-import sys
 import time
 
 import httpx
 import psutil
+from starlette.types import Receive, Scope, Send
+
+from app.tools.launcher import ServerProcess
 
 ANSWER = b"0123456789abcdef"
 
 
-async def app(scope: dict, receive, send) -> None:  # type: ignore[no-untyped-def]
+async def app(scope: Scope, receive: Receive, send: Send) -> None:
     """Read the whole body, answer 16 bytes: an HTTP round trip and nothing else."""
     if scope["type"] != "http":
         return
@@ -35,32 +36,15 @@ async def app(scope: dict, receive, send) -> None:  # type: ignore[no-untyped-de
     await send({"type": "http.response.body", "body": ANSWER})
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def measure_floor(bodies: list[bytes]) -> dict[str, float]:
     """p50 (ms), server CPU (ms) and client CPU (ms) per request, one request at a time, over `bodies`."""
-    port = _free_port()
-    command = [
-        sys.executable, "-m", "uvicorn", "bench.floor:app", "--host", "127.0.0.1", "--port", str(port),
-        "--log-level", "warning", "--no-access-log", "--http", "httptools", "--loop", "uvloop",
-    ]  # fmt: skip
-    process = subprocess.Popen(command)
-    url = f"http://127.0.0.1:{port}/v1/tokenize"
+    options = ["--log-level", "warning", "--no-access-log", "--http", "httptools", "--loop", "uvloop"]
+    # The launcher waits for /readyz to answer 200, which the app answers as it answers any path.
+    floor = ServerProcess(["bench.floor:app", *options], module="uvicorn").start()
+    assert floor.process is not None
+    url = f"{floor.url}/v1/tokenize"
     transport = httpx.HTTPTransport()
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
-                    break
-            except OSError:
-                if time.monotonic() > deadline or process.poll() is not None:
-                    raise RuntimeError("the floor's uvicorn server did not start") from None
-                time.sleep(0.1)
 
         def call(body: bytes) -> None:
             request = httpx.Request("POST", url, content=body, headers={"content-type": "application/json"})
@@ -70,7 +54,7 @@ def measure_floor(bodies: list[bytes]) -> dict[str, float]:
 
         for body in bodies[:200]:
             call(body)
-        server = psutil.Process(process.pid)
+        server = psutil.Process(floor.process.pid)
         before = sum(server.cpu_times()[:2])
         client = time.process_time()
         latencies = []
@@ -86,8 +70,7 @@ def measure_floor(bodies: list[bytes]) -> dict[str, float]:
         }
     finally:
         transport.close()
-        process.terminate()
-        process.wait(timeout=30)
+        floor.stop()
 
 
 def main() -> None:
