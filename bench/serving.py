@@ -51,7 +51,7 @@ from app.core import libraries
 from app.core.models import SENTENCEPIECE, find_model_files
 from app.core.reference import InProcess
 from app.core.requests import EncodeOptions
-from app.tools.launcher import metric_total
+from app.tools.launcher import metric_total, stop
 from bench.floor import measure_floor
 from bench.inputs import default_corpus, describe_corpus, documents_and_model, start_server
 from client import TokenizerClient
@@ -106,11 +106,11 @@ def in_flight(client: TokenizerClient, batches: list[list[str]], depth: int, fmt
         return sum(pool.map(one, batches))
 
 
-def encoder(model: Path, reference: InProcess | None = None) -> Callable[[list[str]], int]:
+def encoder(model: Path) -> Callable[[list[str]], int]:
     """The workers' own encode, in this process, one thread: it returns the number of ids."""
     work = libraries.load(find_model_files("bench", model))
-    if work.library == SENTENCEPIECE:
-        processor = reference.processor if reference is not None else work.processor  # type: ignore[attr-defined]
+    if isinstance(work, libraries.SentencePiece):
+        processor = work.processor
 
         def encode(batch: list[str]) -> int:
             return int(sum(len(ids) for ids in processor.encode(batch, num_threads=1, out_type="numpy")))
@@ -139,7 +139,7 @@ def _encoding(model: Path, batches: list[list[str]], half: int, barrier: Any, co
         connection.send(time.process_time() - started)
 
 
-class InProcess1:
+class Baseline:
     """The work itself, without a service: the workers' own encode in single-threaded processes.
 
     `whole()`: one process encodes every batch. `pair()`: two processes encode the two halves of each
@@ -189,8 +189,8 @@ def measure(
     batches = [docs[i : i + BATCH] for i in range(0, len(docs), BATCH)]
     # Single-threaded CPU of the workers' own encode of the same batches, in processes of their own: the
     # work itself, measured again before each pass of requests (this machine's speed drifts within minutes).
-    expected = sum(encoder(model, reference)(batch) for batch in batches)
-    work = InProcess1(model, batches)
+    expected = sum(encoder(model)(batch) for batch in batches)
+    work = Baseline(model, batches)
     url, process = start_server(model, workers, "--frontends", str(frontends))
     # The same server, but one that never splits a request: what a lone request's split costs.
     whole_url, whole_process = start_server(
@@ -298,9 +298,8 @@ def measure(
                 result[name] = statistics.median(values)
     finally:
         work.close()
-        for started_server in (process, whole_process):
-            started_server.terminate()
-            started_server.wait(timeout=30)
+        stop(process)
+        stop(whole_process)
     return result
 
 
