@@ -28,6 +28,7 @@ import psutil
 import pytest
 import sentencepiece as spm
 
+from app.settings import Settings
 from app.tools.launcher import metric_total
 from tests.conftest import start_server, stop_server
 
@@ -300,7 +301,7 @@ def test_a_killing_text_in_a_lone_split_request_is_refused_by_index(faulty, docu
     shares the second. Whichever part holds the text, the worker running it dies twice (the shared chunk is
     withdrawn when the first worker dies), the text is named, and the same request without it is answered."""
     texts = documents[:400]
-    assert sum(map(len, texts)) >= 2 * 16384  # two chunks of at least --min-chunk-chars (its default)
+    assert sum(map(len, texts)) >= 2 * Settings.model_fields["min_chunk_chars"].default  # two chunks of at least that
     poisoned = [*texts[:position], f"FAULT:kill in the request's {position}", *texts[position:]]
     restarts = faulty.metric("tokenizer_worker_restarts_total")
     # Both workers serve (every restart so far is back), so both are idle when the request arrives.
