@@ -6,7 +6,7 @@ transport TokenizerClient uses (`HTTPTransport.handle_request`). Its server CPU,
 are the least a request to a Python HTTP service costs here; the service's own single-text figures sit
 on top of them.
 
-    python -m bench.floor            # prints the floor alone
+    python -m bench.floor [--requests 3000]      # prints the floor alone
 """
 
 from __future__ import annotations
@@ -74,11 +74,18 @@ def measure_floor(bodies: list[bytes]) -> dict[str, float]:
 
 
 def main() -> None:
+    import argparse
+
     import orjson
 
     from bench.inputs import default_corpus, load_documents
 
-    docs = load_documents(default_corpus(), 3000)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=3000, help="single-text requests, one at a time")
+    args = parser.parse_args()
+    if args.requests < 1:
+        parser.error("--requests must be at least 1")
+    docs = load_documents(default_corpus(), args.requests)
     floor = measure_floor([orjson.dumps({"texts": [doc]}) for doc in docs])
     print(", ".join(f"{key} {value:.3f}" for key, value in floor.items()))
 
