@@ -6,7 +6,9 @@
 For each worker count it starts a server on a free loopback port and prints:
   serial ceiling   worker CPU / main-process CPU per 256-document request: how many busy workers
                    one server process can feed before its own core is the bottleneck (with
-                   --frontends N: per front-end, each of which feeds its own workers)
+                   --frontends N: per front-end, each of which feeds its own workers); beside it
+                   the batch floor (bench.floor): a bare uvicorn app reading the same bodies and
+                   answering as many bytes as the service's binary answers, and the ceiling at it
   CPU efficiency   CPU of the workers' own encode of the same documents (fresh str objects) in a
                    single-threaded process of its own, as a worker is (for SentencePiece sp.encode(chunk, num_threads=1,
                    out_type="numpy"); for tokenizer.json and tiktoken the encoder the workers use,
@@ -43,6 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import orjson
 import psutil
@@ -54,9 +57,12 @@ from app.core.requests import EncodeOptions
 from app.tools.launcher import metric_total, stop
 from bench.floor import measure_floor
 from bench.inputs import default_corpus, describe_corpus, documents_and_model, start_server
-from client import TokenizerClient
+from client import TokenizerClient, wire
 
 BATCH = 256
+# 256-document requests to the bare app for the batch floor: enough that the 10 ms granularity of
+# process CPU times stays under 5% of the figure
+FLOOR_BATCH_REQUESTS = 192
 
 
 def cpu(process: psutil.Process) -> float:
@@ -91,6 +97,14 @@ class Meter:
         self.main = sum(cpu(server) for server in self.servers) - self._main
         self.worker = sum(cpu(worker) for worker in self.workers) - self._workers
         self.client = time.process_time() - self._client
+
+
+def binary_answer_bytes(url: str, body: bytes) -> int:
+    """The size of the service's binary answer to one /v1/tokenize body."""
+    headers = {"content-type": "application/json", "accept": wire.MEDIA_TYPE}
+    response = httpx.post(f"{url}/v1/tokenize", content=body, headers=headers, timeout=120)
+    response.raise_for_status()
+    return len(response.content)
 
 
 def encode_seconds(url: str) -> float:
@@ -272,6 +286,14 @@ def measure(
             result["floor_p50_ms"] = bare["p50_ms"]
             result["floor_server_ms"] = bare["server_ms"]
             result["floor_client_ms"] = bare["client_ms"]
+            # The batch floor: the bare app reading the same 256-document bodies and answering as many bytes
+            # as this service's binary answer to each: the least a server process built on uvicorn spends
+            # moving a batch's bytes, and so the highest serial ceiling one could reach.
+            bodies = [orjson.dumps({"texts": batch, "model": "bench"}) for batch in batches]
+            sizes = [binary_answer_bytes(url, body) for body in bodies]
+            repeat = max(1, FLOOR_BATCH_REQUESTS // len(bodies))
+            result["floor_batch_ms"] = measure_floor(bodies * repeat, sizes * repeat)["server_ms"]
+            result["ceiling_floor"] = result["worker_ms"] / result["floor_batch_ms"]
             # Throughput, alternating with in-process encodes in each round.
             ratios: dict[str, list[float]] = {"binary/list": [], "binary/floor": [], "json/list": [], "json/floor": []}
             for _ in range(rounds):
@@ -306,6 +328,8 @@ def measure(
 ROWS = [
     ("serial ceiling (worker CPU / main CPU, 256-doc request)", "ceiling", "{:.1f}"),
     ("main-process CPU per 256-doc request (ms)", "main_ms", "{:.2f}"),
+    ("floor: bare uvicorn app, same bodies in, same answer bytes out: server CPU (ms)", "floor_batch_ms", "{:.2f}"),
+    ("serial ceiling at that floor (worker CPU / the floor's server CPU)", "ceiling_floor", "{:.1f}"),
     ("worker CPU per 256-doc request (ms)", "worker_ms", "{:.2f}"),
     ("CPU efficiency, 2 in flight (in-process encode CPU / server CPU)", "efficiency", "{:.2f}"),
     ("CPU efficiency, one request at a time", "efficiency_serial", "{:.2f}"),
