@@ -20,7 +20,9 @@ For each worker count it starts a server on a free loopback port and prints:
                    service: two such processes encoding the two halves of each request at once / one
   single text      p50/p99 latency of one 1-2 KB text through TokenizerClient, and main-process CPU each;
                    beside it the floor (bench.floor): a bare uvicorn app that answers 16 bytes, called
-                   through the same httpx transport, on the same texts
+                   through the same httpx transport, on the same texts; and the library's own encode of
+                   one text in a single-threaded process, with its caches warm and after touching 64 MiB
+                   (more than this machine's caches), as a worker finds them between single requests
   client CPU       this process's CPU per 256-document binary request (TokenizerClient)
   throughput       binary and JSON, 2 requests in flight, against the library's batch call on all cores
                    (sp.encode(list, num_threads=cores), tok.encode_batch, enc.encode_ordinary_batch) and,
@@ -63,6 +65,9 @@ BATCH = 256
 # 256-document requests to the bare app for the batch floor: enough that the 10 ms granularity of
 # process CPU times stays under 5% of the figure
 FLOOR_BATCH_REQUESTS = 192
+# single texts encoded in-process, and the memory touched between two of them to evict the caches
+SINGLE_ENCODES = 1000
+EVICT_BYTES = 64 << 20
 
 
 def cpu(process: psutil.Process) -> float:
@@ -120,9 +125,13 @@ def in_flight(client: TokenizerClient, batches: list[list[str]], depth: int, fmt
         return sum(pool.map(one, batches))
 
 
-def encoder(model: Path) -> Callable[[list[str]], int]:
-    """The workers' own encode, in this process, one thread: it returns the number of ids."""
-    work = libraries.load(find_model_files("bench", model))
+def load(model: Path) -> libraries.Library:
+    """The model as the workers load it (fastokens in front where it passes its check)."""
+    return libraries.load(find_model_files("bench", model))
+
+
+def encoder(work: libraries.Library) -> Callable[[list[str]], int]:
+    """The workers' own encode of a batch, in this process, one thread: it returns the number of ids."""
     if isinstance(work, libraries.SentencePiece):
         processor = work.processor
 
@@ -138,10 +147,14 @@ def _encoding(model: Path, batches: list[list[str]], half: int, barrier: Any, co
     """A single-threaded process, as a worker is, that encodes on command: every batch whole, or one half of
     every batch at the same moment as its twin encodes the other half. It answers with its CPU seconds."""
     libraries.single_threaded()
-    encode = encoder(model)
+    work = load(model)
+    encode = encoder(work)
     middle = BATCH // 2
     encode(batches[0])  # caches warm, as the workers' are
     while (command := connection.recv()) is not None:
+        if command == "singles":
+            connection.send(_singles(work, [text for batch in batches for text in batch][:SINGLE_ENCODES]))
+            continue
         # Fresh str objects, as a training loop has them from its reader (and a worker from a request): a
         # str already encoded once keeps its UTF-8, which the libraries would then not pay for again.
         fresh = [[text.encode().decode() for text in batch] for batch in batches]
@@ -151,6 +164,24 @@ def _encoding(model: Path, batches: list[list[str]], half: int, barrier: Any, co
         for batch in fresh:
             encode(batch if command == "whole" else batch[:middle] if half == 0 else batch[middle:])
         connection.send(time.process_time() - started)
+
+
+def _singles(work: libraries.Library, texts: list[str]) -> tuple[float, float]:
+    """CPU ms of the library's encode of one text, as a worker calls it for a single-text request: with the
+    caches warm from the text before, and after touching more memory than the caches hold (the cores' L2
+    and the shared L3), as when the client and the server process ran between two texts."""
+    options = EncodeOptions()
+    sweep = np.ones(EVICT_BYTES // 8, dtype=np.float64)
+    spent = {"warm": 0.0, "evicted": 0.0}
+    for text in texts:
+        for state in spent:
+            fresh = [text.encode().decode()]
+            if state == "evicted":
+                sweep.sum()
+            started = time.thread_time()
+            work.encode(fresh, options)
+            spent[state] += time.thread_time() - started
+    return spent["warm"] / len(texts) * 1e3, spent["evicted"] / len(texts) * 1e3
 
 
 class Baseline:
@@ -182,6 +213,12 @@ class Baseline:
             connection.send("half")
         return float(sum(connection.recv() for connection in self.connections))
 
+    def singles(self) -> tuple[float, float]:
+        """CPU ms of one text's encode, caches warm and evicted (`_singles`)."""
+        self.connections[0].send("singles")
+        warm, evicted = self.connections[0].recv()
+        return float(warm), float(evicted)
+
     def close(self) -> None:
         for connection in self.connections:
             connection.send(None)
@@ -203,7 +240,7 @@ def measure(
     batches = [docs[i : i + BATCH] for i in range(0, len(docs), BATCH)]
     # Single-threaded CPU of the workers' own encode of the same batches, in processes of their own: the
     # work itself, measured again before each pass of requests (this machine's speed drifts within minutes).
-    expected = sum(encoder(model)(batch) for batch in batches)
+    expected = sum(map(encoder(load(model)), batches))
     work = Baseline(model, batches)
     url, process = start_server(model, workers, "--frontends", str(frontends))
     # The same server, but one that never splits a request: what a lone request's split costs.
@@ -282,6 +319,7 @@ def measure(
             result["single_main_ms"] = meter.main / singles * 1e3
             result["single_worker_ms"] = meter.worker / singles * 1e3
             result["single_client_ms"] = (time.process_time() - client_started) / singles * 1e3
+            result["single_encode_warm_ms"], result["single_encode_evicted_ms"] = work.singles()
             bare = measure_floor([orjson.dumps({"texts": [text], "model": "bench"}) for text in docs[:singles]])
             result["floor_p50_ms"] = bare["p50_ms"]
             result["floor_server_ms"] = bare["server_ms"]
@@ -344,6 +382,8 @@ ROWS = [
     ("main-process CPU per single text (ms)", "single_main_ms", "{:.3f}"),
     ("worker CPU per single text (ms)", "single_worker_ms", "{:.3f}"),
     ("client CPU per single text (ms)", "single_client_ms", "{:.3f}"),
+    ("the library's encode of one text in-process, caches warm (ms)", "single_encode_warm_ms", "{:.3f}"),
+    ("the same after touching 64 MiB, as between requests (ms)", "single_encode_evicted_ms", "{:.3f}"),
     ("floor: bare uvicorn app, same client transport: p50 (ms)", "floor_p50_ms", "{:.2f}"),
     ("floor: its server CPU per request (ms)", "floor_server_ms", "{:.3f}"),
     ("floor: its client CPU per request (ms)", "floor_client_ms", "{:.3f}"),
