@@ -27,7 +27,8 @@ For each worker count it starts a server on a free loopback port and prints:
   throughput       binary and JSON, 2 requests in flight, against the library's batch call on all cores
                    (sp.encode(list, num_threads=cores), tok.encode_batch, enc.encode_ordinary_batch) and,
                    for SentencePiece, the numpy floor sp.encode(list, num_threads=cores,
-                   out_type="numpy"), rounds alternating (the median of per-round ratios is reported)
+                   out_type="numpy"), rounds alternating (the median of per-round ratios is reported);
+                   beside it the share of the cores the client and the server kept busy meanwhile
 CPU times come from psutil (the server's main process; the sum over its worker processes), which
 holds up on a shared machine where wall time does not. Without --model it trains a 16k unigram
 model on the corpus (cached under bench/results/). The corpus defaults to the shared multilingual one
@@ -334,6 +335,7 @@ def measure(
             result["ceiling_floor"] = result["worker_ms"] / result["floor_batch_ms"]
             # Throughput, alternating with in-process encodes in each round.
             ratios: dict[str, list[float]] = {"binary/list": [], "binary/floor": [], "json/list": [], "json/floor": []}
+            busy: list[float] = []  # the cores' busy share while binary requests run (client, server, workers)
             for _ in range(rounds):
                 began = time.perf_counter()
                 reference.batch(docs)
@@ -343,8 +345,10 @@ def measure(
                     reference.processor.encode(docs, num_threads=cores, out_type="numpy")
                 floor = time.perf_counter() - began if reference.library == SENTENCEPIECE else math.nan
                 began = time.perf_counter()
-                in_flight(client, batches, 2, "binary")
+                with Meter(server, frontends) as meter:
+                    in_flight(client, batches, 2, "binary")
                 binary = time.perf_counter() - began
+                busy.append((meter.main + meter.worker + meter.client) / (meter.wall * cores))
                 began = time.perf_counter()
                 in_flight(client, batches, 2, "json")
                 json = time.perf_counter() - began
@@ -356,6 +360,7 @@ def measure(
                 result["list_docs_s"] = max(result.get("list_docs_s", 0.0), len(docs) / listed)
             for name, values in ratios.items():
                 result[name] = statistics.median(values)
+            result["busy"] = statistics.median(busy)
     finally:
         work.close()
         stop(process)
@@ -391,6 +396,7 @@ ROWS = [
     ("client CPU per 256-doc binary request, 2 in flight (ms)", "client_ms", "{:.2f}"),
     ("binary, 2 in flight / the library's batch call", "binary/list", "{:.2f}"),
     ("binary, 2 in flight / numpy floor (SentencePiece)", "binary/floor", "{:.2f}"),
+    ("  the cores' busy share meanwhile (client + server CPU / wall time x cores)", "busy", "{:.2f}"),
     ("JSON, 2 in flight / the library's batch call", "json/list", "{:.2f}"),
     ("JSON, 2 in flight / numpy floor (SentencePiece)", "json/floor", "{:.2f}"),
 ]
