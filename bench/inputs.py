@@ -69,22 +69,30 @@ def load_documents(corpus: Path, count: int) -> list[str]:
     return documents
 
 
+SMALL_CORPUS_BYTES = 2_000_000
+SMALL_CORPUS_VOCAB = 4000
+
+
 def bench_model(corpus: Path, vocab_size: int = 32000) -> Path:
-    """A unigram SentencePiece model of `vocab_size` pieces (4k for a small corpus) trained on `corpus`, once."""
+    """A unigram SentencePiece model of `vocab_size` pieces (4k for a corpus of 2 MB of text or less, too
+    little for more) trained on `corpus`, once; its file name says the size it has."""
     RESULTS.mkdir(parents=True, exist_ok=True)
+    text = read_text(corpus) if corpus.suffix == ".jsonl" else None
+    if (len(text.encode()) if text is not None else corpus.stat().st_size) <= SMALL_CORPUS_BYTES:
+        vocab_size = SMALL_CORPUS_VOCAB
     prefix = RESULTS / f"bench-unigram-{vocab_size // 1000}k-{corpus.stem}"
     model = prefix.with_suffix(".model")
     if not model.exists():
         print(f"training a {vocab_size // 1000}k unigram model on {corpus.name} (once) ...", flush=True)
-        if corpus.suffix == ".jsonl":
+        if text is not None:
             plain = prefix.with_suffix(".txt")
-            plain.write_text(read_text(corpus), encoding="utf-8")
+            plain.write_text(text, encoding="utf-8")
             corpus = plain
         spm.SentencePieceTrainer.train(
             input=str(corpus),
             model_prefix=str(prefix),
             model_type="unigram",
-            vocab_size=vocab_size if corpus.stat().st_size > 2_000_000 else 4000,
+            vocab_size=vocab_size,
             input_sentence_size=2_000_000,
             shuffle_input_sentence=True,
             num_threads=os.cpu_count() or 1,
