@@ -278,10 +278,17 @@ def wait_for_first_shard(out: Path, process: subprocess.Popen[bytes], timeout: f
 def interrupt_after_first_shard(args: list[str], out: Path, stop: signal.Signals) -> tuple[int, str]:
     """Run the pre-tokenizer and send `stop` once its first shard is written: (exit status, stderr).
 
-    A session of its own: the signal reaches the workers too, as kill -9 of a job or Ctrl-C would.
+    A session of its own: the signal reaches the workers too, as kill -9 of a job or Ctrl-C would. The
+    run starts with SIGINT handled, as from a terminal, even where these tests run with it ignored (a
+    job a script starts in the background inherits SIGINT ignored, and so would the run: Python then
+    never raises KeyboardInterrupt). A handler here becomes the default in the child at exec.
     """
     command = [sys.executable, "-m", "app.tools.pretokenize", *args]
-    process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, start_new_session=True)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, start_new_session=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         wait_for_first_shard(out, process)
         os.killpg(process.pid, stop)
