@@ -53,10 +53,14 @@ import numpy as np
 import orjson
 import psutil
 
-from app.core import libraries
+from app.core import channel, libraries
+from app.core.handler import Handler, Limits, TextMarker
 from app.core.models import SENTENCEPIECE, find_model_files
+from app.core.protocol import TOKENIZE, request_head
 from app.core.reference import InProcess
+from app.core.registry import model_info
 from app.core.requests import EncodeOptions
+from app.settings import Settings
 from app.tools.launcher import metric_total, stop
 from bench.floor import measure_floor
 from bench.inputs import default_corpus, describe_corpus, documents_and_model, start_server
@@ -131,6 +135,30 @@ def load(model: Path) -> libraries.Library:
     return libraries.load(find_model_files("bench", model))
 
 
+def handler(model: Path, work: libraries.Library) -> Handler:
+    """A worker's request handler over the loaded model, with the server's default limits (never splitting)."""
+    settings = Settings()
+    limits = Limits(
+        max_texts=settings.max_texts,
+        max_seq_len=settings.max_seq_len,
+        min_chunk_chars=10**12,
+        max_request_bytes=settings.max_request_bytes,
+    )
+    info = model_info("bench", find_model_files("bench", model), work)
+    return Handler([info], [work], "bench", limits, TextMarker(None))
+
+
+def _handling(handle: Handler, batches: list[list[str]]) -> float:
+    """CPU ms of a worker's whole job per 256-document binary /v1/tokenize request, sockets aside: parse the
+    body, check it, encode, build the answer."""
+    payloads = [request_head(TOKENIZE, True, 1, False) + orjson.dumps({"texts": batch}) for batch in batches]
+    started = time.process_time()
+    for payload in payloads:
+        kind, _ = handle.handle(channel.REQUEST, payload)
+        assert kind == channel.DONE, kind
+    return (time.process_time() - started) / len(payloads) * 1e3
+
+
 def encoder(work: libraries.Library) -> Callable[[list[str]], int]:
     """The workers' own encode of a batch, in this process, one thread: it returns the number of ids."""
     if isinstance(work, libraries.SentencePiece):
@@ -150,11 +178,15 @@ def _encoding(model: Path, batches: list[list[str]], half: int, barrier: Any, co
     libraries.single_threaded()
     work = load(model)
     encode = encoder(work)
+    handle = handler(model, work)
     middle = BATCH // 2
     encode(batches[0])  # caches warm, as the workers' are
     while (command := connection.recv()) is not None:
         if command == "singles":
             connection.send(_singles(work, [text for batch in batches for text in batch][:SINGLE_ENCODES]))
+            continue
+        if command == "handle":
+            connection.send(_handling(handle, batches))
             continue
         # Fresh str objects, as a training loop has them from its reader (and a worker from a request): a
         # str already encoded once keeps its UTF-8, which the libraries would then not pay for again.
@@ -220,6 +252,11 @@ class Baseline:
         warm, evicted = self.connections[0].recv()
         return float(warm), float(evicted)
 
+    def handling(self) -> float:
+        """CPU ms of a worker's whole job per request, in-process (`_handling`)."""
+        self.connections[0].send("handle")
+        return float(self.connections[0].recv())
+
     def close(self) -> None:
         for connection in self.connections:
             connection.send(None)
@@ -271,6 +308,8 @@ def measure(
             requests = len(batches) * passes
             result["main_ms"] = main_cpu / requests * 1e3
             result["worker_ms"] = worker_cpu / requests * 1e3
+            result["handling_ms"] = statistics.median(work.handling() for _ in range(3))
+            result["encode_ms"] = inproc_cpu / requests * 1e3
             result["client_ms"] = client_cpu / requests * 1e3
             result["ceiling"] = worker_cpu / main_cpu
             result["efficiency"] = inproc_cpu / (main_cpu + worker_cpu)
@@ -374,6 +413,8 @@ ROWS = [
     ("floor: bare uvicorn app, same bodies in, same answer bytes out: server CPU (ms)", "floor_batch_ms", "{:.2f}"),
     ("serial ceiling at that floor (worker CPU / the floor's server CPU)", "ceiling_floor", "{:.1f}"),
     ("worker CPU per 256-doc request (ms)", "worker_ms", "{:.2f}"),
+    ("  the same job in a process of its own, no sockets: parse, checks, encode, answer (ms)", "handling_ms", "{:.2f}"),
+    ("  the library's encode alone, in a process of its own (ms)", "encode_ms", "{:.2f}"),
     ("CPU efficiency, 2 in flight (in-process encode CPU / server CPU)", "efficiency", "{:.2f}"),
     ("CPU efficiency, one request at a time", "efficiency_serial", "{:.2f}"),
     ("CPU efficiency, one request at a time, never split (--min-chunk-chars huge)", "efficiency_whole", "{:.2f}"),

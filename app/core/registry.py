@@ -10,9 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from app.core import libraries
-from app.core.models import ModelInfo, ModelLoadError, find_model_files
+from app.core.models import ModelFiles, ModelInfo, ModelLoadError, find_model_files
 
-__all__ = ["ModelRegistry", "inspect_model"]
+__all__ = ["ModelRegistry", "inspect_model", "model_info"]
 
 
 def inspect_model(name: str, path: Path, encoder: str = libraries.FAST) -> ModelInfo:
@@ -22,6 +22,11 @@ def inspect_model(name: str, path: Path, encoder: str = libraries.FAST) -> Model
         library = libraries.load(files, encoder)
     except ModelLoadError as exc:
         raise ModelLoadError(f"model {name!r}: {exc}") from None
+    return model_info(name, files, library)
+
+
+def model_info(name: str, files: ModelFiles, library: libraries.Library) -> ModelInfo:
+    """The announcement of a model whose files are loaded in `library`."""
     return ModelInfo(
         name=name,
         path=files.path,
