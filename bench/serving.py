@@ -13,7 +13,8 @@ For each worker count it starts a server on a free loopback port and prints:
                    single-threaded process of its own, as a worker is (for SentencePiece sp.encode(chunk, num_threads=1,
                    out_type="numpy"); for tokenizer.json and tiktoken the encoder the workers use,
                    fastokens where it passed its check), measured before each pass of requests / (main +
-                   workers) CPU; with 2 requests in flight, and one request at a time
+                   workers) CPU; with 2 requests in flight, and one request at a time; beside the workers'
+                   CPU, their whole job (parse, checks, encode, answer) in such a process, without sockets
   split cost       one request at a time, the server's CPU (main + workers) on this server, which splits
                    a lone request over its idle workers, / on one started with --min-chunk-chars huge
                    (never splits), passes alternating; beside it, what the same split costs without any
@@ -174,7 +175,8 @@ def encoder(work: libraries.Library) -> Callable[[list[str]], int]:
 
 def _encoding(model: Path, batches: list[list[str]], half: int, barrier: Any, connection: Any) -> None:
     """A single-threaded process, as a worker is, that encodes on command: every batch whole, or one half of
-    every batch at the same moment as its twin encodes the other half. It answers with its CPU seconds."""
+    every batch at the same moment as its twin encodes the other half (it answers with its CPU seconds);
+    or single texts (`_singles`), or each batch as a worker's whole job (`_handling`)."""
     libraries.single_threaded()
     work = load(model)
     encode = encoder(work)
