@@ -149,10 +149,9 @@ def handler(model: Path, work: libraries.Library) -> Handler:
     return Handler([info], [work], "bench", limits, TextMarker(None))
 
 
-def _handling(handle: Handler, batches: list[list[str]]) -> float:
-    """CPU ms of a worker's whole job per 256-document binary /v1/tokenize request, sockets aside: parse the
-    body, check it, encode, build the answer."""
-    payloads = [request_head(TOKENIZE, True, 1, False) + orjson.dumps({"texts": batch}) for batch in batches]
+def _handling(handle: Handler, payloads: list[bytes]) -> float:
+    """CPU ms of a worker's whole job per 256-document binary /v1/tokenize request (its REQUEST payload),
+    sockets aside: parse the body, check it, encode, build the answer."""
     started = time.process_time()
     for payload in payloads:
         kind, _ = handle.handle(channel.REQUEST, payload)
@@ -181,6 +180,7 @@ def _encoding(model: Path, batches: list[list[str]], half: int, barrier: Any, co
     work = load(model)
     encode = encoder(work)
     handle = handler(model, work)
+    payloads = [request_head(TOKENIZE, True, 1, False) + orjson.dumps({"texts": batch}) for batch in batches]
     middle = BATCH // 2
     encode(batches[0])  # caches warm, as the workers' are
     while (command := connection.recv()) is not None:
@@ -188,7 +188,7 @@ def _encoding(model: Path, batches: list[list[str]], half: int, barrier: Any, co
             connection.send(_singles(work, [text for batch in batches for text in batch][:SINGLE_ENCODES]))
             continue
         if command == "handle":
-            connection.send(_handling(handle, batches))
+            connection.send(_handling(handle, payloads))
             continue
         # Fresh str objects, as a training loop has them from its reader (and a worker from a request): a
         # str already encoded once keeps its UTF-8, which the libraries would then not pay for again.

@@ -19,9 +19,6 @@ from tests.conftest import ROOT, start_server, stop_server
 pytestmark = pytest.mark.slow  # several server processes; part of .ci/run's slow stage
 
 
-metric = metric_total
-
-
 def test_workers_are_shared_out_evenly():
     assert shares(8, 3) == [3, 3, 2]
     assert shares(2, 2) == [1, 1]
@@ -45,9 +42,9 @@ def test_two_frontends_share_the_port_and_the_metrics(tmp_path, model_files, doc
         grew = [sum(frontend.cpu_times()[:2]) - cpu_before[frontend.pid] for frontend in frontends]
         assert all(seconds > 0 for seconds in grew), grew  # both front-ends served
         # /metrics adds every front-end up, whichever one answers the scrape.
-        assert metric(url, "tokenizer_requests_total", endpoint="/v1/tokenize", status="200") == 40
-        assert metric(url, "tokenizer_workers") == 2
-        assert metric(url, "tokenizer_ready") == 1
+        assert metric_total(url, "tokenizer_requests_total", endpoint="/v1/tokenize", status="200") == 40
+        assert metric_total(url, "tokenizer_workers") == 2
+        assert metric_total(url, "tokenizer_ready") == 1
         workers = [child.pid for child in psutil.Process(process.pid).children(recursive=True)]
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
