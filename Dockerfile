@@ -22,7 +22,8 @@ RUN python -m venv /opt/venv
 # Dependencies first, from pyproject.toml alone (empty packages stand in for the sources), so editing
 # the code rebuilds only the last layer.
 COPY pyproject.toml README.md ./
-RUN mkdir app client && touch app/__init__.py client/__init__.py \
+RUN for package in app app/core app/http app/http/routes app/tools app/tools/pretokenize client client/prefetch; do \
+        mkdir -p "$package" && touch "$package/__init__.py"; done \
     && /opt/venv/bin/pip install --no-cache-dir ".[${EXTRAS}]" \
     && rm -rf app client build ./*.egg-info
 COPY client ./client

@@ -23,7 +23,7 @@ import httpx
 import sentencepiece as spm
 from prometheus_client.parser import text_string_to_metric_families
 
-from client import TokenizerClient
+from tokenizer_client import TokenizerClient
 from tests.conftest import read_documents
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,7 +79,7 @@ def check_tokenize(url: str, name: str, model_file: Path, api_key: str | None) -
 
 
 def check_library_models(url: str, models: list[str], api_key: str | None) -> None:
-    from app.core.models import find_model_files
+    from tokenizer_service.core.models import find_model_files
     from tests.conftest import read_multilingual
     from tests.test_libraries import Reference
 

@@ -1,6 +1,6 @@
-"""`python -m app`: the same as `tokenizer-server`."""
+"""`python -m tokenizer_service`: the same as `tokenizer-server`."""
 
-from app.entry import server
+from tokenizer_service.entry import server
 
 if __name__ == "__main__":
     server()

@@ -20,11 +20,11 @@ import uvicorn
 from pydantic import ValidationError
 from pydantic_settings import CliSettingsSource
 
-from app.core.models import ModelLoadError
-from app.core.registry import ModelRegistry
-from app.entry import USAGE_ERROR
-from app.http.connections import uvicorn_options
-from app.settings import BUNDLED, ConfigError, Settings, describe_error
+from tokenizer_service.core.models import ModelLoadError
+from tokenizer_service.core.registry import ModelRegistry
+from tokenizer_service.entry import USAGE_ERROR
+from tokenizer_service.http.connections import uvicorn_options
+from tokenizer_service.settings import BUNDLED, ConfigError, Settings, describe_error
 
 PROG = "tokenizer-server"
 EPILOG = """\
@@ -125,10 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: {problem}", file=sys.stderr)
         return USAGE_ERROR
     if settings.frontends > 1:
-        from app.frontends import supervise
+        from tokenizer_service.frontends import supervise
 
         return supervise(settings)
-    from app.http.factory import create_app
+    from tokenizer_service.http.factory import create_app
 
     signal.signal(signal.SIGTERM, _stopped)
     signal.signal(signal.SIGINT, _stopped)

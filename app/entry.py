@@ -21,7 +21,7 @@ def _command(name: str, module: str, extra: str) -> Callable[[], None]:
             main = importlib.import_module(module).main
         except ModuleNotFoundError as exc:
             missing = (exc.name or "").partition(".")[0]
-            if not missing or missing in ("app", "client"):
+            if not missing or missing in ("tokenizer_service", "tokenizer_client"):
                 raise
             print(
                 f"{name}: the Python package {missing!r} is missing; {name} needs the {extra!r} extra: "
@@ -36,7 +36,7 @@ def _command(name: str, module: str, extra: str) -> Callable[[], None]:
     return run
 
 
-server = _command("tokenizer-server", "app.cli", "server")
-pretokenize = _command("tokenizer-pretokenize", "app.tools.pretokenize.cli", "tools")
-shards = _command("tokenizer-shards", "app.tools.pretokenize.shards_cli", "tools")
-bench = _command("tokenizer-bench", "app.tools.bench", "tools")
+server = _command("tokenizer-server", "tokenizer_service.cli", "server")
+pretokenize = _command("tokenizer-pretokenize", "tokenizer_service.tools.pretokenize.cli", "tools")
+shards = _command("tokenizer-shards", "tokenizer_service.tools.pretokenize.shards_cli", "tools")
+bench = _command("tokenizer-bench", "tokenizer_service.tools.bench", "tools")

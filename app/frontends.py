@@ -30,9 +30,9 @@ from typing import Any
 import uvicorn
 from prometheus_client import multiprocess
 
-from app.core.process import exit_with_parent
-from app.metrics import MULTIPROCESS_DIR_ENV
-from app.settings import Settings
+from tokenizer_service.core.process import exit_with_parent
+from tokenizer_service.metrics import MULTIPROCESS_DIR_ENV
+from tokenizer_service.settings import Settings
 
 logger = logging.getLogger("tokenizer")
 
@@ -62,8 +62,8 @@ def frontend(settings: dict[str, Any], index: int, workers: int) -> None:
     """One front-end process: the whole server on its share of the workers."""
     os.setpgrp()
     exit_with_parent(_drain)
-    from app.http.connections import uvicorn_options
-    from app.http.factory import create_app
+    from tokenizer_service.http.connections import uvicorn_options
+    from tokenizer_service.http.factory import create_app
 
     config = Settings.model_validate({**settings, "workers": workers, "frontends": 1})
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,7 +1,7 @@
 """Every Prometheus metric the server exports, defined once, in a registry of the app's own.
 
 With several front-end processes (`--frontends`), prometheus_client's multiprocess mode adds their
-values up (`PROMETHEUS_MULTIPROC_DIR`, set by app.frontends): `exposition()` then reads every
+values up (`PROMETHEUS_MULTIPROC_DIR`, set by tokenizer_service.frontends): `exposition()` then reads every
 front-end's values, so /metrics is complete whichever front-end answers the scrape.
 
 Workers never touch these: they send timings back with their answers and the server process

@@ -23,7 +23,7 @@ import httpx
 import psutil
 from starlette.types import Receive, Scope, Send
 
-from app.tools.launcher import ServerProcess
+from tokenizer_service.tools.launcher import ServerProcess
 
 ANSWER_HEADER = b"x-answer-bytes"
 _answers: dict[int, bytes] = {}

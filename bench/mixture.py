@@ -32,8 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from client.dataset import TokenDataset, write_dataset
-from client.mixture import Mixture, MixtureBatch
+from tokenizer_client.dataset import TokenDataset, write_dataset
+from tokenizer_client.mixture import Mixture, MixtureBatch
 
 SHARD_IDS = 1 << 25  # ids a shard holds, at least (64 MiB of uint16)
 RANKS = 8  # the world size of the cases "rank 0 of 8"

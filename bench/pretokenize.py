@@ -34,11 +34,11 @@ from pathlib import Path
 import orjson
 import sentencepiece as spm
 
-from app.tools.bench import alternate
-from app.tools.pretokenize.ranks import merge
-from app.tools.pretokenize.run import Options, run
+from tokenizer_service.tools.bench import alternate
+from tokenizer_service.tools.pretokenize.ranks import merge
+from tokenizer_service.tools.pretokenize.run import Options, run
 from bench.inputs import ROOT, describe_corpus, documents_and_model, python_docs_corpus, start_server
-from client.dataset import TokenDataset
+from tokenizer_client.dataset import TokenDataset
 
 TARGETS = {"pretokenize --local": 0.8, "pretokenize --local --seq-len 2048": 0.8, "pretokenize --url": 0.7}
 
@@ -77,7 +77,7 @@ def ranks_versus_one_run(docs: list[str], model: Path, ranks: int, rounds: int) 
     corpus.mkdir()
     for part in range(16):
         write_jsonl(docs[part::16], corpus / f"part-{part:02d}.jsonl")
-    base = [sys.executable, "-m", "app.tools.pretokenize", str(corpus), "--local", "--model", str(model), "-q"]
+    base = [sys.executable, "-m", "tokenizer_service.tools.pretokenize", str(corpus), "--local", "--model", str(model), "-q"]
 
     def one_run() -> float:
         shutil.rmtree(scratch / "one", ignore_errors=True)

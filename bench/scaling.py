@@ -24,7 +24,7 @@ import sentencepiece as spm
 
 from bench.inputs import describe_corpus, documents_and_model, python_docs_corpus, start_server
 from bench.serving import BATCH, Meter, in_flight
-from client import TokenizerClient
+from tokenizer_client import TokenizerClient
 
 
 def measure(model: Path, workers: int, frontends: int, depth: int, docs: list[str], rounds: int) -> dict[str, float]:

@@ -54,18 +54,18 @@ import numpy as np
 import orjson
 import psutil
 
-from app.core import channel, libraries
-from app.core.handler import Handler, Limits, TextMarker
-from app.core.models import SENTENCEPIECE, find_model_files
-from app.core.protocol import TOKENIZE, request_head
-from app.core.reference import InProcess
-from app.core.registry import model_info
-from app.core.requests import EncodeOptions
-from app.settings import Settings
-from app.tools.launcher import metric_total, stop
+from tokenizer_service.core import channel, libraries
+from tokenizer_service.core.handler import Handler, Limits, TextMarker
+from tokenizer_service.core.models import SENTENCEPIECE, find_model_files
+from tokenizer_service.core.protocol import TOKENIZE, request_head
+from tokenizer_service.core.reference import InProcess
+from tokenizer_service.core.registry import model_info
+from tokenizer_service.core.requests import EncodeOptions
+from tokenizer_service.settings import Settings
+from tokenizer_service.tools.launcher import metric_total, stop
 from bench.floor import measure_floor
 from bench.inputs import default_corpus, describe_corpus, documents_and_model, start_server
-from client import TokenizerClient, wire
+from tokenizer_client import TokenizerClient, wire
 
 BATCH = 256
 # 256-document requests to the bare app for the batch floor: enough that the 10 ms granularity of

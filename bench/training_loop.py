@@ -31,7 +31,7 @@ import numpy as np
 import sentencepiece as spm
 
 from bench.inputs import describe_corpus, documents_and_model, python_docs_corpus, start_server
-from client import PackSpec, PrefetchStats, TokenizerClient
+from tokenizer_client import PackSpec, PrefetchStats, TokenizerClient
 
 TARGET_WAIT_FRACTION = 0.01
 

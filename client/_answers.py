@@ -14,11 +14,11 @@ from typing import Any, TypeVar
 import httpx
 import numpy as np
 
-from client import wire
-from client._json import loads
-from client.batches import ROW_FIELDS, PackedBatch, TokenizedBatch
-from client.errors import MalformedAnswerError, TokenizerProtocolError, TokenizerServiceError
-from client.packing import IGNORE_INDEX
+from tokenizer_client import wire
+from tokenizer_client._json import loads
+from tokenizer_client.batches import ROW_FIELDS, PackedBatch, TokenizedBatch
+from tokenizer_client.errors import MalformedAnswerError, TokenizerProtocolError, TokenizerServiceError
+from tokenizer_client.packing import IGNORE_INDEX
 
 MODEL_SHA256_HEADER = "X-Tokenizer-Model-SHA256"
 

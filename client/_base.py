@@ -2,7 +2,7 @@
 
 `BaseClient` holds the replicas, the retry policy, the API key, the model fingerprints and the
 outage log; it builds every exchange (the call to send, and how to read its reply) and decides what
-follows each attempt. The two clients in client.clients add only I/O: sending a call to one replica
+follows each attempt. The two clients in tokenizer_client.clients add only I/O: sending a call to one replica
 (`_send`), and the retry loop around it (`_request`), which differ in how they wait (time.sleep,
 asyncio.sleep).
 """
@@ -20,11 +20,11 @@ from typing import Any, Generic, TypeVar
 import httpx
 import numpy as np
 
-from client._answers import batch_from_response, packed_from_response, raise_for_error, read_json, texts_from_document
-from client._fingerprints import ModelFingerprints
-from client._json import loads
-from client._outage import OutageLog
-from client._requests import (
+from tokenizer_client._answers import batch_from_response, packed_from_response, raise_for_error, read_json, texts_from_document
+from tokenizer_client._fingerprints import ModelFingerprints
+from tokenizer_client._json import loads
+from tokenizer_client._outage import OutageLog
+from tokenizer_client._requests import (
     MODELS,
     Call,
     Format,
@@ -36,10 +36,10 @@ from client._requests import (
     post,
     resolve_api_key,
 )
-from client._retry import NO_RETRY, Attempt, Replicas, RetryPolicy
-from client.batches import PackedBatch, TokenizedBatch
-from client.errors import TokenizerConnectionError, TokenizerError
-from client.urls import DEFAULT_URL, parse_urls
+from tokenizer_client._retry import NO_RETRY, Attempt, Replicas, RetryPolicy
+from tokenizer_client.batches import PackedBatch, TokenizedBatch
+from tokenizer_client.errors import TokenizerConnectionError, TokenizerError
+from tokenizer_client.urls import DEFAULT_URL, parse_urls
 
 T = TypeVar("T")
 P = TypeVar("P")

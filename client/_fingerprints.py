@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from client.errors import ModelMismatchError
+from tokenizer_client.errors import ModelMismatchError
 
 
 class ModelFingerprints:

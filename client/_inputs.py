@@ -2,7 +2,7 @@
 
 A ``str`` is a sequence of one-character strings, so ``tokenize("some text")`` would tokenize each
 character as its own text; a flat list of ids given to ``detokenize`` is one text, not many (a URL
-without a scheme: client.urls). These checks look at the container only
+without a scheme: tokenizer_client.urls). These checks look at the container only
 (constant time): what is inside each text is the server's to check, with the text's index.
 """
 

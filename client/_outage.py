@@ -13,8 +13,8 @@ import logging
 import threading
 import time
 
-from client._retry import Attempt
-from client.errors import TokenizerError
+from tokenizer_client._retry import Attempt
+from tokenizer_client.errors import TokenizerError
 
 logger = logging.getLogger("tokenizer.client")
 

@@ -16,9 +16,9 @@ from typing import Any, Literal, get_args
 import httpx
 import numpy as np
 
-from client import wire
-from client._inputs import id_list, id_rows, optional_integer, plain, set_flags, set_integer, texts_list
-from client._json import dumps
+from tokenizer_client import wire
+from tokenizer_client._inputs import id_list, id_rows, optional_integer, plain, set_flags, set_integer, texts_list
+from tokenizer_client._json import dumps
 
 API_KEY_ENV = "TOKENIZER_API_KEY"
 Format = Literal["binary", "json"]

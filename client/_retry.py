@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from client.errors import TokenizerConnectionError, TokenizerError, TokenizerServiceError
+from tokenizer_client.errors import TokenizerConnectionError, TokenizerError, TokenizerServiceError
 
 Clock = Callable[[], float]
 

@@ -1,6 +1,6 @@
 """Arrays as torch tensors; torch is imported only here, and only when asked for.
 
-This module knows arrays, not batches: TokenizedBatch and PackedBatch (client.batches) convert
+This module knows arrays, not batches: TokenizedBatch and PackedBatch (tokenizer_client.batches) convert
 themselves with :func:`tensors`.
 
 Pinned (page-locked) memory needs an accelerator: on a CPU-only torch build (e.g. 2.13.0+cpu)

@@ -1,7 +1,7 @@
 """The batches the client hands out: TokenizedBatch (ragged ids) and PackedBatch (fixed-length rows).
 
 Public types (``from client import TokenizedBatch, PackedBatch``). Their arrays become torch tensors
-with client._torch, which knows arrays only.
+with tokenizer_client._torch, which knows arrays only.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from client import wire
-from client._torch import tensors
+from tokenizer_client import wire
+from tokenizer_client._torch import tensors
 
 __all__ = ["ROW_FIELDS", "Batch", "PackedBatch", "TokenizedBatch"]
 

@@ -1,7 +1,7 @@
 """TokenizerClient and AsyncTokenizerClient: one httpx connection pool over one or more replicas, binary
 answers, typed errors.
 
-Everything that does no I/O is BaseClient's (client._base): the calls, the replies read and checked,
+Everything that does no I/O is BaseClient's (tokenizer_client._base): the calls, the replies read and checked,
 retries and failover decided. The two classes here only send (blocking, or with asyncio) and wait.
 """
 
@@ -16,15 +16,15 @@ from typing import Any, TypeVar
 import httpx
 import numpy as np
 
-from client._base import BaseClient, Exchange, PackStream, Reply
-from client._fingerprints import check_replica_models
-from client._lifecycle import AsyncClosing, Closing
-from client._requests import MODELS, READY, Call, Format, PackOptions, Strategy, TokenizeOptions
-from client._retry import RetryPolicy
-from client.batches import PackedBatch, TokenizedBatch
-from client.errors import TokenizerConnectionError, TokenizerError, TokenizerServiceError
-from client.prefetch import AsyncPrefetcher, PackSpec, Prefetcher, PrefetchOptions
-from client.urls import DEFAULT_URL
+from tokenizer_client._base import BaseClient, Exchange, PackStream, Reply
+from tokenizer_client._fingerprints import check_replica_models
+from tokenizer_client._lifecycle import AsyncClosing, Closing
+from tokenizer_client._requests import MODELS, READY, Call, Format, PackOptions, Strategy, TokenizeOptions
+from tokenizer_client._retry import RetryPolicy
+from tokenizer_client.batches import PackedBatch, TokenizedBatch
+from tokenizer_client.errors import TokenizerConnectionError, TokenizerError, TokenizerServiceError
+from tokenizer_client.prefetch import AsyncPrefetcher, PackSpec, Prefetcher, PrefetchOptions
+from tokenizer_client.urls import DEFAULT_URL
 
 __all__ = ["AsyncTokenizerClient", "TokenizerClient"]
 
@@ -231,7 +231,7 @@ class TokenizerClient(Closing, BaseClient):
     ) -> Prefetcher:
         """Tokenize `texts` in the background, up to `depth` requests ahead, and iterate the batches in order.
 
-        See client.prefetch.Prefetcher. `retry` defaults to this client's policy, else RetryPolicy(). The
+        See tokenizer_client.prefetch.Prefetcher. `retry` defaults to this client's policy, else RetryPolicy(). The
         requests go through a client of the prefetcher's own, made by ``async_client()`` (not through
         this client's ``transport=``).
         """
@@ -302,13 +302,13 @@ class AsyncTokenizerClient(AsyncClosing, BaseClient):
     async def _tokenize_answer(
         self, texts: Sequence[str], options: TokenizeOptions, *, policy: RetryPolicy | None = None
     ) -> tuple[TokenizedBatch, Reply]:
-        """A prefetcher's /v1/tokenize request (client.prefetch.pipeline.PrefetchClient)."""
+        """A prefetcher's /v1/tokenize request (tokenizer_client.prefetch.pipeline.PrefetchClient)."""
         return await self._exchange(self._tokenize(texts, options), policy)
 
     async def _pack_answer(
         self, texts: Sequence[str], options: PackOptions, *, policy: RetryPolicy | None = None
     ) -> tuple[PackedBatch, Reply]:
-        """A prefetcher's best_fit /v1/pack request (client.prefetch.pipeline.PrefetchClient)."""
+        """A prefetcher's best_fit /v1/pack request (tokenizer_client.prefetch.pipeline.PrefetchClient)."""
         return await self._exchange(self._pack(texts, options), policy)
 
     async def tokenize_batch(

@@ -3,7 +3,7 @@
 This docstring is the one description of the format and this module its one implementation: the constants,
 ``write_shard`` (one shard's files, byte for byte), ``read_shard`` and ``TokenDataset`` (reading them back),
 ``check_metadata``; ``write_dataset`` (a whole output of ids tokenized elsewhere, for tests and benchmarks).
-``app.tools.pretokenize`` decides what goes into which shard, has ``write_shard`` write it under temporary names,
+``tokenizer_service.tools.pretokenize`` decides what goes into which shard, has ``write_shard`` write it under temporary names,
 and keeps ``metadata.json``. Everything is little-endian.
 
 An output directory holds::
@@ -83,7 +83,7 @@ from typing import IO, TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from client.packing import IGNORE_INDEX, pack_best_fit, pack_concat
+from tokenizer_client.packing import IGNORE_INDEX, pack_best_fit, pack_concat
 
 if TYPE_CHECKING:
     import torch

@@ -2,7 +2,7 @@
 
 ::
 
-    from client import Mixture, TokenDataset
+    from tokenizer_client import Mixture, TokenDataset
 
     mix = Mixture({"web": TokenDataset("web-shards"), "code": TokenDataset("code-shards")},
                   weights={"web": 0.7, "code": 0.3}, seq_len=2048, seed=1234)
@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 
-from client.dataset import (
+from tokenizer_client.dataset import (
     IGNORE_INDEX,
     LAYOUT_PACKED,
     LAYOUT_RAGGED,
@@ -616,7 +616,7 @@ class MixtureBatch:
 
     def as_torch(self, pin_memory: bool = False) -> MixtureBatch:
         """The same batch with int32 torch tensors in place of its arrays (imports torch)."""
-        from client._torch import tensors
+        from tokenizer_client._torch import tensors
 
         input_ids, labels, position_ids, sources, *cu_seqlens = tensors(
             [self.input_ids, self.labels, self.position_ids, self.sources, *self.cu_seqlens], pin_memory
@@ -645,7 +645,7 @@ def _positive(value: Any, name: str, minimum: int = 1) -> int:
 class Mixture:
     """Weighted, shuffled, endless rows of several pre-tokenized datasets; see the module docstring.
 
-    ``sources`` maps a name to a :class:`~client.dataset.TokenDataset`; ``weights`` maps the same names to
+    ``sources`` maps a name to a :class:`~tokenizer_client.dataset.TokenDataset`; ``weights`` maps the same names to
     positive numbers (relative; default: each source's ids, so every source runs its epochs at the same
     pace). ``seed`` orders each source's epochs. ``cache_dir``, when given, keeps the index arrays of ragged
     sources (and epoch orders) between runs; it must not lie inside a dataset.

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch.utils.data
 
-from client.batches import PackedBatch, TokenizedBatch
-from client.clients import TokenizerClient
+from tokenizer_client.batches import PackedBatch, TokenizedBatch
+from tokenizer_client.clients import TokenizerClient
 
 __all__ = ["TokenizedIterableDataset", "shard_blocks"]
 

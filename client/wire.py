@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from client._json import dumps, loads
+from tokenizer_client._json import dumps, loads
 
 MEDIA_TYPE = "application/x-tokenizer-arrays"
 MAGIC = b"TKNA"

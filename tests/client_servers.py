@@ -1,4 +1,4 @@
-"""Servers of the client tests' own (app.tools.launcher.ServerProcess: a fixed port, so a restarted one comes
+"""Servers of the client tests' own (tokenizer_service.tools.launcher.ServerProcess: a fixed port, so a restarted one comes
 back on the same URL; a process group of its own, so SIGKILL takes the worker processes too), running
 tests/gauged_server.py, which counts the /v1/ requests being handled at once, where they are handled.
 """
@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import sentencepiece as spm
 
-from app.tools.launcher import ServerProcess, free_port
+from tokenizer_service.tools.launcher import ServerProcess, free_port
 
 
 class GaugedServer(ServerProcess):

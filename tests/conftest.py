@@ -11,8 +11,8 @@ import orjson
 import pytest
 import sentencepiece as spm
 
-from app.settings import BUNDLED_MODELS_DIR
-from app.tools.launcher import ServerProcess, free_port, stop, wait_ready  # noqa: F401 - re-exported to tests
+from tokenizer_service.settings import BUNDLED_MODELS_DIR
+from tokenizer_service.tools.launcher import ServerProcess, free_port, stop, wait_ready  # noqa: F401 - re-exported to tests
 
 DATA = Path(__file__).parent / "data"
 ROOT = Path(__file__).parent.parent
@@ -72,7 +72,7 @@ class Server:
 
 
 def start_server(args: list[str], log: Path, env: dict[str, str] | None = None) -> tuple[str, subprocess.Popen[bytes]]:
-    """Start `python -m app` on a free loopback port and wait until /readyz answers 200."""
+    """Start `python -m tokenizer_service` on a free loopback port and wait until /readyz answers 200."""
     server = ServerProcess(args, log=log, env=env).start()
     assert server.process is not None
     return server.url, server.process

@@ -1,6 +1,6 @@
 """tokenizer-service (create_app, settings from TOKENIZER_*) behind a gauge of concurrent /v1/ requests.
 
-The client tests' own server (tests/client_servers.py starts it with app.tools.launcher.ServerProcess).
+The client tests' own server (tests/client_servers.py starts it with tokenizer_service.tools.launcher.ServerProcess).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import json
 
 import uvicorn
 
-from app.http.factory import create_app
-from app.settings import Settings
+from tokenizer_service.http.factory import create_app
+from tokenizer_service.settings import Settings
 
 
 class ConcurrencyGauge:

@@ -1,4 +1,4 @@
-"""One comparison of /v1/pack answers with client.packing's rows, for the tests of either."""
+"""One comparison of /v1/pack answers with tokenizer_client.packing's rows, for the tests of either."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from client.packing import PackedRows
+from tokenizer_client.packing import PackedRows
 
 
 def assert_same_rows(batch: Any, expected: PackedRows) -> None:

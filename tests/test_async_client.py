@@ -10,13 +10,13 @@ import httpx
 import numpy as np
 import pytest
 
-from client import (
+from tokenizer_client import (
     AsyncTokenizerClient,
     PackSpec,
     TokenizerClient,
     TokenizerServiceError,
 )
-from client.packing import pack_concat
+from tokenizer_client.packing import pack_concat
 from tests.client_servers import numbered_texts, ragged
 from tests.conftest import Server
 

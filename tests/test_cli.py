@@ -14,9 +14,9 @@ import httpx
 import pytest
 import sentencepiece as spm
 
-from app import cli
-from app.settings import BUNDLED_MODELS_DIR
-from app.tools.launcher import ServerProcess
+from tokenizer_service import cli
+from tokenizer_service.settings import BUNDLED_MODELS_DIR
+from tokenizer_service.tools.launcher import ServerProcess
 from tests.conftest import free_port, stop_server, wait_ready
 
 CLEAN_ENV = {key: value for key, value in os.environ.items() if not key.startswith("TOKENIZER_")}
@@ -195,7 +195,7 @@ def _models(tmp_path, kind: str) -> dict[str, str]:
     ],
 )
 def test_a_start_it_cannot_serve_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, args, env, setup, expected):
-    """app.cli.main in this process, as the command runs it (the installed command itself: the test below)."""
+    """tokenizer_service.cli.main in this process, as the command runs it (the installed command itself: the test below)."""
     if setup:
         _models(tmp_path, setup)
     for key in [key for key in os.environ if key.startswith("TOKENIZER_")]:
@@ -237,7 +237,7 @@ def test_log_level_debug_adds_the_traceback(tmp_path):
 )
 def test_a_missing_extra_names_what_to_install(entry, missing, extra):
     # None in sys.modules is how Python itself marks a module as absent: its import raises ModuleNotFoundError.
-    program = f"import sys; sys.modules[{missing!r}] = None; from app.entry import {entry}; {entry}()"
+    program = f"import sys; sys.modules[{missing!r}] = None; from tokenizer_service.entry import {entry}; {entry}()"
     result = subprocess.run([sys.executable, "-c", program, "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [

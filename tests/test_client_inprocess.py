@@ -1,7 +1,7 @@
 """The client's own behaviour, in this process: no server, no socket; httpx.MockTransport answers.
 
 Both clients take ``transport=`` (an ``httpx.MockTransport`` serves either). `Service` plays the
-tokenizer-service: each text's ids are its UTF-8 bytes, /v1/pack packs them with client.packing, and
+tokenizer-service: each text's ids are its UTF-8 bytes, /v1/pack packs them with tokenizer_client.packing, and
 a test can make a replica refuse connections, answer an error, or change its model's sha256. What
 needs worker processes (the ids of real models, backpressure, a killed server) stays in the tests
 that start servers (test_client_replicas, test_prefetch, test_async_client).
@@ -22,7 +22,7 @@ import numpy as np
 import orjson
 import pytest
 
-from client import (
+from tokenizer_client import (
     AsyncTokenizerClient,
     MalformedAnswerError,
     ModelMismatchError,
@@ -35,8 +35,8 @@ from client import (
     TokenizerServiceError,
     wire,
 )
-from client._retry import Attempt, Replicas
-from client.packing import pack_best_fit, pack_concat
+from tokenizer_client._retry import Attempt, Replicas
+from tokenizer_client.packing import pack_best_fit, pack_concat
 from tests.packed_rows import assert_same_rows
 
 A, B = "http://replica-a:8000", "http://replica-b:8000"
@@ -341,7 +341,7 @@ def test_async_prefetch_fails_over_and_reports_errors_with_their_position(servic
     run(main())
 
 
-# -- the retry arithmetic on its own (client._retry) ------------------------------------------------
+# -- the retry arithmetic on its own (tokenizer_client._retry) ------------------------------------------------
 
 
 class FakeClock:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from app.tools.launcher import metric_total
-from client import (
+from tokenizer_service.tools.launcher import metric_total
+from tokenizer_client import (
     TokenizerClient,
 )
 from tests.client_servers import GaugedServer, gauged_server, numbered_texts

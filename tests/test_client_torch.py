@@ -10,14 +10,14 @@ import warnings
 import numpy as np
 import pytest
 
-from client import PackSpec, TokenizerClient
+from tokenizer_client import PackSpec, TokenizerClient
 from tests.client_servers import numbered_texts
 from tests.conftest import ROOT, Server
 
 torch = pytest.importorskip("torch")
 
-from client import _torch  # noqa: E402
-from client.torch_data import TokenizedIterableDataset, shard_blocks  # noqa: E402
+from tokenizer_client import _torch  # noqa: E402
+from tokenizer_client.torch_data import TokenizedIterableDataset, shard_blocks  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +31,8 @@ def test_the_client_works_without_torch(server: Server):
         f"""
         import sys
         sys.modules["torch"] = None  # as if torch were not installed
-        import client
-        from client import PackSpec, TokenizerClient
+        import tokenizer_client
+        from tokenizer_client import PackSpec, TokenizerClient
         with TokenizerClient({server.url!r}) as c:
             assert sum(len(b) for b in c.prefetch(["a", "b", "c"] * 10, batch_size=7)) == 30
             assert list(c.prefetch(["x"] * 50, pack=PackSpec(8, 2), model="uni"))

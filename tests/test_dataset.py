@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from app.tools.pretokenize import main
-from client.dataset import IDX_HEADER, METADATA_FILE, TokenDataset, check_metadata, write_dataset
+from tokenizer_service.tools.pretokenize import main
+from tokenizer_client.dataset import IDX_HEADER, METADATA_FILE, TokenDataset, check_metadata, write_dataset
 from tests.conftest import ROOT
 
 
@@ -221,8 +221,8 @@ def test_bad_files_raise_value_error(ragged_dir: Path, tmp_path: Path) -> None:
 
 def test_importing_the_reader_imports_neither_torch_nor_the_server() -> None:
     code = (
-        "import sys, client.dataset\n"
-        "loaded = [m for m in ('torch', 'sentencepiece', 'app', 'fastapi') if m in sys.modules]\n"
+        "import sys, tokenizer_client.dataset\n"
+        "loaded = [m for m in ('torch', 'sentencepiece', 'tokenizer_service', 'fastapi') if m in sys.modules]\n"
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
@@ -245,6 +245,6 @@ def test_a_path_that_is_no_output_says_what_it_is(tmp_path: Path, where: str, me
     with pytest.raises(ValueError, match=message):
         TokenDataset(path)
     result = subprocess.run(
-        [sys.executable, "-m", "app.tools.pretokenize.shards_cli", "info", str(path)], capture_output=True, text=True
+        [sys.executable, "-m", "tokenizer_service.tools.pretokenize.shards_cli", "info", str(path)], capture_output=True, text=True
     )
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr

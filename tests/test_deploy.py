@@ -21,8 +21,8 @@ import promql_parser
 import pytest
 import yaml
 
-from app.settings import BUNDLED_MODELS_DIR
-from client.dataset import TokenDataset
+from tokenizer_service.settings import BUNDLED_MODELS_DIR
+from tokenizer_client.dataset import TokenDataset
 from tests.conftest import ROOT, Server
 
 DEPLOY = ROOT / "deploy"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from app.tools.bench import main
+from tokenizer_service.tools.bench import main
 from tests.conftest import Server
 
 METHODS = ["per-sample loop", "batched", "service", "prefetch", "pretokenize", "pre-tokenized read"]

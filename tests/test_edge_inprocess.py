@@ -18,9 +18,9 @@ import httpx
 import pytest
 import sentencepiece as spm
 
-from app.http.factory import create_app
-from app.settings import BUNDLED_MODELS_DIR, Settings
-from client import wire
+from tokenizer_service.http.factory import create_app
+from tokenizer_service.settings import BUNDLED_MODELS_DIR, Settings
+from tokenizer_client import wire
 from tests.test_libraries import Reference
 
 MODEL = BUNDLED_MODELS_DIR / "default.model"

@@ -6,9 +6,9 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from app.core import errors
-from app.core.errors import RequestTimeout, ServiceError, SlowBody, Unauthorized
-from app.http.status import STATUS, error_body, error_headers, error_status
+from tokenizer_service.core import errors
+from tokenizer_service.core.errors import RequestTimeout, ServiceError, SlowBody, Unauthorized
+from tokenizer_service.http.status import STATUS, error_body, error_headers, error_status
 
 
 def all_errors() -> list[type[ServiceError]]:

@@ -8,7 +8,7 @@ import httpx
 import numpy as np
 import pytest
 
-from client import AsyncTokenizerClient, TokenizerClient, TokenizerConnectionError, TokenizerServiceError
+from tokenizer_client import AsyncTokenizerClient, TokenizerClient, TokenizerConnectionError, TokenizerServiceError
 from tests.conftest import MAX_REQUEST_BYTES, MAX_TEXTS, Server, free_port
 
 CASES = [

@@ -12,8 +12,8 @@ import psutil
 import pytest
 import sentencepiece as spm
 
-from app.frontends import shares
-from app.tools.launcher import metric_total
+from tokenizer_service.frontends import shares
+from tokenizer_service.tools.launcher import metric_total
 from tests.conftest import ROOT, start_server, stop_server
 
 pytestmark = pytest.mark.slow  # several server processes; part of .ci/run's slow stage
@@ -58,7 +58,7 @@ def test_two_frontends_share_the_port_and_the_metrics(tmp_path, model_files, doc
 
 def test_frontends_need_a_fixed_port():
     result = subprocess.run(
-        [sys.executable, "-m", "app", "--frontends", "2", "--port", "0"],
+        [sys.executable, "-m", "tokenizer_service", "--frontends", "2", "--port", "0"],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -71,6 +71,6 @@ def test_frontends_need_a_fixed_port():
 @pytest.mark.parametrize("flag", ["--frontends"])
 def test_the_flag_is_documented(flag):
     help_text = subprocess.run(
-        [sys.executable, "-m", "app", "--help"], capture_output=True, text=True, cwd=ROOT, timeout=60
+        [sys.executable, "-m", "tokenizer_service", "--help"], capture_output=True, text=True, cwd=ROOT, timeout=60
     ).stdout
     assert flag in help_text

@@ -20,7 +20,7 @@ import numpy as np
 import orjson
 import pytest
 
-from client import (
+from tokenizer_client import (
     MalformedAnswerError,
     PackSpec,
     TokenizerClient,
@@ -293,14 +293,14 @@ def test_a_bytes_text_is_a_type_error_naming_its_index(client, method):
 
 def test_importing_client_and_its_dataset_loads_neither_httpx_nor_torch():
     code = (
-        "import sys, client, client.dataset\n"
+        "import sys, tokenizer_client, tokenizer_client.dataset\n"
         "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'httpx', 'httpcore', 'orjson', 'torch', 'anyio'})\n"
         "assert not heavy, heavy\n"
-        "from client import TokenDataset\n"
+        "from tokenizer_client import TokenDataset\n"
         "assert 'httpx' not in sys.modules\n"
-        "from client import TokenizerClient\n"
-        "assert 'httpx' in sys.modules and client.TokenizerClient is TokenizerClient\n"
-        "assert set(client.__all__) <= set(dir(client))\n"
+        "from tokenizer_client import TokenizerClient\n"
+        "assert 'httpx' in sys.modules and tokenizer_client.TokenizerClient is TokenizerClient\n"
+        "assert set(tokenizer_client.__all__) <= set(dir(tokenizer_client))\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
@@ -340,7 +340,7 @@ def test_a_packed_stream_that_gives_no_batch_says_why(client, texts, reason):
 
 
 def test_the_async_prefetcher_says_why_too(fake):
-    from client import AsyncTokenizerClient
+    from tokenizer_client import AsyncTokenizerClient
 
     async def run() -> list[Any]:
         async with AsyncTokenizerClient(fake.url) as client:

@@ -17,14 +17,14 @@ import sentencepiece as spm
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.core import channel, process
-from app.core.handler import Handler, Limits, TextMarker
-from app.core.join import join_detokenize, join_tokenize, read_chunk_result, read_done
-from app.core.protocol import CHUNK_HEAD, DETOKENIZE, PACK, REQUEST_HEAD, SPLIT_HEAD, TOKENIZE
-from app.core.registry import inspect_model
-from app.http.negotiation import wants_binary
-from app.settings import BUNDLED_MODELS_DIR
-from client import wire
+from tokenizer_service.core import channel, process
+from tokenizer_service.core.handler import Handler, Limits, TextMarker
+from tokenizer_service.core.join import join_detokenize, join_tokenize, read_chunk_result, read_done
+from tokenizer_service.core.protocol import CHUNK_HEAD, DETOKENIZE, PACK, REQUEST_HEAD, SPLIT_HEAD, TOKENIZE
+from tokenizer_service.core.registry import inspect_model
+from tokenizer_service.http.negotiation import wants_binary
+from tokenizer_service.settings import BUNDLED_MODELS_DIR
+from tokenizer_client import wire
 
 MODEL = BUNDLED_MODELS_DIR / "default.model"
 

@@ -1,9 +1,9 @@
 """The layers of the tree, held by walking its import graph (every import statement, lazy ones in functions
 included; only `if TYPE_CHECKING:` blocks, which never run, are left out).
 
-- app.core, the serving core, imports nothing of the HTTP edge (app.http) nor of fastapi, starlette, uvicorn;
+- tokenizer_service.core, the serving core, imports nothing of the HTTP edge (tokenizer_service.http) nor of fastapi, starlette, uvicorn;
 - client imports nothing of app (it is what a training job installs: numpy and httpx);
-- a worker process (what app.core.process imports, the entry point of the server's workers and of the
+- a worker process (what tokenizer_service.core.process imports, the entry point of the server's workers and of the
   pre-tokenizer's pool) never imports httpx;
 - no import cycle anywhere in app/, client/ and bench/.
 """
@@ -18,11 +18,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("app", "client", "bench")
+# folder in the checkout -> the name it is installed and imported as (pyproject: package-dir)
+IMPORT_NAMES = {"app": "tokenizer_service", "client": "tokenizer_client", "bench": "bench"}
+PACKAGES = tuple(IMPORT_NAMES.values())
 
 
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    parts[0] = IMPORT_NAMES[parts[0]]
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -30,7 +33,7 @@ def module_name(path: Path) -> str:
 
 @cache
 def modules() -> dict[str, Path]:
-    return {module_name(path): path for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))}
+    return {module_name(path): path for folder in IMPORT_NAMES for path in sorted((ROOT / folder).rglob("*.py"))}
 
 
 def _type_checking(node: ast.If) -> bool:
@@ -103,28 +106,28 @@ def _under(names: Iterable[str], prefix: str) -> list[str]:
 
 def test_the_graph_is_read():
     """The walker finds what it must, or the rules below would hold vacuously."""
-    assert {"app.core.handler", "app.http.edge", "client.wire", "app.tools.pretokenize.run"} <= set(modules())
-    assert "app.core.handler" in imports("app.core.process")
-    assert "fastapi" in imports("app.http.factory")
-    assert "httpx" in reach(["client"])
+    assert {"tokenizer_service.core.handler", "tokenizer_service.http.edge", "tokenizer_client.wire", "tokenizer_service.tools.pretokenize.run"} <= set(modules())
+    assert "tokenizer_service.core.handler" in imports("tokenizer_service.core.process")
+    assert "fastapi" in imports("tokenizer_service.http.factory")
+    assert "httpx" in reach(["tokenizer_client"])
 
 
 def test_the_core_knows_nothing_of_http():
-    core = _under(modules(), "app.core")
+    core = _under(modules(), "tokenizer_service.core")
     reached = reach(core)
-    assert _under(reached, "app.http") == []
+    assert _under(reached, "tokenizer_service.http") == []
     assert {"fastapi", "starlette", "uvicorn"} & reached == set()
 
 
 def test_the_client_imports_nothing_of_the_server():
-    assert _under(reach(_under(modules(), "client")), "app") == []
+    assert _under(reach(_under(modules(), "tokenizer_client")), "tokenizer_service") == []
 
 
 def test_worker_processes_do_not_import_httpx():
-    reached = reach(["app.core.process"])
-    assert "app.core.handler" in reached
+    reached = reach(["tokenizer_service.core.process"])
+    assert "tokenizer_service.core.handler" in reached
     assert "httpx" not in reached
-    assert _under(reached, "app.http") == []
+    assert _under(reached, "tokenizer_service.http") == []
 
 
 def cycles(graph: dict[str, list[str]]) -> list[list[str]]:

@@ -17,12 +17,12 @@ import pytest
 import tiktoken
 from tokenizers import Tokenizer
 
-from app.core import checkset, libraries
-from app.core.errors import InvalidField
-from app.core.models import ModelLoadError, find_model_files
-from app.core.registry import inspect_model
-from app.core.requests import EncodeOptions, SampleOptions
-from client import wire
+from tokenizer_service.core import checkset, libraries
+from tokenizer_service.core.errors import InvalidField
+from tokenizer_service.core.models import ModelLoadError, find_model_files
+from tokenizer_service.core.registry import inspect_model
+from tokenizer_service.core.requests import EncodeOptions, SampleOptions
+from tokenizer_client import wire
 from tests.conftest import EDGE_CASES
 from tests.tokenizer_models import ADDED, BPE_SPECIAL, TIKTOKEN_SPECIAL
 
@@ -298,7 +298,7 @@ def test_a_hub_cache_layout_of_symlinks_loads_in_the_workers_too(models, tmp_pat
     (tmp_path / "m.tiktoken").symlink_to(ranks)
     Path(f"{tmp_path / 'm.tiktoken'}.json").write_text(Path(f"{models['tt']}.json").read_text())
 
-    from app.core import process
+    from tokenizer_service.core import process
 
     infos = [inspect_model(name, path) for name, path in [("file", snapshot / "tokenizer.json"), ("dir", snapshot)]]
     infos.append(inspect_model("ranks", tmp_path / "m.tiktoken"))
@@ -365,7 +365,7 @@ def test_ids_in_a_gap_of_the_ranks_are_refused_naming_the_row(models, tmp_path):
 
 
 def test_a_text_too_long_for_tokenizers_memory_is_a_413_naming_it(models):
-    from app.core.errors import PayloadTooLarge
+    from tokenizer_service.core.errors import PayloadTooLarge
 
     library = libraries.load(find_model_files("u", models["hfuni"]))  # encoded by tokenizers itself
     assert library.encoder == "tokenizers" and library.max_text_chars is not None

@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
-from client import wire
+from tokenizer_client import wire
 from tests.conftest import Server
 
 pytestmark = pytest.mark.slow  # load; part of .ci/run's slow stage

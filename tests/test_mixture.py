@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from client.dataset import TokenDataset, write_dataset
-from client.mixture import (
+from tokenizer_client.dataset import TokenDataset, write_dataset
+from tokenizer_client.mixture import (
     MAX_PERIOD,
     Blend,
     Mixture,
@@ -29,7 +29,7 @@ from client.mixture import (
     epoch_permutation,
     exact_weights,
 )
-from client.packing import pack_concat
+from tokenizer_client.packing import pack_concat
 from tests.conftest import ROOT
 
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -271,8 +271,8 @@ def test_rows_equal_a_row_by_row_reference(
     """Any range of rows, multi-shard sources, empty documents, every way of copying pieces (a slice each,
     one index computation, grouped by shard or not): what a row-at-a-time reading of the definition gives."""
     with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as patch:
-        patch.setattr("client.mixture._PIECE_IDS", piece_ids)
-        patch.setattr("client.mixture._PIECES_A_SHARD", pieces_a_shard)
+        patch.setattr("tokenizer_client.mixture._PIECE_IDS", piece_ids)
+        patch.setattr("tokenizer_client.mixture._PIECES_A_SHARD", pieces_a_shard)
         docs = {"a": documents(1, lengths), "b": documents(2, other)}
         sources = {name: make_dataset(Path(tmp) / name, d, per_shard=per_shard) for name, d in docs.items()}
         packed = {}
@@ -289,7 +289,7 @@ def test_rows_equal_a_row_by_row_reference(
 def test_a_loader_reading_ahead_gives_the_batches_of_one_at_a_time(
     mix: Mixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("client.mixture.READ_AHEAD_IDS", 5 * 3 * 32)  # five micro-batches a read
+    monkeypatch.setattr("tokenizer_client.mixture.READ_AHEAD_IDS", 5 * 3 * 32)  # five micro-batches a read
     loader = mix.loader(batch_size=3, state=mix.state_dict(6, 3))
     got = [next(loader) for _ in range(12)]
     assert [b.index for b in got] == list(range(2, 14))
@@ -322,7 +322,7 @@ def test_a_read_of_several_ranges_equals_a_read_of_each(
     """Disjoint ranges of rows (empty ones, adjacent ones, in any order; runs that cross epochs, several shards,
     empty documents, packed rows) read at once: the rows of ``rows(start, stop)`` of each, end to end."""
     with tempfile.TemporaryDirectory() as tmp, pytest.MonkeyPatch.context() as patch:
-        patch.setattr("client.mixture._PIECE_IDS", piece_ids)
+        patch.setattr("tokenizer_client.mixture._PIECE_IDS", piece_ids)
         docs = {"a": documents(1, lengths), "b": documents(2, [1 + (13 * i) % 70 for i in range(5)])}
         sources = {name: make_dataset(Path(tmp) / name, d, per_shard=per_shard) for name, d in docs.items()}
         books = documents(3, [5 + (7 * i) % 40 for i in range(2 * per_shard + 3)])
@@ -353,7 +353,7 @@ def test_a_rank_reading_ahead_gives_the_batches_of_one_at_a_time(
     ahead), and each TorchMixture worker its own; every batch is the one read alone, with its index and state."""
     rank, size = int(rank_at * world_size), world_size * batch_size
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("client.mixture.READ_AHEAD_IDS", ahead * batch_size * mix.seq_len)
+        patch.setattr("tokenizer_client.mixture.READ_AHEAD_IDS", ahead * batch_size * mix.seq_len)
         state = mix.state_dict(start * size, size)
         loader = mix.loader(rank=rank, world_size=world_size, batch_size=batch_size, state=state)
         got = [next(loader) for _ in range(11)]
@@ -372,7 +372,7 @@ def test_torch_workers_read_their_own_batches_ahead(mix: Mixture, monkeypatch: p
     pytest.importorskip("torch")
     from torch.utils.data import DataLoader
 
-    monkeypatch.setattr("client.mixture.READ_AHEAD_IDS", 3 * 2 * 32)
+    monkeypatch.setattr("tokenizer_client.mixture.READ_AHEAD_IDS", 3 * 2 * 32)
     state = mix.state_dict(5 * 6, 6)
     reference = [mix.batch(g, rank=2, batch_size=2, world_size=3) for g in range(5, 16)]
     got = batches(
@@ -502,7 +502,7 @@ def test_every_refusal_names_what_differs(mix: Mixture, sources: dict[str, Token
 def test_index_arrays_are_cached_in_cache_dir_only(
     sources: dict[str, TokenDataset], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("client.mixture.CACHE_FROM_ITEMS", 0)  # ours are small: cache them all the same
+    monkeypatch.setattr("tokenizer_client.mixture.CACHE_FROM_ITEMS", 0)  # ours are small: cache them all the same
     before = {name: sorted(p.name for p in ds.path.iterdir()) for name, ds in sources.items()}
     cached = Mixture(sources, seq_len=32, seed=3, cache_dir=tmp_path / "cache")
     expected = Mixture(sources, seq_len=32, seed=3).rows(0, 500)
@@ -515,14 +515,14 @@ def test_index_arrays_are_cached_in_cache_dir_only(
     def no_permutation(*args: Any) -> np.ndarray:
         raise AssertionError("recomputed an epoch that is in the cache")
 
-    monkeypatch.setattr("client.mixture.epoch_permutation", no_permutation)
+    monkeypatch.setattr("tokenizer_client.mixture.epoch_permutation", no_permutation)
     assert same(Mixture(sources, seq_len=32, seed=3, cache_dir=tmp_path / "cache").rows(0, 500), expected)
 
 
 def test_importing_client_imports_neither_torch_nor_the_mixture() -> None:
     code = (
         "import sys, client\n"
-        "assert not [m for m in ('torch', 'client.mixture') if m in sys.modules]\n"
+        "assert not [m for m in ('torch', 'tokenizer_client.mixture') if m in sys.modules]\n"
         "from client import Mixture, TokenDataset\n"
         "assert 'torch' not in sys.modules\n"
     )

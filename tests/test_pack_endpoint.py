@@ -11,9 +11,9 @@ import httpx
 import numpy as np
 import pytest
 
-from client import AsyncTokenizerClient, TokenizerClient, TokenizerServiceError
-from client.packing import IGNORE_INDEX, pack_best_fit, pack_concat
-from client.wire import ragged_offsets
+from tokenizer_client import AsyncTokenizerClient, TokenizerClient, TokenizerServiceError
+from tokenizer_client.packing import IGNORE_INDEX, pack_best_fit, pack_concat
+from tokenizer_client.wire import ragged_offsets
 from tests.conftest import Server
 from tests.packed_rows import assert_same_rows
 

@@ -1,4 +1,4 @@
-"""Properties of client.packing, checked against references written independently here."""
+"""Properties of tokenizer_client.packing, checked against references written independently here."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from client.packing import (
+from tokenizer_client.packing import (
     IGNORE_INDEX,
     PackedRows,
     first_fit_rows,

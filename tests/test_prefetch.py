@@ -15,7 +15,7 @@ import numpy as np
 import psutil
 import pytest
 
-from client import (
+from tokenizer_client import (
     PackSpec,
     PrefetchError,
     RetryPolicy,
@@ -23,7 +23,7 @@ from client import (
     TokenizerConnectionError,
     TokenizerServiceError,
 )
-from client.packing import pack_best_fit, pack_concat
+from tokenizer_client.packing import pack_best_fit, pack_concat
 from tests.client_servers import GaugedServer, dead_url, gauged_server, numbered_texts, ragged
 from tests.conftest import Server
 
@@ -46,7 +46,7 @@ def prefetch_threads() -> list[threading.Thread]:
 
 
 class OutageWarned(logging.Handler):
-    """Set once the client logs that requests fail on every replica and are being retried (client._outage)."""
+    """Set once the client logs that requests fail on every replica and are being retried (tokenizer_client._outage)."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)

@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from app.settings import BUNDLED_MODELS_DIR
-from app.tools.pretokenize import main
-from app.tools.pretokenize.ranks import merge
-from app.tools.pretokenize.sources import DocumentReader, Source
-from client.dataset import TokenDataset
-from client.packing import pack_best_fit, pack_concat
-from client.wire import ragged_offsets
+from tokenizer_service.settings import BUNDLED_MODELS_DIR
+from tokenizer_service.tools.pretokenize import main
+from tokenizer_service.tools.pretokenize.ranks import merge
+from tokenizer_service.tools.pretokenize.sources import DocumentReader, Source
+from tokenizer_client.dataset import TokenDataset
+from tokenizer_client.packing import pack_best_fit, pack_concat
+from tokenizer_client.wire import ragged_offsets
 from tests.conftest import DATA, ROOT, Server
 
 SHARD_TOKENS = "4000"
@@ -283,7 +283,7 @@ def interrupt_after_first_shard(args: list[str], out: Path, stop: signal.Signals
     job a script starts in the background inherits SIGINT ignored, and so would the run: Python then
     never raises KeyboardInterrupt). A handler here becomes the default in the child at exec.
     """
-    command = [sys.executable, "-m", "app.tools.pretokenize", *args]
+    command = [sys.executable, "-m", "tokenizer_service.tools.pretokenize", *args]
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, start_new_session=True)
@@ -451,7 +451,7 @@ def test_a_write_that_fails_is_one_line_and_the_rerun_resumes_byte_identical(big
     args = [str(big_input), "--local", "--model", str(model), "--shard-tokens", "200000", "--workers", "1", "-q"]
     reference, limited = tmp_path / "reference", tmp_path / "limited"
     assert pretokenize(*args, "--output", reference) == 0
-    command = [sys.executable, "-m", "app.tools.pretokenize", *args, "--output", str(limited)]
+    command = [sys.executable, "-m", "tokenizer_service.tools.pretokenize", *args, "--output", str(limited)]
     failed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, preexec_fn=_limit_file_size)
     assert failed.returncode == 1, failed.stderr
     *bad_records, last = failed.stderr.strip().splitlines()

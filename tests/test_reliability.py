@@ -28,8 +28,8 @@ import psutil
 import pytest
 import sentencepiece as spm
 
-from app.settings import Settings
-from app.tools.launcher import metric_total
+from tokenizer_service.settings import Settings
+from tokenizer_service.tools.launcher import metric_total
 from tests.conftest import start_server, stop_server
 
 pytestmark = pytest.mark.slow  # faults: workers killed, stalled, signals; part of .ci/run's slow stage
@@ -623,11 +623,11 @@ def test_a_process_that_never_closes_its_pool_still_exits(tmp_path):
     program = tmp_path / "leave.py"
     program.write_text(
         "import asyncio\n"
-        "from app.core.handler import Limits\n"
-        "from app.metrics import Metrics\n"
-        "from app.core.pool import WorkerPool\n"
-        "from app.core.registry import ModelRegistry\n"
-        "from app.settings import BUNDLED\n\n"
+        "from tokenizer_service.core.handler import Limits\n"
+        "from tokenizer_service.metrics import Metrics\n"
+        "from tokenizer_service.core.pool import WorkerPool\n"
+        "from tokenizer_service.core.registry import ModelRegistry\n"
+        "from tokenizer_service.settings import BUNDLED\n\n"
         "async def main():\n"
         "    registry = ModelRegistry.from_paths(dict(BUNDLED))\n"
         "    limits = Limits(max_texts=8, max_seq_len=8, min_chunk_chars=8, max_request_bytes=1024)\n"

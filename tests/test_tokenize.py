@@ -11,8 +11,8 @@ import sentencepiece as spm
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from client import TokenizerClient
-from client.wire import MEDIA_TYPE, decode
+from tokenizer_client import TokenizerClient
+from tokenizer_client.wire import MEDIA_TYPE, decode
 from tests.conftest import EDGE_CASES, Server
 
 MODELS = ["uni", "bpe", "default"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from client import TokenizerClient
+from tokenizer_client import TokenizerClient
 from tests.conftest import EDGE_CASES, start_server, stop_server
 from tests.test_libraries import Reference, cl100k_file, special_texts
 from tests.tokenizer_models import BPE_SPECIAL

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app.core.handler import DECOMPOSING_BELOW, NFKC_MAX_GROWTH, chunk_bounds, growth_bound
-from app.core.libraries import frame, truncate
-from app.settings import BUNDLED_MODELS_DIR, ConfigError, Settings
-from client import wire
+from tokenizer_service.core.handler import DECOMPOSING_BELOW, NFKC_MAX_GROWTH, chunk_bounds, growth_bound
+from tokenizer_service.core.libraries import frame, truncate
+from tokenizer_service.settings import BUNDLED_MODELS_DIR, ConfigError, Settings
+from tokenizer_client import wire
 
 
 @given(lengths=st.lists(st.integers(0, 50), max_size=30), extra=st.integers(0, 1000))
@@ -161,9 +161,9 @@ def test_settings_reject_a_bad_model_spec():
 
 
 def test_admission_counts_bytes_and_refuses_beyond_the_budget():
-    from app.core.errors import Overloaded
-    from app.http.admission import Admission
-    from app.metrics import Metrics
+    from tokenizer_service.core.errors import Overloaded
+    from tokenizer_service.http.admission import Admission
+    from tokenizer_service.metrics import Metrics
 
     admission = Admission(limit=100, metrics=Metrics())
     admission.admit(500)  # an idle server takes any request the body limit allows
@@ -180,19 +180,19 @@ def test_admission_counts_bytes_and_refuses_beyond_the_budget():
 
 def client_import_graph() -> dict[str, set[str]]:
     """Imports between the modules of client/ and its subpackages, function-level and ``if TYPE_CHECKING:`` ones
-    included; importing ``client.prefetch.rows`` imports the package ``client.prefetch`` too."""
+    included; importing ``tokenizer_client.prefetch.rows`` imports the package ``client.prefetch`` too."""
     import ast
 
     package = Path(__file__).resolve().parent.parent / "client"
 
     def module_name(path: Path) -> str:
-        parts = path.relative_to(package.parent).with_suffix("").parts
+        parts = ("tokenizer_client", *path.relative_to(package).with_suffix("").parts)
         return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
     modules = {module_name(path): path for path in package.rglob("*.py")}
 
     def with_packages(module: str, importer: str) -> list[str]:
-        """`module` and the subpackages of client it lies in: not client itself (its imports are all lazy), nor
+        """`module` and the subpackages of tokenizer_client it lies in: not tokenizer_client itself (its imports are all lazy), nor
         a package the importer lies in (Python has begun importing that one before the importer runs)."""
         parts = module.split(".")
         names = [".".join(parts[:end]) for end in range(2, len(parts) + 1)]
@@ -216,7 +216,7 @@ def client_import_graph() -> dict[str, set[str]]:
             node = nodes.pop()
             for module in imported(node, name):
                 edges.update(part for part in with_packages(module, name) if part in modules)
-                if module == "client":
+                if module == "tokenizer_client":
                     edges.add(module)
             nodes.extend(ast.iter_child_nodes(node))
         edges.discard(name)
@@ -249,20 +249,20 @@ def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_client_modules_import_each_other_without_a_cycle():
     assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     graph = client_import_graph()
-    assert "client.torch_data" in graph["client"], "function-level imports count"
-    assert {"client._base", "client.prefetch"} <= graph["client.clients"]
-    prefetch = [name for name in graph if name.startswith("client.prefetch")]
+    assert "tokenizer_client.torch_data" in graph["tokenizer_client"], "function-level imports count"
+    assert {"tokenizer_client._base", "tokenizer_client.prefetch"} <= graph["tokenizer_client.clients"]
+    prefetch = [name for name in graph if name.startswith("tokenizer_client.prefetch")]
     for name in prefetch:
-        assert not graph[name] & {"client.clients", "client._base"}, f"{name} knows no client class"
-    assert not graph["client._torch"], "client._torch knows arrays only"
-    assert not graph["client._base"] & {"client.clients", "client.prefetch"}, "the I/O-free base knows no I/O class"
-    assert not graph["client._outage"] & {"client._base", "client.clients"}
+        assert not graph[name] & {"tokenizer_client.clients", "tokenizer_client._base"}, f"{name} knows no client class"
+    assert not graph["tokenizer_client._torch"], "tokenizer_client._torch knows arrays only"
+    assert not graph["tokenizer_client._base"] & {"tokenizer_client.clients", "tokenizer_client.prefetch"}, "the I/O-free base knows no I/O class"
+    assert not graph["tokenizer_client._outage"] & {"tokenizer_client._base", "tokenizer_client.clients"}
     cycle = import_cycle(graph)
     assert cycle is None, " -> ".join(cycle)
 
 
 def test_request_bodies_send_flags_as_json_booleans_and_leave_defaults_out():
-    from client._requests import PackOptions, TokenizeOptions
+    from tokenizer_client._requests import PackOptions, TokenizeOptions
 
     assert TokenizeOptions(add_bos=np.True_, add_eos=0).payload(("a",)) == {"texts": ["a"], "add_bos": True}
     assert TokenizeOptions("m", max_length=0, sample={}).payload(["a"]) == {
@@ -283,7 +283,7 @@ def test_request_bodies_send_flags_as_json_booleans_and_leave_defaults_out():
 
 
 def test_ids_for_detokenize_in_every_shape_a_caller_has_them():
-    from client._inputs import id_rows
+    from tokenizer_client._inputs import id_rows
 
     ragged = np.empty(2, dtype=object)
     ragged[0], ragged[1] = np.array([1, 2]), [3]
@@ -298,7 +298,7 @@ def test_ids_for_detokenize_in_every_shape_a_caller_has_them():
 def test_every_timeout_httpx_takes_is_taken(timeout):
     import httpx
 
-    from client import TokenizerClient
+    from tokenizer_client import TokenizerClient
 
     TokenizerClient("http://127.0.0.1:1", timeout=timeout).close()
     TokenizerClient("http://127.0.0.1:1", timeout=httpx.Timeout(5.0)).close()
@@ -306,8 +306,8 @@ def test_every_timeout_httpx_takes_is_taken(timeout):
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "", "::1"])
 def test_an_address_uvicorn_can_listen_on_passes_the_start_check(host):
-    from app.cli import check_address
-    from app.tools.launcher import free_port
+    from tokenizer_service.cli import check_address
+    from tokenizer_service.tools.launcher import free_port
 
     assert check_address(host, free_port()) is None
 
@@ -336,8 +336,8 @@ def test_the_per_character_bound_is_never_below_what_nfkc_adds(text):
 
 
 def test_readiness_is_one_state_the_gauge_follows():
-    from app.core.readiness import Readiness, ServiceState
-    from app.metrics import Metrics
+    from tokenizer_service.core.readiness import Readiness, ServiceState
+    from tokenizer_service.metrics import Metrics
 
     class Pool:  # what ServiceState reads of a WorkerPool: `ready`, and the `on_change` it sets
         ready = True

@@ -1,4 +1,4 @@
-"""What can go wrong, in the service's own terms: no HTTP here (app.http.status maps these to statuses).
+"""What can go wrong, in the service's own terms: no HTTP here (tokenizer_service.http.status maps these to statuses).
 
 Each error has a machine-readable `type`, a message for people, and where known the request
 field and the index of the text (or id row) at fault. Worker processes send them to the server

@@ -5,7 +5,7 @@ parses and checks it, then either answers it whole (`DONE`: the answer's bytes, 
 binary frame) or, when it is large and other workers may help, cuts it into chunks: it shares
 every chunk but the first (`SHARE`, which the server hands to the other workers as `CHUNK` jobs),
 runs the first itself and replies with its `PART`. Parsed once, and only the others' texts
-travel. The server joins the parts' bytes into the answer (app.core.join); a split /v1/pack
+travel. The server joins the parts' bytes into the answer (tokenizer_service.core.join); a split /v1/pack
 request is packed by one more job (`FINISH` -> `DONE`). A seeded request goes whole to the
 seeded sampler (`SPLIT`, one chunk).
 
@@ -30,12 +30,12 @@ from typing import Any
 import numpy as np
 import orjson
 
-from app.core import channel
-from app.core.errors import InvalidField, ModelNotFound, PayloadTooLarge, PoisonInput, ServiceError
-from app.core.libraries import Library
-from app.core.models import ModelInfo
-from app.core.poison import PoisonMemory
-from app.core.protocol import (
+from tokenizer_service.core import channel
+from tokenizer_service.core.errors import InvalidField, ModelNotFound, PayloadTooLarge, PoisonInput, ServiceError
+from tokenizer_service.core.libraries import Library
+from tokenizer_service.core.models import ModelInfo
+from tokenizer_service.core.poison import PoisonMemory
+from tokenizer_service.core.protocol import (
     BINARY,
     DETOKENIZE,
     JSON,
@@ -52,10 +52,10 @@ from app.core.protocol import (
     result_blobs,
     split_payload,
 )
-from app.core.requests import DetokenizeRequest, EncodeOptions, PackRequest, TokenizeRequest, parse_request
-from client import wire
-from client.packing import PackedRows, pack_best_fit, pack_concat
-from client.wire import ragged_offsets, split_ragged
+from tokenizer_service.core.requests import DetokenizeRequest, EncodeOptions, PackRequest, TokenizeRequest, parse_request
+from tokenizer_client import wire
+from tokenizer_client.packing import PackedRows, pack_best_fit, pack_concat
+from tokenizer_client.wire import ragged_offsets, split_ragged
 
 NO_OPTIONS = EncodeOptions()  # what a detokenize chunk carries
 

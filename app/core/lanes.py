@@ -1,6 +1,6 @@
 """The server's worker processes, each on a socket pair of its own, grouped in lanes.
 
-A `Worker` is one process and its channel (app.core.channel). The server keeps at most `DEPTH` jobs on
+A `Worker` is one process and its channel (tokenizer_service.core.channel). The server keeps at most `DEPTH` jobs on
 a worker's socket: one running and one ready, so a worker never waits for the event loop between
 jobs. Because a worker answers its jobs in order, the oldest unanswered one is the one it runs:
 
@@ -12,7 +12,7 @@ jobs. Because a worker answers its jobs in order, the oldest unanswered one is t
 
 A `Lane` is a set of interchangeable workers (the tokenizers; the seeded sampler) and the queue of
 jobs waiting for one of them: a job goes to the least busy worker, and a cancelled job still
-waiting is dropped for free. The lane raises domain errors only (app.core.errors).
+waiting is dropped for free. The lane raises domain errors only (tokenizer_service.core.errors).
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from app.core import channel, process
-from app.core.errors import Unavailable
-from app.core.poison import POISON_MEMORY
-from app.core.protocol import read_result_head
-from app.metrics import Metrics
-from app.settings import usable_cpus
+from tokenizer_service.core import channel, process
+from tokenizer_service.core.errors import Unavailable
+from tokenizer_service.core.poison import POISON_MEMORY
+from tokenizer_service.core.protocol import read_result_head
+from tokenizer_service.metrics import Metrics
+from tokenizer_service.settings import usable_cpus
 
 logger = logging.getLogger("tokenizer.pool")
 

@@ -14,7 +14,7 @@ A ``tokenizer.json``'s own truncation and padding settings are inference setting
 **The fast path.** `tokenizer.json` and tiktoken models may be encoded by fastokens, an exact
 reimplementation in Rust, 10-50x cheaper per token than `tokenizers` here. It is trusted only behind a
 gate: when a process loads a model, fastokens must give the reference library's ids for every text of
-the built-in check set (app.core.checkset) in both special-token modes; otherwise that model is encoded
+the built-in check set (tokenizer_service.core.checkset) in both special-token modes; otherwise that model is encoded
 by the reference library, logged once, and its `encoder` says so. ``encoder="reference"`` skips it.
 
 Every library runs single-threaded in a worker (`single_threaded`): one process per core already.
@@ -33,9 +33,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from app.core import checkset
-from app.core.errors import InvalidField, PayloadTooLarge
-from app.core.models import (
+from tokenizer_service.core import checkset
+from tokenizer_service.core.errors import InvalidField, PayloadTooLarge
+from tokenizer_service.core.models import (
     KINDS,
     SENTENCEPIECE,
     TIKTOKEN,
@@ -46,7 +46,7 @@ from app.core.models import (
     tiktoken_ranks,
     tiktoken_spec,
 )
-from client.wire import ragged_offsets
+from tokenizer_client.wire import ragged_offsets
 
 logger = logging.getLogger("tokenizer")
 

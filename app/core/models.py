@@ -20,7 +20,7 @@ o200k_base, ...) is recognized by its sha256 and gets that encoding's pattern an
      "eos_token": "<|endoftext|>", "pad_token": null}
 
 Nothing here loads a tokenizer library: this module reads files and says what they are
-(`find_model_files`); app.core.libraries loads them.
+(`find_model_files`); tokenizer_service.core.libraries loads them.
 """
 
 from __future__ import annotations

@@ -1,17 +1,17 @@
 """The worker pool: a request's body in, its answer's bytes out, with crashes and stalls survived.
 
-Two lanes of worker processes (app.core.lanes): `workers` tokenizers, and one seeded sampler
+Two lanes of worker processes (tokenizer_service.core.lanes): `workers` tokenizers, and one seeded sampler
 (sentencepiece 0.2.3 mixes per-process random state into its sampler, so a seed reproduces ids
 only within one process), started only when a SentencePiece model is served. A request goes to a
 tokenizer as raw bytes; the worker splits a large one into chunks when other workers are idle:
 it shares the others (SHARE), which run on the least busy workers, while it runs the first
-(app.core.handler); the parts are joined here (app.core.join).
+(tokenizer_service.core.handler); the parts are joined here (tokenizer_service.core.join).
 
 Supervision, per job: a job whose worker died runs once more; one that dies again, or stalls,
 runs *carefully* (one text at a time, its position in shared memory), and if that worker dies
 too, the text it was on is poison: refused with its index (PoisonInput), remembered by every
 worker, and refused at once when sent again. Everyone else's jobs are retried, not failed.
-Only domain errors leave this module (app.core.errors); app.http.edge maps them to HTTP.
+Only domain errors leave this module (tokenizer_service.core.errors); tokenizer_service.http.edge maps them to HTTP.
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ from typing import Any, TypeVar
 
 import orjson
 
-from app.core import channel
-from app.core.errors import PoisonInput, ServiceError, Unavailable
-from app.core.handler import Limits
-from app.core.join import Answer, ChunkResult, join_detokenize, join_tokenize, read_chunk_result, read_done
-from app.core.lanes import Lane, WorkerCrashed
-from app.core.models import SENTENCEPIECE, ModelInfo
-from app.core.poison import text_digest
-from app.core.process import Startup
-from app.core.protocol import (
+from tokenizer_service.core import channel
+from tokenizer_service.core.errors import PoisonInput, ServiceError, Unavailable
+from tokenizer_service.core.handler import Limits
+from tokenizer_service.core.join import Answer, ChunkResult, join_detokenize, join_tokenize, read_chunk_result, read_done
+from tokenizer_service.core.lanes import Lane, WorkerCrashed
+from tokenizer_service.core.models import SENTENCEPIECE, ModelInfo
+from tokenizer_service.core.poison import text_digest
+from tokenizer_service.core.process import Startup
+from tokenizer_service.core.protocol import (
     DETOKENIZE,
     PACK,
     Split,
@@ -42,7 +42,7 @@ from app.core.protocol import (
     read_split,
     request_head,
 )
-from app.metrics import Metrics
+from tokenizer_service.metrics import Metrics
 
 logger = logging.getLogger("tokenizer.pool")
 

@@ -1,5 +1,5 @@
 """A worker process's life: it starts deaf to Ctrl-C and bound to its parent, loads its models, then
-answers jobs from its socket (app.core.handler does the work) until the server closes it.
+answers jobs from its socket (tokenizer_service.core.handler does the work) until the server closes it.
 
 Ctrl-C in a terminal sends SIGINT to the whole process group. The server drains and then stops its
 workers itself; a worker that died of KeyboardInterrupt first would only look like a crash and
@@ -14,7 +14,7 @@ give ids from another model than the one whose sha256 the server announces, so a
 start on a file whose sha256 changed (the pool then answers 503 until the server is restarted).
 
 `load_models` reads each model's files again, refuses any whose bytes changed since the server
-announced their sha256, and loads it in its library (app.core.libraries, with the fast encoder behind
+announced their sha256, and loads it in its library (tokenizer_service.core.libraries, with the fast encoder behind
 its check). `encode_chunk` answers the pre-tokenizer's pool with a TokenizedBatch: flat numpy buffers
 (int32 ids plus int64 offsets pickle as two memcpy'd blobs, where lists of Python ints would cost about
 a quarter of the tokenization time again).
@@ -38,15 +38,15 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from app.core import channel, libraries, memory
-from app.core.handler import Handler, Limits, TextMarker
-from app.core.libraries import Library
-from app.core.models import ModelInfo, find_model_files
-from app.core.requests import EncodeOptions
-from client.wire import ragged_offsets
+from tokenizer_service.core import channel, libraries, memory
+from tokenizer_service.core.handler import Handler, Limits, TextMarker
+from tokenizer_service.core.libraries import Library
+from tokenizer_service.core.models import ModelInfo, find_model_files
+from tokenizer_service.core.requests import EncodeOptions
+from tokenizer_client.wire import ragged_offsets
 
 if TYPE_CHECKING:
-    from client.batches import TokenizedBatch
+    from tokenizer_client.batches import TokenizedBatch
 
 logger = logging.getLogger("tokenizer.pool")
 
@@ -115,7 +115,7 @@ def library(name: str) -> Library:
 
 def encode_chunk(model: str, texts: list[str], options: EncodeOptions) -> TokenizedBatch:
     """Tokenize texts[i] exactly as the model's library would in-process (the pre-tokenizer's pool)."""
-    from client.batches import TokenizedBatch  # here, not at import: the server's workers never need it
+    from tokenizer_client.batches import TokenizedBatch  # here, not at import: the server's workers never need it
 
     ids, lengths = _libraries[model].encode(texts, options)
     return TokenizedBatch(ids, ragged_offsets(lengths), model, None)

@@ -1,6 +1,6 @@
 """Every payload between the server process and its workers: layout, writer and reader in one place.
 
-A frame (app.core.channel: a 9-byte header, then the payload) carries one of these, by kind:
+A frame (tokenizer_service.core.channel: a 9-byte header, then the payload) carries one of these, by kind:
 
 =========  ===========  ==========================================================================
 kind       direction    payload
@@ -34,8 +34,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from app.core import channel
-from app.core.requests import EncodeOptions
+from tokenizer_service.core import channel
+from tokenizer_service.core.requests import EncodeOptions
 
 Buffer = bytes | bytearray | memoryview
 

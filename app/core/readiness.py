@@ -9,10 +9,10 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
-from app.metrics import Metrics
+from tokenizer_service.metrics import Metrics
 
 if TYPE_CHECKING:
-    from app.core.pool import WorkerPool
+    from tokenizer_service.core.pool import WorkerPool
 
 
 class Readiness(enum.Enum):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from app.core.models import SENTENCEPIECE, TIKTOKEN, TOKENIZERS, ModelFiles
+from tokenizer_service.core.models import SENTENCEPIECE, TIKTOKEN, TOKENIZERS, ModelFiles
 
 
 class InProcess:
@@ -23,7 +23,7 @@ class InProcess:
             # Rayon reads its thread count once, when tokenizers first encodes a batch in this process.
             os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        from app.core import libraries
+        from tokenizer_service.core import libraries
 
         library = libraries.load(files, libraries.REFERENCE)
         self.model = library

@@ -1,7 +1,7 @@
 """The models a server serves: each model file read once at startup, in the server process, and described.
 
-What a model file is (its three kinds, recognized by content) is app.core.models; loading it in its
-library, app.core.libraries. Reading a model here also runs the fast encoder's check (the workers run it
+What a model file is (its three kinds, recognized by content) is tokenizer_service.core.models; loading it in its
+library, tokenizer_service.core.libraries. Reading a model here also runs the fast encoder's check (the workers run it
 again when they load the model), so /v1/models says which encoder serves it.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from app.core import libraries
-from app.core.models import ModelFiles, ModelInfo, ModelLoadError, find_model_files
+from tokenizer_service.core import libraries
+from tokenizer_service.core.models import ModelFiles, ModelInfo, ModelLoadError, find_model_files
 
 __all__ = ["ModelRegistry", "inspect_model", "model_info"]
 

@@ -21,7 +21,7 @@ from pydantic import (
     WithJsonSchema,
 )
 
-from app.core.errors import InvalidField, InvalidJSON, PayloadTooLarge
+from tokenizer_service.core.errors import InvalidField, InvalidJSON, PayloadTooLarge
 
 MAX_NBEST_SIZE = 512
 """sentencepiece's kMaxNBestSize; it raises on 0, 1 or more."""

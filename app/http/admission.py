@@ -1,9 +1,9 @@
-"""What the edge lets in: a bound on the bytes that requests hold (texts known to be poison: app.core.poison)."""
+"""What the edge lets in: a bound on the bytes that requests hold (texts known to be poison: tokenizer_service.core.poison)."""
 
 from __future__ import annotations
 
-from app.core.errors import Overloaded
-from app.metrics import Metrics
+from tokenizer_service.core.errors import Overloaded
+from tokenizer_service.metrics import Metrics
 
 
 class Admission:

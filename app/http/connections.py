@@ -46,7 +46,7 @@ import httptools
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from app.settings import Settings
+from tokenizer_service.settings import Settings
 
 logger = logging.getLogger("tokenizer.connections")
 

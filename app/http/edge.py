@@ -10,7 +10,7 @@ whatever its number of texts and tokens and the number of workers:
     bytes -> count it in the metrics.
 
 Every other route (models, probes, metrics, docs) goes to FastAPI, with the same API-key check
-and request metrics. Errors are the pool's domain errors, mapped to statuses by app.http.
+and request metrics. Errors are the pool's domain errors, mapped to statuses by tokenizer_service.http.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any
 from prometheus_client import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.core import memory
-from app.core.errors import (
+from tokenizer_service.core import memory
+from tokenizer_service.core.errors import (
     Overloaded,
     PayloadTooLarge,
     RequestTimeout,
@@ -34,16 +34,16 @@ from app.core.errors import (
     Unauthorized,
     Unavailable,
 )
-from app.core.join import Answer
-from app.core.models import ModelInfo
-from app.core.protocol import ROUTES
-from app.core.readiness import Readiness, ServiceState
-from app.http.admission import Admission
-from app.http.auth import OPEN_PATHS, ApiKeys, bearer_token, route_path
-from app.http.negotiation import MODEL_SHA256_HEADER, wants_binary
-from app.http.status import CLIENT_CLOSED_REQUEST, send_error
-from app.metrics import Metrics
-from client import wire
+from tokenizer_service.core.join import Answer
+from tokenizer_service.core.models import ModelInfo
+from tokenizer_service.core.protocol import ROUTES
+from tokenizer_service.core.readiness import Readiness, ServiceState
+from tokenizer_service.http.admission import Admission
+from tokenizer_service.http.auth import OPEN_PATHS, ApiKeys, bearer_token, route_path
+from tokenizer_service.http.negotiation import MODEL_SHA256_HEADER, wants_binary
+from tokenizer_service.http.status import CLIENT_CLOSED_REQUEST, send_error
+from tokenizer_service.metrics import Metrics
+from tokenizer_client import wire
 
 logger = logging.getLogger("tokenizer.edge")
 

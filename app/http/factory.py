@@ -12,21 +12,21 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 from starlette.middleware.cors import CORSMiddleware
 
-from app import __version__
-from app.core import memory
-from app.core.handler import Limits
-from app.core.pool import WorkerPool
-from app.core.readiness import ServiceState
-from app.core.registry import ModelRegistry
-from app.http.auth import ApiKeys
-from app.http.edge import Edge
-from app.http.negotiation import MODEL_SHA256_HEADER
-from app.http.openapi import publish
-from app.http.routes import health, models, tokenize
-from app.http.state import Service
-from app.http.status import install_error_handlers
-from app.metrics import Metrics
-from app.settings import Settings
+from tokenizer_service import __version__
+from tokenizer_service.core import memory
+from tokenizer_service.core.handler import Limits
+from tokenizer_service.core.pool import WorkerPool
+from tokenizer_service.core.readiness import ServiceState
+from tokenizer_service.core.registry import ModelRegistry
+from tokenizer_service.http.auth import ApiKeys
+from tokenizer_service.http.edge import Edge
+from tokenizer_service.http.negotiation import MODEL_SHA256_HEADER
+from tokenizer_service.http.openapi import publish
+from tokenizer_service.http.routes import health, models, tokenize
+from tokenizer_service.http.state import Service
+from tokenizer_service.http.status import install_error_handlers
+from tokenizer_service.metrics import Metrics
+from tokenizer_service.settings import Settings
 
 logger = logging.getLogger("tokenizer")
 

@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
-from client import wire
+from tokenizer_client import wire
 
 MODEL_SHA256_HEADER = "X-Tokenizer-Model-SHA256"
 _BINARY = wire.MEDIA_TYPE.lower()

@@ -7,10 +7,10 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from app.core.readiness import ServiceState
-from app.core.registry import ModelRegistry
-from app.metrics import Metrics
-from app.settings import Settings
+from tokenizer_service.core.readiness import ServiceState
+from tokenizer_service.core.registry import ModelRegistry
+from tokenizer_service.metrics import Metrics
+from tokenizer_service.settings import Settings
 
 
 @dataclass

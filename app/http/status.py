@@ -1,6 +1,6 @@
 """The HTTP edge's one mapping from service errors to statuses, headers and JSON bodies.
 
-Everything that answers an error (the hot path in app.http.edge, FastAPI's handlers for the other
+Everything that answers an error (the hot path in tokenizer_service.http.edge, FastAPI's handlers for the other
 routes) goes through `error_status` and `error_headers`: one place for `Retry-After`.
 """
 
@@ -16,7 +16,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import Send
 
-from app.core.errors import (
+from tokenizer_service.core.errors import (
     InvalidField,
     InvalidJSON,
     ModelNotFound,

@@ -34,16 +34,16 @@ from pathlib import Path
 
 import orjson
 
-from app.core.models import find_model_files
-from app.core.reference import InProcess
-from app.core.registry import inspect_model
-from app.settings import usable_cpus
-from app.tools.launcher import ServerNotReady, ServerProcess
-from app.tools.pretokenize.run import Options, run
-from app.tools.pretokenize.sources import DocumentReader, InputError, Source
-from client import TokenizerClient, TokenizerError
-from client.dataset import TokenDataset
-from client.urls import parse_urls
+from tokenizer_service.core.models import find_model_files
+from tokenizer_service.core.reference import InProcess
+from tokenizer_service.core.registry import inspect_model
+from tokenizer_service.settings import usable_cpus
+from tokenizer_service.tools.launcher import ServerNotReady, ServerProcess
+from tokenizer_service.tools.pretokenize.run import Options, run
+from tokenizer_service.tools.pretokenize.sources import DocumentReader, InputError, Source
+from tokenizer_client import TokenizerClient, TokenizerError
+from tokenizer_client.dataset import TokenDataset
+from tokenizer_client.urls import parse_urls
 
 BATCH = 256
 BASELINE = "batched"

@@ -2,7 +2,7 @@
 and `tokenizer-bench`; `metric_total` reads a sum out of its /metrics.
 
 `ServerProcess(args).start()` picks a free port (or keeps the one it had, so a restarted server comes
-back on the same URL), runs `python -m app` (or another module that takes `--host`/`--port`) in a
+back on the same URL), runs `python -m tokenizer_service` (or another module that takes `--host`/`--port`) in a
 session of its own with its output in a log file, and waits until `/readyz` answers 200; `stop()` sends
 SIGTERM and waits (SIGKILL past the timeout), `kill()` SIGKILLs the whole process group, worker
 processes included, as an OOM kill or a lost node would.
@@ -83,7 +83,7 @@ class ServerProcess:
         log: Path | None = None,
         port: int | None = None,
         host: str = "127.0.0.1",
-        module: str = "app",
+        module: str = "tokenizer_service",
         clean_env: bool = False,
     ) -> None:
         """`env` adds to (with `clean_env`, replaces the TOKENIZER_* variables of) this process's environment."""

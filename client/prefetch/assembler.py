@@ -12,11 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from client.batches import Batch, TokenizedBatch
-from client.prefetch.options import PackSpec, PrefetchOptions
-from client.prefetch.resume import Resume, state_dict
-from client.prefetch.rows import Block, ConcatPacker, RowRegrouper, StreamPosition
-from client.prefetch.texts import Window
+from tokenizer_client.batches import Batch, TokenizedBatch
+from tokenizer_client.prefetch.options import PackSpec, PrefetchOptions
+from tokenizer_client.prefetch.resume import Resume, state_dict
+from tokenizer_client.prefetch.rows import Block, ConcatPacker, RowRegrouper, StreamPosition
+from tokenizer_client.prefetch.texts import Window
 
 
 @dataclass(frozen=True)

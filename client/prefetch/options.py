@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
-from client._inputs import flag, integer, set_flags, set_integer
-from client._requests import PackOptions, TokenizeOptions
-from client._retry import RetryPolicy
-from client._torch import check_torch
+from tokenizer_client._inputs import flag, integer, set_flags, set_integer
+from tokenizer_client._requests import PackOptions, TokenizeOptions
+from tokenizer_client._retry import RetryPolicy
+from tokenizer_client._torch import check_torch
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Two halves, one per side of the wait:
 
 * :class:`Pipeline` lives on an event loop: one request per window, any number in flight, each
-  answer assembled (client.prefetch.assembler) strictly in stream order, whatever order they arrive in.
+  answer assembled (tokenizer_client.prefetch.assembler) strictly in stream order, whatever order they arrive in.
 * :class:`Lookahead` lives with the consumer and does no I/O and no waiting: which windows to read
   and send (at most ``depth`` outstanding), which answer comes next, what is ready to hand out, the
   errors in stream order, the state and stats after each batch. ``H`` is how the consumer holds an
@@ -22,16 +22,16 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any, Generic, NoReturn, Protocol, TypeVar
 
-from client._fingerprints import ModelFingerprints
-from client._requests import PackOptions, TokenizeOptions
-from client._retry import RetryPolicy
-from client.batches import Batch, PackedBatch, TokenizedBatch
-from client.errors import PrefetchError, TokenizerError, TokenizerServiceError
-from client.prefetch.assembler import Assembler, Delivery
-from client.prefetch.options import PrefetchOptions
-from client.prefetch.resume import Resume
-from client.prefetch.stats import StatsRecorder
-from client.prefetch.texts import Window
+from tokenizer_client._fingerprints import ModelFingerprints
+from tokenizer_client._requests import PackOptions, TokenizeOptions
+from tokenizer_client._retry import RetryPolicy
+from tokenizer_client.batches import Batch, PackedBatch, TokenizedBatch
+from tokenizer_client.errors import PrefetchError, TokenizerError, TokenizerServiceError
+from tokenizer_client.prefetch.assembler import Assembler, Delivery
+from tokenizer_client.prefetch.options import PrefetchOptions
+from tokenizer_client.prefetch.resume import Resume
+from tokenizer_client.prefetch.stats import StatsRecorder
+from tokenizer_client.prefetch.texts import Window
 
 H = TypeVar("H")
 

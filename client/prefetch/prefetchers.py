@@ -1,4 +1,4 @@
-"""Prefetcher and AsyncPrefetcher: each only its way of waiting around the one pipeline (see client.prefetch)."""
+"""Prefetcher and AsyncPrefetcher: each only its way of waiting around the one pipeline (see tokenizer_client.prefetch)."""
 
 from __future__ import annotations
 
@@ -12,16 +12,16 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from client._lifecycle import AsyncClosing, Closing
-from client.batches import Batch
-from client.errors import TokenizerError
-from client.prefetch.assembler import Delivery
-from client.prefetch.loop import LoopThread
-from client.prefetch.options import PrefetchOptions
-from client.prefetch.pipeline import Lookahead, Pipeline, PrefetchClient
-from client.prefetch.resume import Resume
-from client.prefetch.stats import PrefetchStats
-from client.prefetch.texts import TextReader, open_texts
+from tokenizer_client._lifecycle import AsyncClosing, Closing
+from tokenizer_client.batches import Batch
+from tokenizer_client.errors import TokenizerError
+from tokenizer_client.prefetch.assembler import Delivery
+from tokenizer_client.prefetch.loop import LoopThread
+from tokenizer_client.prefetch.options import PrefetchOptions
+from tokenizer_client.prefetch.pipeline import Lookahead, Pipeline, PrefetchClient
+from tokenizer_client.prefetch.resume import Resume
+from tokenizer_client.prefetch.stats import PrefetchStats
+from tokenizer_client.prefetch.texts import TextReader, open_texts
 
 __all__ = ["AsyncPrefetcher", "Prefetcher"]
 

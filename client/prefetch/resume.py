@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from client.prefetch.options import PrefetchOptions
-from client.prefetch.rows import StreamPosition
+from tokenizer_client.prefetch.options import PrefetchOptions
+from tokenizer_client.prefetch.rows import StreamPosition
 
 STATE_FORMAT = "tokenizer-prefetch"
 STATE_VERSION = 1

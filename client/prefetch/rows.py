@@ -4,7 +4,7 @@ Concat packing cuts one continuous token stream every ``seq_len`` tokens. Each /
 with ``carry`` needs the previous request's leftover, so at most one such request can be in flight.
 The prefetcher instead tokenizes windows of texts with /v1/tokenize (any number in flight: the
 ids of a text do not depend on its neighbours) and cuts rows here, in stream order, with the same
-``client.packing.pack_concat`` the server's /v1/pack uses, so the rows equal what /v1/pack makes of
+``tokenizer_client.packing.pack_concat`` the server's /v1/pack uses, so the rows equal what /v1/pack makes of
 the whole stream at once (which tests check).
 
 Best-fit packing has no carry, so the server packs each window (/v1/pack, any number in flight) and
@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from client import wire
-from client.batches import ROW_FIELDS, PackedBatch
-from client.packing import pack_concat
+from tokenizer_client import wire
+from tokenizer_client.batches import ROW_FIELDS, PackedBatch
+from tokenizer_client.packing import pack_concat
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from client._inputs import check_texts
+from tokenizer_client._inputs import check_texts
 
 
 @dataclass(frozen=True)

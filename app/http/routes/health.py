@@ -8,10 +8,10 @@ from fastapi import APIRouter
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
-from app.core.readiness import Readiness
-from app.http.negotiation import json_response
-from app.http.openapi import HealthAnswer, ReadinessAnswer, error_responses
-from app.http.state import ServiceDep
+from tokenizer_service.core.readiness import Readiness
+from tokenizer_service.http.negotiation import json_response
+from tokenizer_service.http.openapi import HealthAnswer, ReadinessAnswer, error_responses
+from tokenizer_service.http.state import ServiceDep
 
 router = APIRouter(tags=["health"])
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter
 from starlette.responses import Response
 
-from app.http.negotiation import json_response
-from app.http.openapi import GUARDED_ERRORS, ModelsAnswer, answer, error_responses
-from app.http.state import ServiceDep
+from tokenizer_service.http.negotiation import json_response
+from tokenizer_service.http.openapi import GUARDED_ERRORS, ModelsAnswer, answer, error_responses
+from tokenizer_service.http.state import ServiceDep
 
 router = APIRouter(prefix="/v1", tags=["models"])
 

@@ -1,6 +1,6 @@
 """POST /v1/tokenize, /v1/detokenize and /v1/pack, as the OpenAPI document describes them.
 
-These three are served by app.http.edge, which answers them before FastAPI's router sees them: the
+These three are served by tokenizer_service.http.edge, which answers them before FastAPI's router sees them: the
 declarations here give the API description its operations, body schemas and answers, and give
 other methods on these paths FastAPI's usual 405.
 """
@@ -10,14 +10,14 @@ from __future__ import annotations
 from fastapi import APIRouter
 from starlette.responses import Response
 
-from app.core.requests import DetokenizeRequest, PackRequest, TokenizeRequest, openapi_body
-from app.http.openapi import BODY_ERRORS, DetokenizeAnswer, PackAnswer, TokenizeAnswer, answer, error_responses
+from tokenizer_service.core.requests import DetokenizeRequest, PackRequest, TokenizeRequest, openapi_body
+from tokenizer_service.http.openapi import BODY_ERRORS, DetokenizeAnswer, PackAnswer, TokenizeAnswer, answer, error_responses
 
 router = APIRouter(prefix="/v1", tags=["tokenize"])
 
 
 def _served_by_the_edge() -> Response:
-    raise RuntimeError("POST /v1/tokenize, /v1/detokenize and /v1/pack are answered by app.http.edge")
+    raise RuntimeError("POST /v1/tokenize, /v1/detokenize and /v1/pack are answered by tokenizer_service.http.edge")
 
 
 @router.post(

@@ -1,6 +1,6 @@
-"""`python -m app.tools.pretokenize`: the same as `tokenizer-pretokenize`."""
+"""`python -m tokenizer_service.tools.pretokenize`: the same as `tokenizer-pretokenize`."""
 
-from app.entry import pretokenize
+from tokenizer_service.entry import pretokenize
 
 if __name__ == "__main__":
     pretokenize()

@@ -15,10 +15,10 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import TypeVar
 
-from app.core import process
-from app.core.models import SENTENCEPIECE, ModelInfo
-from app.core.requests import EncodeOptions
-from client import TokenizedBatch, TokenizerClient
+from tokenizer_service.core import process
+from tokenizer_service.core.models import SENTENCEPIECE, ModelInfo
+from tokenizer_service.core.requests import EncodeOptions
+from tokenizer_client import TokenizedBatch, TokenizerClient
 
 Result = TypeVar("Result")
 

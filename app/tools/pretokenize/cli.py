@@ -17,21 +17,21 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from app.core.models import ModelLoadError
-from app.settings import usable_cpus
-from app.tools.pretokenize.backends import ServedModelChanged
-from app.tools.pretokenize.ranks import RankError, rank_from_environment
-from app.tools.pretokenize.run import DEFAULT_SHARD_TOKENS, Options, Progress, Summary, run
-from app.tools.pretokenize.sources import KINDS, BadRecordError, InputError, InputRefused, peek
-from app.tools.pretokenize.store import OutputError
-from client.errors import TokenizerError
+from tokenizer_service.core.models import ModelLoadError
+from tokenizer_service.settings import usable_cpus
+from tokenizer_service.tools.pretokenize.backends import ServedModelChanged
+from tokenizer_service.tools.pretokenize.ranks import RankError, rank_from_environment
+from tokenizer_service.tools.pretokenize.run import DEFAULT_SHARD_TOKENS, Options, Progress, Summary, run
+from tokenizer_service.tools.pretokenize.sources import KINDS, BadRecordError, InputError, InputRefused, peek
+from tokenizer_service.tools.pretokenize.store import OutputError
+from tokenizer_client.errors import TokenizerError
 
 EPILOG = """\
 Inputs: .jsonl or .json (one JSON object a line; the text in --text-field), .txt (one document per
 block of lines between blank lines), each optionally compressed (.gz, or .zst with the corpora extra),
 .parquet (the text in column --text-field; corpora extra: pip install 'tokenizer-service[corpora]'),
 or a directory (every such file below it, sorted by path). Output: NNNNN.bin/.idx shards and
-metadata.json (see the client.dataset module for the format; read it with client.dataset.TokenDataset).
+metadata.json (see the tokenizer_client.dataset module for the format; read it with tokenizer_client.dataset.TokenDataset).
 Run the same command again after an interruption to resume; a finished output is left as it is.
 """
 
@@ -231,7 +231,7 @@ def describe(summary: Summary) -> str:
 
 
 def run_ranks_on_ray(options: Options, address: str, world_size: int, *, quiet: bool) -> int:
-    from app.tools.pretokenize.on_ray import run_on_ray
+    from tokenizer_service.tools.pretokenize.on_ray import run_on_ray
 
     try:
         merged = run_on_ray(options, address, world_size, report=(lambda line: None) if quiet else print)

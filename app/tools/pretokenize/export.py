@@ -63,7 +63,7 @@ from typing import Any
 
 import numpy as np
 
-from client.dataset import BIN_SUFFIX, TokenDataset
+from tokenizer_client.dataset import BIN_SUFFIX, TokenDataset
 
 FORMATS = ("megatron", "litdata", "nanogpt", "llmc")
 

@@ -2,7 +2,7 @@
 
 One Ray task per rank (`num_cpus` = `--workers`, retried by Ray when its worker dies: a retried rank
 resumes from its last complete shard), each running the same code as a rank of any other job system
-(app.tools.pretokenize.run with rank R of W). When all are done the ranks are merged. `--ray local` starts a
+(tokenizer_service.tools.pretokenize.run with rank R of W). When all are done the ranks are merged. `--ray local` starts a
 Ray on this machine bound to 127.0.0.1 only, without a dashboard: by default Ray would listen on and
 advertise the machine's non-loopback address. (Ray Data with actors hung on 2 CPUs when tried: plain
 tasks, one a rank, are all this needs.)
@@ -14,17 +14,17 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from app.settings import usable_cpus
-from app.tools.pretokenize.ranks import merge
-from app.tools.pretokenize.run import Options
-from app.tools.pretokenize.sources import InputError
+from tokenizer_service.settings import usable_cpus
+from tokenizer_service.tools.pretokenize.ranks import merge
+from tokenizer_service.tools.pretokenize.run import Options
+from tokenizer_service.tools.pretokenize.sources import InputError
 
 TASK_RETRIES = 3
 
 
 def _rank(options: Options, rank: int, world_size: int) -> dict[str, Any]:
     """One rank, inside a Ray worker; the summary as plain data."""
-    from app.tools.pretokenize.run import run
+    from tokenizer_service.tools.pretokenize.run import run
 
     summary = run(dataclasses.replace(options, rank=rank, world_size=world_size), report_bad=lambda message: None)
     return {"rank": rank, "documents": summary.documents, "tokens": summary.tokens, "seconds": summary.seconds}

@@ -20,8 +20,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from app.tools.pretokenize.store import identity
-from client.dataset import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, check_metadata
+from tokenizer_service.tools.pretokenize.store import identity
+from tokenizer_client.dataset import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, check_metadata
 
 RANK_DIRECTORY = "rank-{:05d}"
 

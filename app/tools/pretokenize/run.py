@@ -14,14 +14,14 @@ from typing import Any
 import numpy as np
 from pydantic import ValidationError
 
-from app.core.models import ModelInfo, ModelLoadError
-from app.core.registry import inspect_model
-from app.core.requests import EncodeOptions
-from app.settings import ConfigError, Settings, describe_error, usable_cpus
-from app.tools.pretokenize.backends import local_pool, tokenize_locally, tokenize_via_service
-from app.tools.pretokenize.ranks import blocks, rank_directory
-from app.tools.pretokenize.shards import BestFitShards, ConcatShards, RaggedShards, ShardSink
-from app.tools.pretokenize.sources import (
+from tokenizer_service.core.models import ModelInfo, ModelLoadError
+from tokenizer_service.core.registry import inspect_model
+from tokenizer_service.core.requests import EncodeOptions
+from tokenizer_service.settings import ConfigError, Settings, describe_error, usable_cpus
+from tokenizer_service.tools.pretokenize.backends import local_pool, tokenize_locally, tokenize_via_service
+from tokenizer_service.tools.pretokenize.ranks import blocks, rank_directory
+from tokenizer_service.tools.pretokenize.shards import BestFitShards, ConcatShards, RaggedShards, ShardSink
+from tokenizer_service.tools.pretokenize.sources import (
     BadRecordError,
     DocumentReader,
     NoTextError,
@@ -30,10 +30,10 @@ from app.tools.pretokenize.sources import (
     expand_inputs,
     holds_text,
 )
-from app.tools.pretokenize.store import OutputDir, OutputError, differences
-from client import TokenizerClient
-from client.dataset import FORMAT_NAME, FORMAT_VERSION, id_dtype
-from client.urls import parse_urls
+from tokenizer_service.tools.pretokenize.store import OutputDir, OutputError, differences
+from tokenizer_client import TokenizerClient
+from tokenizer_client.dataset import FORMAT_NAME, FORMAT_VERSION, id_dtype
+from tokenizer_client.urls import parse_urls
 
 DEFAULT_SHARD_TOKENS = 1 << 24
 SERVICE_BATCH = 256
@@ -58,7 +58,7 @@ class Options:
     add_bos: bool = False
     add_eos: bool | None = None  # EOS after each document when the model has one
     parse_special_tokens: bool = False
-    rank: int | None = None  # with world_size: this run is rank `rank` of `world_size` (app.tools.pretokenize.ranks)
+    rank: int | None = None  # with world_size: this run is rank `rank` of `world_size` (tokenizer_service.tools.pretokenize.ranks)
     world_size: int | None = None
 
     def __post_init__(self) -> None:

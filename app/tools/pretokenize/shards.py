@@ -3,7 +3,7 @@
 Where a shard ends depends only on the documents, never on how they were batched for tokenizing, and
 each closed shard records the position after its last document (plus, for concat, the ids that did not
 fill a row): so a resumed run rebuilds exactly the shards an uninterrupted run writes. The bytes of a
-shard are `client.dataset.write_shard`'s, the format's one writer.
+shard are `tokenizer_client.dataset.write_shard`'s, the format's one writer.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from app.tools.pretokenize.sources import Position, Source, source_at
-from app.tools.pretokenize.store import OutputDir
-from client.dataset import shard_name, write_shard
-from client.packing import pack_best_fit, pack_concat
-from client.wire import ragged_offsets
+from tokenizer_service.tools.pretokenize.sources import Position, Source, source_at
+from tokenizer_service.tools.pretokenize.store import OutputDir
+from tokenizer_client.dataset import shard_name, write_shard
+from tokenizer_client.packing import pack_best_fit, pack_concat
+from tokenizer_client.wire import ragged_offsets
 
 
 class ShardSink:

@@ -22,16 +22,16 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from app.core import libraries
-from app.core.models import ModelInfo, ModelLoadError, find_model_files
-from app.core.registry import inspect_model
-from app.core.requests import EncodeOptions
-from app.tools.pretokenize.cli import describe_os_error
-from app.tools.pretokenize.export import DEFAULT_LLMC_SHARD_TOKENS, FORMATS, NANOGPT_FILE, Exported, ExportError, export
-from app.tools.pretokenize.ranks import RankError, merge
-from app.tools.pretokenize.run import resolve_local_model
-from app.tools.pretokenize.sources import DocumentReader, InputError, Source
-from client.dataset import TokenDataset
+from tokenizer_service.core import libraries
+from tokenizer_service.core.models import ModelInfo, ModelLoadError, find_model_files
+from tokenizer_service.core.registry import inspect_model
+from tokenizer_service.core.requests import EncodeOptions
+from tokenizer_service.tools.pretokenize.cli import describe_os_error
+from tokenizer_service.tools.pretokenize.export import DEFAULT_LLMC_SHARD_TOKENS, FORMATS, NANOGPT_FILE, Exported, ExportError, export
+from tokenizer_service.tools.pretokenize.ranks import RankError, merge
+from tokenizer_service.tools.pretokenize.run import resolve_local_model
+from tokenizer_service.tools.pretokenize.sources import DocumentReader, InputError, Source
+from tokenizer_client.dataset import TokenDataset
 
 EXPORTS = """\
 export formats (ragged outputs go to all four; packed concat outputs too, a row being a sequence;

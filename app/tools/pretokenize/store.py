@@ -1,6 +1,6 @@
 """The output directory: atomic writes, metadata.json, and the checks that keep runs from mixing.
 
-What the files hold is `client.dataset`'s (the format, its writer and reader); this module is how they get
+What the files hold is `tokenizer_client.dataset`'s (the format, its writer and reader); this module is how they get
 there. A shard's files are written under temporary names, flushed to disk and renamed; metadata.json is
 rewritten the same way afterwards and is the only thing that says a shard is complete. A run killed at
 any point leaves either the previous metadata.json or the new one, never a half shard that looks whole.
@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-from client.dataset import METADATA_FILE, check_metadata, shard_index
+from tokenizer_client.dataset import METADATA_FILE, check_metadata, shard_index
 
 TMP_SUFFIX = ".tmp"
 READ_ONLY = 0o444
