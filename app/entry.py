@@ -8,11 +8,70 @@ of ending in ``ModuleNotFoundError``. This module imports nothing beyond the sta
 from __future__ import annotations
 
 import importlib
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn, TextIO
 
 # Exit status of every command when it cannot start as asked (a bad flag, a missing extra or model).
 USAGE_ERROR = 2
+# Exit status when the reader of stdout went away (`tokenizer-shards info DS | head -1`): what a command
+# killed by SIGPIPE reports in a shell, 128 + 13, as `cat` or `seq` would.
+CLOSED_PIPE = 141
+
+
+class _StdoutWhoseReaderMayGo:
+    """sys.stdout for a command: once its reader has gone, the command ends quietly with CLOSED_PIPE.
+
+    A write or flush that meets BrokenPipeError points stdout at devnull, so nothing left in its buffer is
+    written at exit (the recipe in the Python docs' signal module), and raises SystemExit(CLOSED_PIPE). That is
+    no OSError, so a command's own `except OSError` (disk full, a file it cannot read) does not take it for
+    one of its failures; a BrokenPipeError anywhere else (a worker's pipe, a socket) is raised as it was.
+    """
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def _closed(self) -> NoReturn:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())
+        os.close(devnull)
+        raise SystemExit(CLOSED_PIPE)
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._closed()
+
+    def writelines(self, lines: Iterable[str]) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._closed()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _run_main(main: Callable[[], int | str | None]) -> int | str | None:
+    """main(), with stdout flushed before the exit (where a closed pipe would be "Exception ignored", 120)."""
+    if sys.stdout is not None and not isinstance(sys.stdout, _StdoutWhoseReaderMayGo):
+        sys.stdout = _StdoutWhoseReaderMayGo(sys.stdout)  # type: ignore[assignment]
+    try:
+        status = main()
+    except SystemExit as exit_:  # argparse's --help and refusals, and a closed pipe: flushed below too
+        status = exit_.code
+    if sys.stdout is not None:
+        try:
+            sys.stdout.flush()
+        except SystemExit as exit_:
+            status = exit_.code
+    return status
 
 
 def _command(name: str, module: str, extra: str) -> Callable[[], None]:
@@ -29,7 +88,7 @@ def _command(name: str, module: str, extra: str) -> Callable[[], None]:
                 file=sys.stderr,
             )
             sys.exit(USAGE_ERROR)
-        sys.exit(main())
+        sys.exit(_run_main(main))
 
     run.__name__ = name.replace("-", "_")
     run.__doc__ = f"`{name}`: {module}.main, or one line naming the extra to install."

@@ -1,0 +1,76 @@
+"""What a new user trips on in a first hour (issue 35), as they meet it: installed commands whose reader goes
+away, the client's errors, /docs without the internet, what the README's examples leave behind."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tokenizer_service.settings import BUNDLED_MODELS_DIR
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = ROOT / "tests" / "data" / "multilingual.jsonl"
+CLOSED_PIPE = 141  # 128 + SIGPIPE, as a shell reports `seq 1000000 | head -1`
+
+
+def installed(command: str) -> str:
+    executable = shutil.which(command)
+    assert executable, f"{command} is not installed (pip install -e '.[test]')"
+    return executable
+
+
+def run_into_a_closed_pipe(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """`args | head -0`: stdout is a pipe whose reader has already gone."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run(args, stdout=write_end, stderr=subprocess.PIPE, text=True, cwd=cwd, timeout=120)
+    finally:
+        os.close(write_end)
+
+
+# -- every CLI survives a closed pipe quietly ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    output = tmp_path_factory.mktemp("pipe") / "shards"
+    subprocess.run(
+        [installed("tokenizer-pretokenize"), str(CORPUS), "--local", "--output", str(output), "--workers", "1", "-q",
+         "--model", str(BUNDLED_MODELS_DIR / "default.model")],
+        check=True, capture_output=True,
+    )
+    return output
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["tokenizer-shards", "info", "{shards}"],
+        ["tokenizer-shards", "info", "--help"],
+        ["tokenizer-pretokenize", str(CORPUS), "--peek"],
+        ["tokenizer-server", "--help"],
+        ["tokenizer-bench", "--help"],
+    ],
+    ids=["shards-info", "shards-help", "pretokenize-peek", "server-help", "bench-help"],
+)
+def test_a_command_whose_reader_went_away_ends_quietly(command: list[str], shards: Path, tmp_path: Path) -> None:
+    args = [installed(command[0]), *(arg.format(shards=shards) for arg in command[1:])]
+    result = run_into_a_closed_pipe(args, tmp_path)
+    assert result.returncode in (0, CLOSED_PIPE), result.stderr
+    assert result.stderr == "", result.stderr  # no BrokenPipeError traceback, no "Exception ignored", no "[Errno 32]"
+
+
+def test_info_into_head_through_a_shell(shards: Path, tmp_path: Path) -> None:
+    """The line from the issue: `tokenizer-shards info DS | head -1` prints one line and nothing on stderr."""
+    installed("tokenizer-shards")
+    result = subprocess.run(
+        ["bash", "-c", f"tokenizer-shards info '{shards}' | head -1; echo \"status ${{PIPESTATUS[0]}}\" >&2"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+    )
+    assert result.stdout.count("\n") == 1
+    assert result.stderr.strip() in ("status 0", f"status {CLOSED_PIPE}"), result.stderr
