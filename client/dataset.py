@@ -16,7 +16,8 @@ Only shards listed in ``metadata.json`` are complete: shard files are written un
 renamed before ``metadata.json`` names them, so a killed run never leaves a half shard that looks whole.
 
 ``NNNNN.bin``: token ids, no header. ``metadata.json["dtype"]`` is ``"<u2"`` (uint16) when the vocabulary
-has at most 65,536 pieces, else ``"<u4"``. Ragged output: each document's ids, document after document.
+has at most 65,536 pieces, else ``"<u4"``; a reader refuses any other (``check_metadata``). Ragged output:
+each document's ids, document after document.
 Packed output (``--seq-len L``): ``rows x L`` ids in C order.
 
 ``NNNNN.idx``: a 32-byte header, then ``count + 1`` int64 offsets starting at 0:
@@ -132,6 +133,7 @@ LAYOUT_RAGGED = 0
 LAYOUT_PACKED = 1
 LAYOUTS = {"ragged": LAYOUT_RAGGED, "packed": LAYOUT_PACKED}
 OFFSET_DTYPE = np.dtype("<i8")
+ID_DTYPES = ("<u2", "<u4")  # metadata.json's dtype: the only two a dataset may name
 SEG_DTYPE = np.dtype("<i4")
 
 _SHARDS_OPEN = 64  # memory maps kept open at once; each holds file descriptors
@@ -176,6 +178,11 @@ def check_metadata(meta: Any, where: str | Path) -> dict[str, Any]:
         raise ValueError(f"{where}: format version {meta.get('version')}, this reader knows {FORMAT_VERSION}")
     if meta.get("layout") not in LAYOUTS:
         raise ValueError(f"{where}: unknown layout {meta.get('layout')!r}")
+    if meta.get("dtype") not in ID_DTYPES:  # another would read the ids as something else (float16, byte-swapped)
+        raise ValueError(
+            f"{where}: dtype {meta.get('dtype')!r} is not one this format stores: "
+            f"{' or '.join(map(repr, ID_DTYPES))} (little-endian uint16 or uint32 ids)"
+        )
     if meta["layout"] == "packed" and not isinstance(meta.get("seq_len"), int):
         raise ValueError(f"{where}: packed output without an integer seq_len")
     return meta

@@ -1,0 +1,97 @@
+"""Exports, merges and datasets that cannot destroy, mix or misread data (issue 36 items 2-6; issue 35's
+refusals before any progress bar).
+
+Datasets are made by the real pre-tokenizer (the bundled model) where a user's would be; the commands run
+as the installed ``tokenizer-shards`` where the point is what a user sees on a terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tokenizer_service.settings import BUNDLED_MODELS_DIR
+from tokenizer_service.tools.pretokenize import main as pretokenize
+from tokenizer_service.tools.pretokenize.shards_cli import main as shards
+from tokenizer_client.dataset import TokenDataset, write_dataset
+from tokenizer_client.mixture import Mixture
+
+MODEL = BUNDLED_MODELS_DIR / "default.model"
+COMMAND = shutil.which("tokenizer-shards") or str(Path(sys.executable).parent / "tokenizer-shards")
+
+
+def tokenizer_shards(*args: Any) -> subprocess.CompletedProcess[str]:
+    """The installed command, as from a terminal (no -q unless given: a progress bar would show on stderr)."""
+    return subprocess.run([COMMAND, *map(str, args)], capture_output=True, text=True, timeout=120)
+
+
+def one_line(result: subprocess.CompletedProcess[str], code: int, *needles: str) -> str:
+    assert result.returncode == code, (result.returncode, result.stdout, result.stderr)
+    error = result.stderr
+    assert len(error.strip().splitlines()) == 1, error  # one line: no progress bar before it, no traceback
+    assert error.startswith("tokenizer-shards: ") and "Traceback" not in error and "\r" not in error, error
+    assert not result.stdout, result.stdout
+    for needle in needles:
+        assert needle in error, error
+    return error
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    """Every file below `directory` (links followed) and its bytes."""
+    files = sorted(path for path in directory.rglob("*") if path.is_file())
+    return {str(path.relative_to(directory)): path.read_bytes() for path in files}
+
+
+def build(directory: Path, texts: list[str], *extra: Any) -> Path:
+    source = directory.parent / f"{directory.name}.jsonl"
+    source.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts), encoding="utf-8")
+    args = [source, "--local", "--model", MODEL, "--workers", "1", "-q", "--output", directory, *extra]
+    assert pretokenize([str(a) for a in args]) == 0
+    return directory
+
+
+@pytest.fixture(scope="module")
+def made(documents: list[str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("safety")
+    return {
+        "one": build(root / "one", documents[:200]),
+        "three": build(root / "three", documents[:300], "--shard-tokens", "5000"),
+    }
+
+
+@pytest.fixture
+def dataset(made: dict[str, Path], tmp_path: Path, request: pytest.FixtureRequest) -> Path:
+    """A private copy of a made dataset (tests may try to damage it)."""
+    copy = tmp_path / "ds"
+    shutil.copytree(made[getattr(request, "param", "three")], copy)
+    return copy
+
+
+# -- 5. datasets cannot lie: the dtype -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["<f2", ">u2", "<i2", "<u8", "|u1", "float16", 7])
+def test_a_dtype_other_than_u2_or_u4_is_refused_at_open(dataset: Path, tmp_path: Path, dtype: Any) -> None:
+    meta_file = dataset / "metadata.json"
+    meta = json.loads(meta_file.read_text())
+    meta_file.chmod(0o644)
+    meta_file.write_text(json.dumps({**meta, "dtype": dtype}))
+    with pytest.raises(ValueError, match=r"dtype .* is not one this format stores: '<u2' .*'<u4'"):
+        TokenDataset(dataset)
+    if dtype in ("<f2", ">u2"):  # the reported ones, through every command
+        for command in (
+            ["verify", dataset],
+            ["info", dataset],
+            ["export", dataset, "--to", "megatron", "--output", tmp_path / "m"],
+            ["export", dataset, "--to", "litdata", "--output", tmp_path / "l"],
+        ):
+            one_line(tokenizer_shards(*command), 2, "dtype", repr(dtype))
+        assert not (tmp_path / "m.bin").exists() and not (tmp_path / "l").exists()
