@@ -224,6 +224,76 @@ def test_resume_refuses_a_state_of_other_options(client, documents):
         client.prefetch(documents[:100], batch_size=30, model="uni", pack=PackSpec(64, 2), state=states[1])
 
 
+def test_a_refusal_for_other_options_names_only_those_that_differ(client, documents):
+    _, states = run_with_states(client, documents[:100], batch_size=30, model="uni", add_eos=True)
+    with pytest.raises(ValueError) as refused:
+        client.prefetch(documents[:100], batch_size=30, model="bpe", add_eos=True, max_length=9, state=states[1])
+    message = str(refused.value)
+    assert "model='uni' (now 'bpe')" in message and "max_length=None (now 9)" in message, message
+    assert "add_eos" not in message and "add_bos" not in message and "{" not in message, message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("mode", sorted(RESUMABLE))
+def test_resuming_on_a_stream_that_does_not_continue_there_names_the_position(client, documents, mode):
+    """The issue's case: the generator given on resume was already partly consumed (or the source changed)."""
+    texts = list(numbered_texts(documents, 400))
+    options = RESUMABLE[mode]
+    batches, states = run_with_states(client, texts, depth=2, **options)
+    cut = len(batches) // 2
+    state = states[cut]
+    stopped = state["text"]
+    consumed = iter(texts)
+    list(itertools.islice(consumed, 40))  # a generator already read for 40 texts
+    checked = stopped if state["skip"] else stopped - 1
+    with pytest.raises(ValueError, match=rf"stopped \((inside|before) text {stopped}\): its text {checked} "):
+        list(client.prefetch(consumed, depth=2, state=state, **options))
+    shuffled = [*texts[: stopped - 1], texts[stopped + 5], *texts[stopped - 1 :]]  # one text inserted before
+    with pytest.raises(ValueError, match="does not continue where the saved state stopped"):
+        list(client.prefetch(iter(shuffled), depth=2, state=state, **options))
+    resumed, _ = run_with_states(client, iter(texts), depth=2, state=state, **options)  # the right stream still resumes
+    assert_same_batches(resumed, batches[cut:])
+
+
+def test_an_async_resume_on_another_stream_is_refused_too(server, documents):
+    import asyncio
+
+    from tokenizer_client import AsyncTokenizerClient
+
+    texts = list(numbered_texts(documents, 120))
+
+    async def main() -> None:
+        async with AsyncTokenizerClient(server.url) as client:
+            states = []
+            async for _ in client.prefetch(texts, batch_size=20, model="uni"):
+                pass
+            prefetcher = client.prefetch(texts, batch_size=20, model="uni")
+            async for _ in prefetcher:
+                states.append(prefetcher.state_dict())
+                if len(states) == 3:
+                    break
+            await prefetcher.aclose()
+
+            async def shifted():
+                for text in texts[7:]:
+                    yield text
+
+            with pytest.raises(ValueError, match="before text 60\\): its text 59"):
+                async for _ in client.prefetch(shifted(), batch_size=20, model="uni", state=states[-1]):
+                    pass
+
+    asyncio.run(main())
+
+
+def test_a_state_saved_without_a_fingerprint_still_resumes_unchecked(client, documents):
+    """States saved before the fingerprint was kept (no "last_text") resume as they did: exactly, unchecked."""
+    texts = list(numbered_texts(documents, 200))
+    batches, states = run_with_states(client, texts, batch_size=30, model="uni")
+    old = {key: value for key, value in states[2].items() if key != "last_text"}
+    resumed, _ = run_with_states(client, texts, batch_size=30, model="uni", state=old)
+    assert_same_batches(resumed, batches[2:])
+
+
 @pytest.mark.parametrize(("model", "add_bos", "mask"), [("bpe", False, True), ("uni", True, False)])
 def test_concat_packing_equals_packing_the_whole_stream(client, server, documents, model, add_bos, mask):
     texts = list(numbered_texts(documents, 900))

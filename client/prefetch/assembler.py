@@ -6,6 +6,7 @@ before it has been fed, whatever order they arrived in.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -16,7 +17,7 @@ from tokenizer_client.batches import Batch, TokenizedBatch
 from tokenizer_client.prefetch.options import PackSpec, PrefetchOptions
 from tokenizer_client.prefetch.resume import Resume, state_dict
 from tokenizer_client.prefetch.rows import Block, ConcatPacker, RowRegrouper, StreamPosition
-from tokenizer_client.prefetch.texts import Window
+from tokenizer_client.prefetch.texts import TextCheck, Window, text_fingerprint
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class Assembler:
         self.position = resume.position
         self.model = resume.model
         self.sha256 = resume.model_sha256
+        self.check = resume.check  # the last text read, as the state after the last delivery names it
+        self._windows: deque[Window] = deque()  # those from the text `check` will name next on
         self.leftover = np.empty(0, np.int32)
         self.empty_reason: str | None = None  # set by finish() when the stream delivered no batch
         # A run from the stream's start that delivers nothing says why (a resumed one may just be at the end).
@@ -52,6 +55,7 @@ class Assembler:
 
     def feed(self, window: Window, answer: Batch) -> list[Delivery]:
         self.model, self.sha256 = answer.model, answer.model_sha256
+        self._windows.append(window)
         if isinstance(answer, TokenizedBatch) and self._packer is None:
             batch = replace(answer, index=self.batches, start=window.start)
             return [self._deliver(batch, StreamPosition(window.stop, 0), len(window.texts), answer.num_tokens)]
@@ -112,4 +116,16 @@ class Assembler:
         self._delivered += 1
         self.batches += 1
         self.position = after
-        return Delivery(batch, state_dict(self.options, after, self.batches, self.model, self.sha256), texts, tokens)
+        self.check = self._last_read(after)
+        state = state_dict(self.options, after, self.batches, self.model, self.sha256, self.check)
+        return Delivery(batch, state, texts, tokens)
+
+    def _last_read(self, after: StreamPosition) -> TextCheck | None:
+        """The fingerprint a state at `after` keeps: of the text it stops inside, else of the one before it."""
+        index = after.text if after.skip else after.text - 1
+        while self._windows and self._windows[0].stop <= index:  # positions only move on: never needed again
+            self._windows.popleft()
+        if self._windows and self._windows[0].start <= index:
+            window = self._windows[0]
+            return TextCheck(index, text_fingerprint(window.texts[index - window.start]))
+        return self.check if self.check is not None and self.check.text == index else None

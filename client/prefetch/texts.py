@@ -9,6 +9,7 @@ delivered, and checks that each text is a str.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
@@ -29,29 +30,70 @@ class Window:
         return self.start + len(self.texts)
 
 
+def text_fingerprint(text: object) -> str:
+    """A short hash of one text, which a saved state keeps to check that a resumed stream continues there."""
+    data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else repr(text).encode("utf-8", "replace")
+    return hashlib.blake2b(data, digest_size=12).hexdigest()
+
+
+@dataclass(frozen=True)
+class TextCheck:
+    """A text the saved run read: its stream index and ``text_fingerprint``, checked when a resumed run reads it."""
+
+    text: int
+    fingerprint: str
+
+
 class WindowReader(Protocol):
     async def next_window(self) -> Window | None: ...
 
 
 def open_texts(
-    texts: Iterable[str] | AsyncIterable[str], batch_size: int, start: int, inside: bool = False
+    texts: Iterable[str] | AsyncIterable[str],
+    batch_size: int,
+    start: int,
+    inside: bool = False,
+    check: TextCheck | None = None,
 ) -> WindowReader:
     """The reader of `texts` in windows of `batch_size`, from stream index `start` on (the texts before are skipped).
 
-    `inside`: the saved state stopped inside text `start`, so the stream must have it."""
+    `inside`: the saved state stopped inside text `start`, so the stream must have it. `check`: the text
+    (`start - 1`, or `start` when inside) whose fingerprint the state kept; another text there is a ValueError."""
     if isinstance(texts, AsyncIterable):
-        return AsyncTextReader(texts, batch_size, start, inside)
-    return TextReader(texts, batch_size, start, inside)
+        return AsyncTextReader(texts, batch_size, start, inside, check)
+    return TextReader(texts, batch_size, start, inside, check)
 
 
 class _Windows:
     """Counts the stream position and cuts windows; the readers below add where the texts come from."""
 
-    def __init__(self, batch_size: int, start: int, inside: bool = False) -> None:
+    def __init__(self, batch_size: int, start: int, inside: bool = False, check: TextCheck | None = None) -> None:
         self._batch_size = batch_size
         self._start = start
         self._inside = inside
+        self._check = check if check is not None and check.text in (start - 1, start) else None
         self._position = 0
+
+    @property
+    def _skips_checked(self) -> int:
+        """How many of the texts before `start` to skip unread: all but the one checked, if that is `start - 1`."""
+        checked = self._check is not None and self._check.text == self._start - 1
+        return self._start - int(checked)
+
+    def _verify(self, index: int, text: object) -> None:
+        """Text `index` of the stream given must be the one the saved state's run read there."""
+        check = self._check
+        if check is None or check.text != index:
+            return
+        self._check = None
+        if text_fingerprint(text) != check.fingerprint:
+            where = f"inside text {self._start}" if self._inside else f"before text {self._start}"
+            shown = f"{text[:40]!r}{'...' * (len(text) > 40)}" if isinstance(text, str) else type(text).__name__
+            raise ValueError(
+                f"the stream given does not continue where the saved state stopped ({where}): its text {index} "
+                f"({shown}) is not the text the saved run read there; resume on the same texts from the start "
+                "of the stream (not a generator already partly consumed, nor a changed or reordered source)"
+            )
 
     def _ended_before_start(self) -> ValueError:
         return ValueError(f"the stream ended at text {self._position}, before the saved position {self._start}")
@@ -68,6 +110,7 @@ class _Windows:
                     f"{self._start}: resume on the same texts the state was saved from"
                 )
             return None
+        self._verify(self._position, texts[0])
         window = Window(self._position, texts)
         self._position += len(texts)
         return window
@@ -76,14 +119,21 @@ class _Windows:
 class TextReader(_Windows):
     """Reads windows from a sync iterable, in the thread that calls ``read()`` (or awaits ``next_window()``)."""
 
-    def __init__(self, texts: Iterable[str], batch_size: int, start: int, inside: bool = False) -> None:
+    def __init__(
+        self, texts: Iterable[str], batch_size: int, start: int, inside: bool = False, check: TextCheck | None = None
+    ) -> None:
         check_texts(texts)
-        super().__init__(batch_size, start, inside)
+        super().__init__(batch_size, start, inside, check)
         self._iterator: Iterator[str] = iter(texts)
 
     def read(self) -> Window | None:
         if self._position < self._start:
-            self._position += sum(1 for _ in itertools.islice(self._iterator, self._start - self._position))
+            skip = self._skips_checked - self._position
+            self._position += sum(1 for _ in itertools.islice(self._iterator, skip))
+            if self._position < self._start:  # the checked text, start - 1, if any
+                for text in itertools.islice(self._iterator, self._start - self._position):
+                    self._verify(self._position, text)
+                    self._position += 1
             if self._position < self._start:
                 raise self._ended_before_start()
         return self._window(list(itertools.islice(self._iterator, self._batch_size)))
@@ -96,8 +146,15 @@ class TextReader(_Windows):
 class AsyncTextReader(_Windows):
     """Reads windows from an async iterable."""
 
-    def __init__(self, texts: AsyncIterable[str], batch_size: int, start: int, inside: bool = False) -> None:
-        super().__init__(batch_size, start, inside)
+    def __init__(
+        self,
+        texts: AsyncIterable[str],
+        batch_size: int,
+        start: int,
+        inside: bool = False,
+        check: TextCheck | None = None,
+    ) -> None:
+        super().__init__(batch_size, start, inside, check)
         self._iterator: AsyncIterator[str] = texts.__aiter__()
 
     async def _next(self) -> tuple[bool, str]:
@@ -108,9 +165,10 @@ class AsyncTextReader(_Windows):
 
     async def next_window(self) -> Window | None:
         while self._position < self._start:
-            more, _ = await self._next()
+            more, text = await self._next()
             if not more:
                 raise self._ended_before_start()
+            self._verify(self._position, text)
             self._position += 1
         texts: list[str] = []
         while len(texts) < self._batch_size:
