@@ -218,13 +218,27 @@ class Settings(BaseSettings):
 
 def models_in(directory: Path) -> dict[str, Path]:
     """A models directory's models by name: each *.model and *.tiktoken under its stem, each subdirectory
-    holding a tokenizer.json (a Hub snapshot) under the subdirectory's name; sorted by name."""
+    holding a tokenizer.json (a Hub snapshot) under the subdirectory's name; sorted by name.
+
+    An entry that cannot be read (a link leading nowhere or to itself, of any name; a subdirectory's
+    tokenizer.json or tokenizer_config.json that is one) is not skipped: ConfigError names every one."""
+    from tokenizer_service.core.models import why_unreadable
+
     found: dict[str, Path] = {}
+    unreadable: list[str] = []
     for path in sorted(directory.iterdir()):
+        try:
+            path.stat()
+        except OSError as exc:
+            unreadable.append(f"{path.name} ({why_unreadable(path) or exc.strerror})")
+            continue
         if path.is_file() and path.suffix in (".model", ".tiktoken"):
             name = path.stem
-        elif path.is_dir() and (path / "tokenizer.json").is_file():
+        elif path.is_dir() and os.path.lexists(path / "tokenizer.json"):
             name = path.name
+            for file in ("tokenizer.json", "tokenizer_config.json"):
+                if os.path.lexists(path / file) and (why := why_unreadable(path / file)) is not None:
+                    unreadable.append(f"{path.name}/{file} ({why})")
         else:
             continue
         if name in found:
@@ -232,6 +246,12 @@ def models_in(directory: Path) -> dict[str, Path]:
                 f"the models directory {directory} holds two models named {name!r}: {found[name]} and {path}"
             )
         found[name] = path
+    if unreadable:
+        raise ConfigError(
+            f"the models directory {directory} holds {'entries' if len(unreadable) > 1 else 'an entry'} that cannot "
+            f"be read: {'; '.join(unreadable)}; repair or remove {'them' if len(unreadable) > 1 else 'it'} (a Hub "
+            "snapshot's files are links into its blobs/: download it again)"
+        )
     return dict(sorted(found.items()))
 
 

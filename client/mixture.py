@@ -30,11 +30,14 @@
   per epoch, with their stored ``cu_seqlens`` (``labels`` -100 on padding). A source never runs out.
 * Ranks. Global batch g is rows ``[g * G, (g + 1) * G)``, ``G = batch_size * world_size``; rank r reads
   its contiguous ``batch_size`` rows of it. The state is the global position (rows consumed) and what the
-  stream is made of; any (world_size, batch_size) of the same G continues the same stream.
+  stream is made of (each source's :func:`fingerprint` and :func:`content_digest`, so a dataset rewritten in
+  place is refused); any (world_size, batch_size) of the same G continues the same stream.
+* Sources of other tokenizers (model sha256 or vocabulary size) are refused: an id is another token in each.
 
 The permutation and cumulative-length arrays a large ragged source needs (12-16 bytes a document an
 epoch) are built on first use and kept for the last two epochs; with ``cache_dir`` those of sources of at
-least ``CACHE_FROM_ITEMS`` documents (or rows) are written there once and memory-mapped afterwards (never
+least ``CACHE_FROM_ITEMS`` documents (or rows) are written there once, named by the source's fingerprint and
+content digest (a dataset rewritten in place gets new ones), and memory-mapped afterwards (never
 inside a dataset directory, which may be read-only). Needs numpy
 only; :meth:`Mixture.torch` imports torch when called.
 """
@@ -62,9 +65,12 @@ from typing import TYPE_CHECKING, Any, Union
 import numpy as np
 
 from tokenizer_client.dataset import (
+    BIN_SUFFIX,
+    IDX_SUFFIX,
     IGNORE_INDEX,
     LAYOUT_PACKED,
     LAYOUT_RAGGED,
+    SEG_SUFFIX,
     IndexHeader,
     Shard,
     TokenDataset,
@@ -380,6 +386,61 @@ def fingerprint(dataset: TokenDataset) -> str:
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
+DIGEST_SAMPLES = 16
+"""Blocks of each ``.bin`` read into a source's content digest (besides its first and last): a sample, not all ids."""
+DIGEST_BLOCK = 1 << 16
+
+
+def content_digest(dataset: TokenDataset) -> str:
+    """What a dataset's files hold, not only what metadata.json says: a hash of every shard's ``.idx`` and ``.seg``
+    (where each document or segment starts) and of each ``.bin``'s size and 18 blocks spread over it. A dataset
+    rewritten in place with the same counts (documents reordered) gets another digest; a copy elsewhere, the same.
+    Reads the 8 bytes a document of the indexes (about 30 ms a million documents, page cache warm) and 1 MiB a shard."""
+    digest = hashlib.blake2b(digest_size=16)
+    for shard in dataset.metadata["shards"]:
+        base = dataset.path / shard["name"]
+        for file in (base.with_name(base.name + suffix) for suffix in (IDX_SUFFIX, SEG_SUFFIX, BIN_SUFFIX)):
+            try:
+                handle = file.open("rb")
+            except FileNotFoundError:
+                digest.update(f"{file.name}:-;".encode())
+                continue
+            with handle:
+                size = os.fstat(handle.fileno()).st_size
+                digest.update(f"{file.name}:{size};".encode())
+                if file.suffix != BIN_SUFFIX:
+                    while block := handle.read(1 << 20):
+                        digest.update(block)
+                    continue
+                places = np.linspace(0, max(0, size - DIGEST_BLOCK), DIGEST_SAMPLES + 2).astype(np.int64)
+                for place in sorted(set(places.tolist())):
+                    handle.seek(place)
+                    digest.update(handle.read(DIGEST_BLOCK))
+    return digest.hexdigest()
+
+
+def check_one_tokenizer(sources: Mapping[str, TokenDataset]) -> None:
+    """ValueError naming the sources and their models unless every source was tokenized by the same model
+    (sha256 and vocabulary size): the same id means another token in another vocabulary."""
+    groups: dict[tuple[Any, Any], list[str]] = {}
+    for name, dataset in sources.items():
+        model = dataset.model
+        groups.setdefault((model.get("sha256"), model.get("vocab_size")), []).append(name)
+    if len(groups) < 2:
+        return
+    described = []
+    for (sha256, vocab), names in groups.items():
+        model = sources[names[0]].model
+        size = f"{vocab:,}" if isinstance(vocab, int) else repr(vocab)
+        described.append(
+            f"{', '.join(map(repr, names))}: model {model.get('name')!r} (sha256 {str(sha256)[:12]}, vocab {size})"
+        )
+    raise ValueError(
+        "a mixture's sources must share one tokenizer, these were made by other tokenizers (the same id is another "
+        f"token in each): {'; '.join(described)}"
+    )
+
+
 class _Source:
     """One named dataset of a mixture: its rows j, j + 1, ... of the endless stream, read on demand."""
 
@@ -390,6 +451,7 @@ class _Source:
         self.seed = seed
         self.cache_dir = cache_dir
         self.fingerprint = fingerprint(dataset)
+        self.contents = content_digest(dataset)
         self.packed = dataset.layout == "packed"
         shards = dataset.metadata["shards"]
         counts = [int(shard["rows"] if self.packed else shard["documents"]) for shard in shards]
@@ -446,7 +508,7 @@ class _Source:
 
     @property
     def name_tag(self) -> str:
-        return f"{self.fingerprint}-{_name_key(self.name):016x}-{self.seed}"
+        return f"{self.fingerprint}-{self.contents[:16]}-{_name_key(self.name):016x}-{self.seed}"
 
     def documents(self) -> np.ndarray:
         """Ragged: int64 start of each document in all ids end to end, then the total."""
@@ -676,6 +738,7 @@ class Mixture:
             for name, dataset in sources.items():
                 if where.is_relative_to(dataset.path.resolve()):
                     raise ValueError(f"cache_dir {self.cache_dir} is inside source {name!r}'s directory {dataset.path}")
+        check_one_tokenizer(sources)
         self._sources = [_Source(name, sources[name], self.seq_len, self.seed, self.cache_dir) for name in self.names]
         if weights is None:
             weights = {source.name: source.tokens for source in self._sources}
@@ -696,6 +759,7 @@ class Mixture:
             "seq_len": self.seq_len,
             "seed": self.seed,
             "sources": {source.name: source.fingerprint for source in self._sources},
+            "contents": {source.name: source.contents for source in self._sources},
             "weights": {name: str(weight) for name, weight in self.weights.items()},
         }
 
@@ -832,6 +896,14 @@ class Mixture:
                 for name in mine
                 if sources[name] != mine[name]
             ]
+            contents = state.get("contents")  # absent from a state saved before it was recorded: not checked
+            if isinstance(contents, Mapping):
+                differences += [
+                    f"source {name!r} holds other data (its shards' contents differ from those the state was saved "
+                    f"on: {contents.get(name)} in the state, {digest} here; rewritten in place?)"
+                    for name, digest in self._identity["contents"].items()
+                    if sources[name] == mine[name] and contents.get(name) != digest
+                ]
             theirs, ours = dict(state.get("weights") or {}), self._identity["weights"]
             differences += [
                 f"weight of {name!r} {theirs.get(name)} in the state, {ours[name]} here"

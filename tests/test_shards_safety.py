@@ -95,3 +95,63 @@ def test_a_dtype_other_than_u2_or_u4_is_refused_at_open(dataset: Path, tmp_path:
         ):
             one_line(tokenizer_shards(*command), 2, "dtype", repr(dtype))
         assert not (tmp_path / "m.bin").exists() and not (tmp_path / "l").exists()
+
+
+# -- 5. datasets cannot lie: a mixture's cache and state know the data they were made of ------------------------
+
+
+MIX_MODEL = {"name": "test", "sha256": "0" * 64, "vocab_size": 1 << 16, "bos_id": -1, "eos_id": 0, "pad_id": 0}
+
+
+def mix_dataset(path: Path, docs: list[np.ndarray], model: dict[str, Any] = MIX_MODEL) -> TokenDataset:
+    ids = np.concatenate(docs)
+    offsets = np.concatenate([[0], np.cumsum([len(doc) for doc in docs])])
+    return write_dataset(path, ids, offsets, model=model, shard_documents=50)
+
+
+def test_a_dataset_rewritten_in_place_is_neither_read_from_a_stale_cache_nor_resumed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("tokenizer_client.mixture.CACHE_FROM_ITEMS", 0)  # ours are small: cache them all the same
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(1, 60000, int(n)).astype(np.int64) for n in rng.integers(5, 80, 200)]
+    web = tmp_path / "web"
+    cache = tmp_path / "cache"
+    mix = Mixture({"web": mix_dataset(web, docs)}, seq_len=64, seed=1, cache_dir=cache)
+    mix.rows(0, 256)
+    loader = mix.loader(batch_size=8)
+    next(loader)
+    state = loader.state_dict()
+    # the same documents in another order within each shard: metadata.json the same, other document starts
+    shutil.rmtree(web)
+    order = np.concatenate([start + rng.permutation(50) for start in range(0, len(docs), 50)])
+    mix_dataset(web, [docs[i] for i in order])
+    fresh = Mixture({"web": TokenDataset(web)}, seq_len=64, seed=1).rows(0, 256)
+    cached = Mixture({"web": TokenDataset(web)}, seq_len=64, seed=1, cache_dir=cache)
+    assert np.array_equal(cached.rows(0, 256).input_ids, fresh.input_ids)  # not the old starts from the cache
+    with pytest.raises(ValueError, match=r"source 'web' holds other data"):
+        cached.loader(batch_size=8, state=state)
+
+
+# -- 6. a mixture never mixes tokenizers -----------------------------------------------------------------------
+
+
+def test_a_mixture_of_datasets_of_other_tokenizers_is_refused(tmp_path: Path) -> None:
+    docs = [np.arange(1, 40, dtype=np.int64)] * 20
+    llama = {**MIX_MODEL, "name": "llama2", "sha256": "a" * 64, "vocab_size": 32_000}
+    qwen = {**MIX_MODEL, "name": "qwen", "sha256": "b" * 64, "vocab_size": 151_646}
+    sources = {
+        "web": mix_dataset(tmp_path / "web", docs, llama),
+        "code": mix_dataset(tmp_path / "code", docs, qwen),
+        "books": mix_dataset(tmp_path / "books", docs, llama),
+    }
+    with pytest.raises(ValueError) as refused:
+        Mixture(sources, seq_len=16)
+    message = str(refused.value)
+    assert "\n" not in message and "other tokenizers" in message
+    for needle in ("'web'", "'books'", "'code'", "llama2", "qwen", "32,000", "151,646", "aaaaaaaaaaaa", "bbbbbbbbbbbb"):
+        assert needle in message, message
+    same_vocab = {**llama, "sha256": "c" * 64}  # the same vocabulary size, another model file
+    with pytest.raises(ValueError, match="other tokenizers"):
+        Mixture({"web": sources["web"], "other": mix_dataset(tmp_path / "other", docs, same_vocab)}, seq_len=16)
+    Mixture({"web": sources["web"], "books": sources["books"]}, seq_len=16)  # one tokenizer: fine

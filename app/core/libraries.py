@@ -267,7 +267,9 @@ def gate(
         expected = reference(texts, parse_special)
         try:
             got = fast(texts, parse_special)
-        except Exception as exc:  # a fast encoder that cannot encode the check set is not used
+        except (KeyboardInterrupt, SystemExit, GeneratorExit):
+            raise
+        except BaseException as exc:  # one that cannot encode the check set (a Rust panic too) is not used
             return f"fastokens failed on the check set: {exc!r}"
         for index, (want, have) in enumerate(zip(expected, got, strict=True)):
             if list(want) != list(have):
@@ -295,7 +297,10 @@ def _adopt_fast(library: Any, build: Callable[[Any], Any], special: list[str]) -
         return False
     try:
         fast = build(fastokens)
-    except Exception as exc:  # a model fastokens does not support (a normalizer, a pattern): the library serves it
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as exc:  # a model fastokens does not support (a normalizer, a pattern; a Rust panic
+        # is a BaseException): the library serves it
         logger.warning("%s: fastokens cannot load it (%s); encoding with %s", where, exc, name)
         return False
     differs = gate(str(where), library._reference_rows, _fast_rows(fast), checkset.texts(special))

@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import errno
 import hashlib
 import importlib.util
 import json
+import os
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -45,6 +47,9 @@ HF_FILE, HF_CONFIG = "tokenizer.json", "tokenizer_config.json"
 SPECIAL_ROLES = ("bos", "eos", "pad", "unk")
 
 _TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/]*={0,2} [0-9]+$")
+# Ids travel as int32 (the binary answers, the shards' dtype, numpy downstream): every id of a served model
+# lies below this, or the model is refused at start (tiktoken and fastokens take ids up to 2**32 - 1).
+ID_LIMIT = 1 << 31
 
 
 class ModelLoadError(RuntimeError):
@@ -146,13 +151,35 @@ def _read(name: str, path: Path) -> bytes:
     try:
         return path.read_bytes()
     except OSError as exc:
-        raise ModelLoadError(f"model {name!r}: cannot read {path}: {exc.strerror}") from exc
+        raise ModelLoadError(f"model {name!r}: cannot read {path}: {why_unreadable(path) or exc.strerror}") from exc
+
+
+def why_unreadable(path: Path) -> str | None:
+    """Why `path` cannot be read as a file (a link leading nowhere, a link loop, no permission), or None.
+
+    None also for a path that does not exist at all: what is missing is the caller's to say."""
+    try:
+        if path.is_symlink():
+            try:
+                path.stat()
+            except FileNotFoundError:
+                return f"a link to {os.readlink(path)}, which does not exist"
+        with path.open("rb"):
+            return None
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "a link that leads back to itself"
+        if exc.errno == errno.EISDIR:
+            return "a directory"
+        return exc.strerror or str(exc)
 
 
 def find_model_files(name: str, path: Path) -> ModelFiles:
     """Recognize the model at `path` by its content (not its name), with every file that changes its ids."""
     given = path.expanduser()  # what messages name: the path as the user wrote it
-    if given.is_dir() and not (given / HF_FILE).is_file():
+    if given.is_dir() and not os.path.lexists(given / HF_FILE):
         raise ModelLoadError(f"model {name!r}: the directory {given} holds no {HF_FILE}; a model is {KINDS}")
     content = _read(name, given / HF_FILE if given.is_dir() else given)
     library = sniff(content)
@@ -167,7 +194,7 @@ def find_model_files(name: str, path: Path) -> ModelFiles:
         TOKENIZERS: main.parent / HF_CONFIG,
         TIKTOKEN: main.with_name(main.name + ".json"),
     }.get(library)
-    if beside is not None and beside.is_file():
+    if beside is not None and os.path.lexists(beside):  # a dangling link beside is refused, not skipped
         files.append(beside)
         contents.append(_read(name, beside))
     found = ModelFiles(library, path, tuple(files), tuple(contents))
@@ -250,6 +277,8 @@ def tiktoken_ranks(content: bytes, path: Path) -> dict[bytes, int]:
             ranks[base64.b64decode(token, validate=True)] = int(rank)
         except (ValueError, binascii.Error) as exc:
             raise ModelLoadError(f"{path}:{number}: not a tiktoken ranks line ('base64-token rank')") from exc
+        if int(rank) >= ID_LIMIT:
+            raise ModelLoadError(f"{path}:{number}: rank {int(rank)} is not an int32 id (at most {ID_LIMIT - 1})")
     return ranks
 
 
@@ -314,6 +343,12 @@ def tiktoken_spec(files: ModelFiles, name: str | None = None) -> TiktokenSpec:
         isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in special_tokens.items()
     ):
         raise ModelLoadError(f"{sidecar_path}: special_tokens must map token strings to integer ids")
+    for token, token_id in special_tokens.items():
+        if not 0 <= token_id < ID_LIMIT:  # tiktoken panics or overflows on some, fastokens on others
+            raise ModelLoadError(
+                f"{sidecar_path}: special token {token!r} has id {token_id}; an id must lie in 0..{ID_LIMIT - 1} "
+                "(ids are answered as int32)"
+            )
     default_eos = "<|endoftext|>" if known is not None and "<|endoftext|>" in special_tokens else None
     tokens: dict[str, str | None] = {
         "bos": sidecar.get("bos_token"),

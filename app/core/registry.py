@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tokenizer_service.core import libraries
-from tokenizer_service.core.models import ModelFiles, ModelInfo, ModelLoadError, find_model_files
+from tokenizer_service.core.models import ID_LIMIT, ModelFiles, ModelInfo, ModelLoadError, find_model_files
 
 __all__ = ["ModelRegistry", "inspect_model", "model_info"]
 
@@ -22,6 +22,17 @@ def inspect_model(name: str, path: Path, encoder: str = libraries.FAST) -> Model
         library = libraries.load(files, encoder)
     except ModelLoadError as exc:
         raise ModelLoadError(f"model {name!r}: {exc}") from None
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as exc:  # whatever the library raises, pyo3's PanicException (a BaseException) included
+        raise ModelLoadError(
+            f"model {name!r}: {files.library} cannot load {files.path}: {type(exc).__name__}: {exc}".splitlines()[0]
+        ) from exc
+    if library.vocab_size > ID_LIMIT:
+        raise ModelLoadError(
+            f"model {name!r}: {files.path} has ids up to {library.vocab_size - 1}; an id must lie in "
+            f"0..{ID_LIMIT - 1} (ids are answered as int32)"
+        )
     return model_info(name, files, library)
 
 
