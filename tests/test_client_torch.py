@@ -113,14 +113,96 @@ def test_a_dataloader_over_two_workers_gives_the_stream_in_order(server: Server,
     assert isinstance(batches[0].ids, torch.Tensor)
 
 
-def test_a_dataloader_packs_each_workers_shard(server: Server, documents, client):
+def assert_same_rows(got, want) -> None:
+    assert [b.index for b in got] == [b.index for b in want]
+    for a, b in zip(got, want, strict=True):
+        if hasattr(b, "input_ids"):
+            for name in ("input_ids", "labels", "position_ids"):
+                np.testing.assert_array_equal(np.asarray(getattr(a, name)), np.asarray(getattr(b, name)))
+        else:
+            assert a.start == b.start
+            np.testing.assert_array_equal(np.asarray(a.ids), np.asarray(b.ids))
+            np.testing.assert_array_equal(np.asarray(a.offsets), np.asarray(b.offsets))
+
+
+@pytest.mark.parametrize("strategy", ["concat", "best_fit"])
+def test_packed_rows_are_the_same_for_any_number_of_workers(server: Server, documents, client, strategy):
+    """Rows run across documents and requests: worker 0 packs the whole stream, as one prefetcher would."""
     texts = list(numbered_texts(documents, 600))
-    spec = PackSpec(seq_len=128, rows=4)
-    dataset = TokenizedIterableDataset(texts, server.url, batch_size=40, model="bpe", pack=spec)
-    batches = list(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2))
-    for worker in range(2):
-        own = [b for b in batches if b.index % 2 == worker]
-        alone = list(client.prefetch(shard_blocks(texts, 40, worker, 2), batch_size=40, model="bpe", pack=spec))
-        assert len(own) == len(alone)
-        for got, want in zip(own, alone, strict=True):
-            np.testing.assert_array_equal(got.input_ids.numpy(), want.input_ids)
+    spec = PackSpec(seq_len=128, rows=4, strategy=strategy)
+    alone = list(client.prefetch(texts, batch_size=40, model="bpe", pack=spec))
+    assert len(alone) > 8
+    for workers in (0, 1, 3):
+        dataset = TokenizedIterableDataset(texts, server.url, batch_size=40, model="bpe", pack=spec)
+        batches = list(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=workers))
+        assert_same_rows(batches, alone)
+
+
+STATEFUL = {
+    "ragged": {"batch_size": 30, "model": "uni", "add_eos": True},
+    "concat": {"batch_size": 30, "model": "bpe", "pack": PackSpec(seq_len=64, rows=4)},
+    "best_fit": {"batch_size": 30, "model": "uni", "pack": PackSpec(seq_len=64, rows=3, strategy="best_fit")},
+}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("mode", sorted(STATEFUL))
+def test_a_stateful_dataloader_resumes_with_the_rows_of_an_uninterrupted_run(server: Server, documents, mode, workers):
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    texts = list(numbered_texts(documents, 400))
+    options = STATEFUL[mode]
+
+    def loader() -> object:
+        dataset = TokenizedIterableDataset(lambda: iter(texts), server.url, depth=2, **options)
+        return stateful.StatefulDataLoader(dataset, batch_size=None, num_workers=workers)
+
+    whole = list(loader())
+    assert len(whole) > 10
+    for cut in (3, len(whole) // 2 + 1):
+        first = loader()
+        got = []
+        for batch in first:
+            got.append(batch)
+            if len(got) == cut:
+                break
+        saved = first.state_dict()
+        del first
+        second = loader()
+        second.load_state_dict(saved)
+        got += list(second)
+        assert_same_rows(got, whole)
+
+
+def test_a_dataset_state_resumes_in_the_main_process_and_is_plain_json(server: Server, documents):
+    import json
+
+    texts = list(numbered_texts(documents, 200))
+    dataset = TokenizedIterableDataset(texts, server.url, batch_size=25, model="uni")
+    assert dataset.state_dict()["prefetch"] is None  # before any batch: the stream's start
+    whole = list(dataset)
+    iterator = iter(dataset)
+    head = [next(iterator) for _ in range(3)]
+    state = json.loads(json.dumps(dataset.state_dict()))
+    iterator.close()
+    resumed = TokenizedIterableDataset(texts, server.url, batch_size=25, model="uni")
+    resumed.load_state_dict(state)
+    assert_same_rows(head + list(resumed), whole)
+    assert_same_rows(list(resumed), whole)  # the next epoch starts the stream again
+
+
+def test_a_ragged_state_from_another_number_of_workers_is_refused(server: Server, documents):
+    texts = list(numbered_texts(documents, 100))
+    dataset = TokenizedIterableDataset(texts, server.url, batch_size=25, model="uni")
+    dataset.load_state_dict({**dataset.state_dict(), "worker": 1, "workers": 2})
+    with pytest.raises(ValueError, match="worker 1 of 2, this is worker 0 of 1: resume with the num_workers"):
+        next(iter(dataset))
+
+
+@pytest.mark.parametrize("pack", [None, PackSpec(seq_len=64, rows=2)])
+def test_a_dataloader_left_at_its_default_batch_size_says_to_pass_none(server: Server, documents, pack):
+    dataset = TokenizedIterableDataset(documents[:50], server.url, batch_size=25, model="uni", pack=pack)
+    with pytest.raises(TypeError, match=r"build it with batch_size=None") as refused:
+        next(iter(torch.utils.data.DataLoader(dataset)))
+    assert "\n" not in str(refused.value)
+    with pytest.raises(TypeError, match=r"build it with batch_size=None"):
+        next(iter(torch.utils.data.DataLoader(dataset, batch_size=4, num_workers=1)))
