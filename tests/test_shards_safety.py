@@ -75,6 +75,85 @@ def dataset(made: dict[str, Path], tmp_path: Path, request: pytest.FixtureReques
     return copy
 
 
+# -- 4. merge takes exactly the rank directories it names ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ranked(documents: list[str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("ranked")
+    inputs = root / "inputs"
+    inputs.mkdir()
+    for part in range(4):
+        text = "".join(json.dumps({"text": f"{part} {doc}"}) + "\n" for doc in documents[part * 60 : (part + 1) * 60])
+        (inputs / f"part-{part}.jsonl").write_text(text, encoding="utf-8")
+    output = root / "out"
+    for rank in range(2):
+        args = [inputs, "--local", "--model", MODEL, "--workers", "1", "-q", "--shard-tokens", "1500"]
+        args += ["--output", output, "--rank", rank, "--world-size", 2]
+        assert pretokenize([str(a) for a in args]) == 0
+    return output
+
+
+def merged_copy(ranked: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "ranked"
+    shutil.copytree(ranked, copy)
+    return copy
+
+
+def half_written(rank: Path) -> None:
+    """Make `rank` look like a rank killed after its first shard."""
+    meta_file = rank / "metadata.json"
+    meta = json.loads(meta_file.read_text())
+    for shard in meta["shards"][1:]:
+        for suffix in (".bin", ".idx"):
+            (rank / f"{shard['name']}{suffix}").unlink()
+    meta["shards"], meta["complete"] = meta["shards"][:1], False
+    meta_file.chmod(0o644)
+    meta_file.write_text(json.dumps(meta))
+
+
+def test_merge_refuses_any_rank_directory_it_does_not_name(ranked: Path, tmp_path: Path) -> None:
+    whole = merged_copy(ranked, tmp_path / "whole")
+    assert tokenizer_shards("merge", whole).returncode == 0
+    expected = [doc.tolist() for doc in (TokenDataset(whole)[i] for i in range(len(TokenDataset(whole))))]
+    assert len(expected) == 240
+
+    # a stale copy beside a complete rank: named, the complete rank not blamed
+    stale = merged_copy(ranked, tmp_path / "stale")
+    shutil.copytree(stale / "rank-00001", stale / "rank-00001.old")
+    half_written(stale / "rank-00001.old")
+    error = one_line(tokenizer_shards("merge", stale), 2, "rank-00001.old")
+    assert "incomplete: rank-00001" not in error and not (stale / "metadata.json").exists()
+
+    # a complete backup beside a half-written rank: refused, never merged over the half-written files
+    backup = merged_copy(ranked, tmp_path / "backup")
+    shutil.copytree(backup / "rank-00001", backup / "rank-00001.bak")
+    half_written(backup / "rank-00001")
+    one_line(tokenizer_shards("merge", backup), 2, "rank-00001.bak")
+    assert not (backup / "metadata.json").exists()
+    shutil.rmtree(backup / "rank-00001.bak")
+    one_line(tokenizer_shards("merge", backup), 2, "incomplete: rank-00001")
+
+    # a rank written as rank-1: refused by name (a merge would name rank-00001/..., files that do not exist)
+    short = merged_copy(ranked, tmp_path / "short")
+    (short / "rank-00001").rename(short / "rank-1")
+    one_line(tokenizer_shards("merge", short), 2, "rank-1")
+    assert not (short / "metadata.json").exists()
+
+    # a rank directory holding another rank's output
+    swapped = merged_copy(ranked, tmp_path / "swapped")
+    shutil.rmtree(swapped / "rank-00001")
+    shutil.copytree(swapped / "rank-00000", swapped / "rank-00001")
+    one_line(tokenizer_shards("merge", swapped), 2, "rank-00001", "rank 0")
+
+    # a shard file gone from a complete rank: merge exits 0 only for a dataset that reads back
+    missing = merged_copy(ranked, tmp_path / "missing")
+    gone = sorted((missing / "rank-00001").glob("*.bin"))[-1]
+    gone.unlink()
+    one_line(tokenizer_shards("merge", missing), 2, gone.name)
+    assert not (missing / "metadata.json").exists()
+
+
 # -- 5. datasets cannot lie: the dtype -----------------------------------------------------------------------------
 
 

@@ -16,14 +16,16 @@ import bisect
 import itertools
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from tokenizer_service.tools.pretokenize.store import identity
-from tokenizer_client.dataset import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, check_metadata
+from tokenizer_client.dataset import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, TokenDataset, check_metadata
 
 RANK_DIRECTORY = "rank-{:05d}"
+RANK_NAME = re.compile(r"rank-([0-9]{5})")
 
 
 class RankError(Exception):
@@ -97,8 +99,23 @@ def rank_directory(output: Path, rank: int) -> Path:
 
 
 def merge(directory: Path) -> dict[str, Any]:
-    """Write DIR/metadata.json over every rank's output; RankError naming each rank that is not ready."""
-    ranks = sorted(path for path in directory.glob("rank-*") if path.is_dir())
+    """Write DIR/metadata.json over every rank's output; RankError naming each rank that is not ready.
+
+    Exactly the directories named ``rank-NNNNN`` are ranks, each holding the output of the rank its name says; any
+    other entry named ``rank-...`` (a copy ``rank-00001.old``, a ``rank-1``) is refused by name, so that a merge never
+    blames, skips or takes the wrong one. metadata.json is written only once every shard it names opens as
+    ``TokenDataset`` opens it (files present, headers and sizes agreeing)."""
+    if not directory.is_dir():
+        raise RankError(f"{directory} is not a directory: give the --output of the ranked run")
+    entries = sorted(path for path in directory.iterdir() if path.name.startswith("rank-"))
+    strays = [path.name for path in entries if not (RANK_NAME.fullmatch(path.name) and path.is_dir())]
+    if strays:
+        what, them = ("is not a rank", "it") if len(strays) == 1 else ("are not ranks", "them")
+        raise RankError(
+            f"cannot merge: {', '.join(strays)} in {directory} {what} (only directories named rank-NNNNN are): "
+            f"move {them} out of {directory}"
+        )
+    ranks = [path for path in entries if path.is_dir()]
     if not ranks:
         raise RankError(f"{directory} holds no rank-RRRRR directories: run the ranks first")
     metadata = []
@@ -106,9 +123,14 @@ def merge(directory: Path) -> dict[str, Any]:
     for path in ranks:
         try:
             file = path / METADATA_FILE
-            metadata.append(check_metadata(json.loads(file.read_text(encoding="utf-8")), file))
+            meta = check_metadata(json.loads(file.read_text(encoding="utf-8")), file)
         except (OSError, ValueError) as exc:
             problems.append(f"{path.name}: no readable {METADATA_FILE} ({exc})")
+            continue
+        index = meta.get("rank", {}).get("index")
+        if index != int(path.name.removeprefix("rank-")):
+            problems.append(f"{path.name} holds the output of rank {index}, not of the rank its name says")
+        metadata.append(meta)
     if problems:
         raise RankError("cannot merge: " + "; ".join(problems))
     world_sizes = {meta.get("rank", {}).get("world_size") for meta in metadata}
@@ -159,6 +181,14 @@ def merge(directory: Path) -> dict[str, Any]:
         merged["rows"] = sum(meta["rows"] for meta in ordered)
     if any("leftover" in meta for meta in ordered):
         merged["leftovers"] = [meta.get("leftover") for meta in ordered]
+    for rank in range(world_size):  # every shard the merged metadata.json names opens as a TokenDataset opens it
+        path = rank_directory(directory, rank)
+        try:
+            dataset = TokenDataset(path)
+            for shard in range(dataset.num_shards):
+                dataset.shard(shard)
+        except (OSError, ValueError) as exc:
+            raise RankError(f"cannot merge: {path.name}: {exc} (run that rank again, or verify it)") from None
     temporary = directory / f".{METADATA_FILE}.tmp"
     temporary.write_text(json.dumps(merged, indent=1), encoding="utf-8")
     os.replace(temporary, directory / METADATA_FILE)
