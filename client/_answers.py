@@ -31,14 +31,31 @@ def retry_after(response: httpx.Response) -> float | None:
         return None
 
 
-def raise_for_error(response: httpx.Response) -> None:
+def raise_for_error(response: httpx.Response, base: str | None = None, path: str = "") -> None:
+    """A TokenizerServiceError for an error status, naming the URL requested (`base` + `path`) when given."""
     if response.status_code < 400:
         return
     try:
         body = loads(response.content)
     except ValueError:
         body = {"error": {"type": "http_error", "message": response.text[:500]}}
-    raise TokenizerServiceError(response.status_code, body if isinstance(body, dict) else None, retry_after(response))
+    body = body if isinstance(body, dict) else None
+    url = None if base is None else base + path
+    hint = _hint(response.status_code, body, base, path) if base is not None else None
+    raise TokenizerServiceError(response.status_code, body, retry_after(response), url=url, hint=hint)
+
+
+def _hint(status: int, body: dict[str, Any] | None, base: str, path: str) -> str | None:
+    """What to give instead, for a 404 that says the path is not there (not a model the service lacks)."""
+    error = (body or {}).get("error")
+    kind = error.get("type") if isinstance(error, dict) else None
+    if status != 404 or kind == "model_not_found":
+        return None
+    parsed = httpx.URL(base)
+    root = str(parsed.copy_with(path="/", query=None, fragment=None)).rstrip("/")
+    if parsed.path.strip("/"):
+        return f"the client adds {path} to the URL it is given: give the server's root URL, e.g. {root}"
+    return f"no {path} there: give the root URL of a tokenizer-service, e.g. http://127.0.0.1:8000"
 
 
 T = TypeVar("T")

@@ -169,9 +169,14 @@ class BaseClient:
         except httpx.TransportError as exc:
             raise TokenizerConnectionError(f"{call.method} {self.urls[replica]}{call.path} failed: {exc!r}") from exc
 
-    @staticmethod
-    def _checked(response: httpx.Response) -> httpx.Response:
-        raise_for_error(response)
+    def _checked(
+        self, response: httpx.Response, replica: int | None = None, call: Call | None = None
+    ) -> httpx.Response:
+        """`response`, or its error status raised as a TokenizerServiceError naming the URL requested."""
+        if replica is None or call is None:
+            raise_for_error(response)
+        else:
+            raise_for_error(response, self.urls[replica], call.path)
         return response
 
     # -- exchanges: each endpoint's call and the reading of its reply -----------------------------------

@@ -76,7 +76,7 @@ class TokenizerClient(Closing, BaseClient):
             response = self._transport.handle_request(self._http_request(replica, call))
             with closing(response):
                 response.read()
-        return self._checked(response)
+        return self._checked(response, replica, call)
 
     def _request(self, call: Call, policy: RetryPolicy | None = None) -> Reply:
         """Send with failover and retries (`policy`, else this client's)."""
@@ -279,7 +279,7 @@ class AsyncTokenizerClient(AsyncClosing, BaseClient):
             response = await self._transport.handle_async_request(self._http_request(replica, call))
             async with aclosing(response):
                 await response.aread()
-        return self._checked(response)
+        return self._checked(response, replica, call)
 
     async def _request(self, call: Call, policy: RetryPolicy | None = None) -> Reply:
         """Send with failover and retries (`policy`, else this client's); cancellation stops it at once."""

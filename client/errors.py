@@ -25,10 +25,24 @@ class MalformedAnswerError(TokenizerProtocolError):
 
 
 class TokenizerServiceError(TokenizerError):
-    """The server answered with an error status; `body` is its JSON error body."""
+    """The server answered with an error status; `body` is its JSON error body, `url` the URL requested.
 
-    def __init__(self, status: int, body: dict[str, Any] | None, retry_after: float | None = None) -> None:
+    The message starts with the URL (when known) and, where the answer says what to change, ends with it:
+    a 404 for a path the service does not have, from a base URL with a path of its own, says to give the
+    server's root URL instead.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        body: dict[str, Any] | None,
+        retry_after: float | None = None,
+        *,
+        url: str | None = None,
+        hint: str | None = None,
+    ) -> None:
         self.status = status
+        self.url = url
         self.body = body or {}
         found = self.body.get("error")
         error: dict[str, Any] = found if isinstance(found, dict) else {}
@@ -38,7 +52,9 @@ class TokenizerServiceError(TokenizerError):
         self.index: int | None = error.get("index")
         self.retry_after = retry_after
         where = f" (field {self.field!r}, index {self.index})" if self.index is not None else ""
-        super().__init__(f"{status} {self.error_type or 'error'}: {self.message}{where}")
+        requested = f"{url}: " if url else ""
+        advice = f"; {hint}" if hint else ""
+        super().__init__(f"{requested}{status} {self.error_type or 'error'}: {self.message}{where}{advice}")
 
     @property
     def retryable(self) -> bool:

@@ -229,7 +229,8 @@ def test_an_error_status_is_a_service_error_raised_at_once(service, status, kind
     assert (raised.field, raised.index) == (where.get("field"), where.get("index"))
     assert not raised.retryable and raised.retry_after is None
     assert len(service.requests) == 1, "retrying cannot fix it, failing over neither"
-    assert str(raised).startswith(f"{status} {kind}: what {status} says")
+    assert str(raised).startswith(f"{A}/v1/tokenize: {status} {kind}: what {status} says")  # the URL requested
+    assert raised.url == f"{A}/v1/tokenize"
 
 
 def test_a_503_carries_its_retry_after_and_a_retry_waits_that_long(service, monkeypatch):

@@ -74,3 +74,43 @@ def test_info_into_head_through_a_shell(shards: Path, tmp_path: Path) -> None:
     )
     assert result.stdout.count("\n") == 1
     assert result.stderr.strip() in ("status 0", f"status {CLOSED_PIPE}"), result.stderr
+
+
+# -- the client's errors name the URL they requested ---------------------------------------------------------
+
+
+def test_a_base_url_with_a_path_the_service_lacks_says_to_give_the_root(server) -> None:
+    from tokenizer_client import AsyncTokenizerClient, PrefetchError, TokenizerClient, TokenizerServiceError
+
+    with TokenizerClient(f"{server.url}/v1") as client, pytest.raises(TokenizerServiceError) as refused:
+        client.tokenize(["I am a cat."])
+    message = str(refused.value)
+    assert message.startswith(f"{server.url}/v1/v1/tokenize: 404 "), message
+    assert message.endswith(f"give the server's root URL, e.g. {server.url}"), message
+    assert "\n" not in message and refused.value.url == f"{server.url}/v1/v1/tokenize"
+
+    with TokenizerClient(f"{server.url}/v1/") as client, pytest.raises(PrefetchError) as failed:
+        list(client.prefetch(["a text"] * 3, batch_size=2))
+    assert f"{server.url}/v1/v1/tokenize: 404" in str(failed.value)
+    assert f"e.g. {server.url}" in str(failed.value)
+
+    import asyncio
+
+    async def detokenize() -> None:
+        async with AsyncTokenizerClient(f"{server.url}/tokenizer") as client:
+            await client.detokenize([[5, 6]])
+
+    with pytest.raises(TokenizerServiceError, match=rf"^{server.url}/tokenizer/v1/detokenize: 404 .*root URL"):
+        asyncio.run(detokenize())
+
+
+def test_every_service_error_names_the_url_it_requested(server) -> None:
+    from tokenizer_client import TokenizerClient, TokenizerServiceError
+
+    with TokenizerClient(server.url) as client:
+        with pytest.raises(TokenizerServiceError) as refused:
+            client.tokenize(["a"], model="no-such-model")
+        assert str(refused.value).startswith(f"{server.url}/v1/tokenize: 404 model_not_found")
+        assert "root URL" not in str(refused.value)  # the path was right: the model is what is missing
+        with pytest.raises(TokenizerServiceError, match=rf"^{server.url}/v1/detokenize: 4\d\d "):
+            client.detokenize([[10**9]])
