@@ -5,12 +5,16 @@ Chosen to reach the places where two implementations of one tokenizer part ways:
 normalization (NBSP, ligatures, full-width forms, combining marks), whitespace runs, digits,
 emoji sequences, control characters, long words, and the model's own special-token strings in every
 position. `texts(special)` adds those strings to the fixed ones.
+
+The fixed texts are a sample; the gate (tokenizer_service.core.libraries.gate) also scans every Unicode
+code point (`code_point_blocks`, `edge_texts`) and every special-token string (`token_groups`), batched
+into large texts so that the scan costs seconds, with each text that differs bisected down to what
+differs. `VERSION` names these texts in the gate's cache: change it whenever they change.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 FIXED = (
     "",
@@ -57,21 +61,83 @@ FIXED = (
 )
 
 
-MOST_TOKENS = 64  # of a model's added tokens, checked: the first and last halves (a model may add 100,000)
+VERSION = 2  # of the texts below and the scan: a cached verdict of another version is not used
+
+LONG_TOKEN_CHARS = 256  # a longer special-token string is checked alone and in one context, never repeated
+TOKENS_PER_TEXT = 64  # special-token strings batched into one check text (a long one gets a text of its own)
+CODE_POINTS_PER_TEXT = 256  # code points batched into one check text
 
 
 def texts(special: Iterable[str] = ()) -> list[str]:
-    """The fixed texts, then each special-token string alone, inside words, spaced, repeated, and all together."""
+    """The fixed texts, then the special-token strings alone, in words, spaced, repeated and side by side
+    (`token_groups`: every one of them, batched)."""
     out = list(FIXED)
     tokens = [token for token in special if token]
-    if len(tokens) > MOST_TOKENS:
-        tokens = tokens[: MOST_TOKENS // 2] + tokens[-MOST_TOKENS // 2 :]
-    for token in tokens:
-        out += [token, f"a{token}b", f" {token} ", token * 3, f"Hello{token}\n{token}world", f"{token}日本語 {token}👍"]
-        # whitespace around it, where lstrip/rstrip tokens and whitespace-only added tokens meet
-        out += [f"  {token}  ", f"\n\t {token} \t\n", f"x  {token}", f"{token}  x", f"x {token} {token} x"]
-    if tokens:
-        out.append(" ".join(tokens) + "".join(tokens))
-        out += [f"{first}{second}" for first, second in itertools.pairwise(tokens)]  # adjacent pairs
-        out += [f"{first}  {second}" for first, second in itertools.pairwise(tokens)]
+    out += tokens
+    out += [token_text(group) for group in token_groups(tokens)]
     return out
+
+
+def token_contexts(token: str) -> str:
+    """One special-token string in the contexts where implementations part ways: inside words, spaced,
+    next to other scripts and emoji, whitespace around it (where lstrip/rstrip tokens and whitespace-only
+    added tokens meet), and repeated (only when short: a 256 KB special-token string must not cost more
+    than a few times its size)."""
+    if len(token) > LONG_TOKEN_CHARS:
+        return f"a{token}b {token}\n"
+    return (
+        f"a{token}b {token} Hello{token}\n{token}world {token}日本語 {token}👍"
+        f"  {token}  \n\t {token} \t\nx  {token}  x {token} {token} x {token * 3}\n"
+    )
+
+
+def token_text(tokens: Sequence[str]) -> str:
+    """Special-token strings each in its contexts, then side by side, then two spaces apart."""
+    if len(tokens) == 1:
+        return token_contexts(tokens[0])
+    return "".join(token_contexts(token) for token in tokens) + "".join(tokens) + " " + "  ".join(tokens)
+
+
+def token_groups(tokens: Sequence[str]) -> list[list[str]]:
+    """The special-token strings in groups of `TOKENS_PER_TEXT`; a long one alone."""
+    groups: list[list[str]] = []
+    group: list[str] = []
+    for token in tokens:
+        if len(token) > LONG_TOKEN_CHARS:
+            groups.append([token])
+            continue
+        group.append(token)
+        if len(group) == TOKENS_PER_TEXT:
+            groups.append(group)
+            group = []
+    if group:
+        groups.append(group)
+    return groups
+
+
+def code_points() -> list[int]:
+    """Every Unicode code point a str can carry as text: 0 to U+10FFFF but the surrogates."""
+    return [*range(0xD800), *range(0xE000, 0x110000)]
+
+
+def code_point_text(points: Sequence[int]) -> str:
+    """Each code point after a space, between letters and three times in a row, one line each."""
+    return "".join(f" {c}a{c}b{c}{c}{c}\n" for c in map(chr, points))
+
+
+def code_point_blocks() -> list[list[int]]:
+    points = code_points()
+    return [points[start : start + CODE_POINTS_PER_TEXT] for start in range(0, len(points), CODE_POINTS_PER_TEXT)]
+
+
+def edge_text(point: int) -> str:
+    """The code point at the start and at the end of a text."""
+    c = chr(point)
+    return f"{c}a{c}"
+
+
+def describe(points: Iterable[int], most: int = 64) -> str:
+    """Code points as U+XXXX, at most `most` of them (then how many more)."""
+    points = list(points)
+    shown = " ".join(f"U+{point:04X}" for point in points[:most])
+    return shown + (f" … ({len(points) - most} more)" if len(points) > most else "")

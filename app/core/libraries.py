@@ -22,13 +22,19 @@ Every library runs single-threaded in a worker (`single_threaded`): one process 
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import importlib.metadata
 import json
 import logging
 import os
 import random
+import tempfile
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -116,10 +122,12 @@ class Library(ABC):
     normalizes: bool  # may grow a text under Unicode normalization (the expansion bound applies)
 
     @abstractmethod
-    def __init__(self, files: ModelFiles, encoder: str = FAST) -> None:
+    def __init__(self, files: ModelFiles, encoder: str = FAST, trusted: bool = False) -> None:
         """Load the model from its files' bytes; `encoder` fast puts fastokens in front where it passes its gate."""
 
     max_text_chars: int | None = None  # a longer text is refused (413): what the encoder's memory allows
+    fast: Any | None = None  # fastokens' tokenizer, when it encodes this model
+    shadow: Any | None = None  # a tokenizer_service.core.shadow.Shadow sampling what fastokens encodes
 
     def encode(self, texts: list[str], options: Any, first_index: int = 0) -> Encoded:
         """Ids of each text exactly as the library gives them in-process, then BOS and EOS, then max_length."""
@@ -139,6 +147,8 @@ class Library(ABC):
                         index=first_index + position,
                     )
         ids, lengths = self.encode_plain(texts, bool(options.parse_special_tokens))
+        if self.shadow is not None and self.fast is not None:
+            self.shadow.sample(self, texts, bool(options.parse_special_tokens), ids, lengths)
         ids, lengths = frame(
             ids, lengths, self.bos_id if options.add_bos else None, self.eos_id if options.add_eos else None
         )
@@ -154,6 +164,15 @@ class Library(ABC):
     def decode(self, rows: list[list[int]]) -> list[str]:
         """The library's decode of each row (ids already checked to lie in the vocabulary)."""
 
+    def reference_rows(self, texts: list[str], parse_special: bool) -> list[list[int]]:
+        """The reference library's own ids of each text (what a fast encoder is checked against)."""
+        return [list(row) for row in flatten_rows(*self.encode_plain(texts, parse_special))]
+
+    def fall_back(self) -> None:
+        """Encode with the reference library from now on (fastokens differed from it)."""
+        self.fast = None
+        self.encoder = self.library
+
     def special_ids(self) -> dict[str, int]:
         return {"bos": self.bos_id, "eos": self.eos_id, "pad": self.pad_id, "unk": self.unk_id}
 
@@ -168,7 +187,7 @@ LIST_ENCODE_MIN_TEXTS = 16
 class SentencePiece(Library):
     library = SENTENCEPIECE
 
-    def __init__(self, files: ModelFiles, encoder: str = FAST) -> None:
+    def __init__(self, files: ModelFiles, encoder: str = FAST, trusted: bool = False) -> None:
         import sentencepiece as spm
 
         self.processor = spm.SentencePieceProcessor()
@@ -255,27 +274,177 @@ def _sentencepiece_type(serialized: bytes) -> str:
 
 # -- the gate in front of a fast encoder ----------------------------------------------------------------
 
+Rows = Callable[[list[str], bool], list[list[int]]]
+GATE_BATCH_CHARS = 1 << 20  # check texts encoded together, at most (tokenizers' memory grows with a batch)
+GATE_BATCH_TEXTS = 1 << 16
+CACHE_DIR_ENV = "TOKENIZER_CACHE_DIR"
+# Tests only (tests/test_shadow.py): "U+XXXX" makes every worker's fast encoder give one wrong id for texts
+# holding that code point, after its gate: what shadow verification must catch. Never set it in production.
+PLANT_ENV = "TOKENIZER_TEST_FAST_DIFFERS"
 
-def gate(
-    name: str,
-    reference: Callable[[list[str], bool], list[list[int]]],
-    fast: Callable[[list[str], bool], list[list[int]]],
-    texts: list[str],
-) -> str | None:
+
+def gate(name: str, reference: Rows, fast: Rows, texts: list[str]) -> str | None:
     """None when `fast` gives `reference`'s ids for every text in both special-token modes, else what differed."""
     for parse_special in (False, True):
         expected = reference(texts, parse_special)
         try:
             got = fast(texts, parse_special)
-        except (KeyboardInterrupt, SystemExit, GeneratorExit):
-            raise
-        except BaseException as exc:  # one that cannot encode the check set (a Rust panic too) is not used
+        except Exception as exc:  # a fast encoder that cannot encode the check set is not used
             return f"fastokens failed on the check set: {exc!r}"
         for index, (want, have) in enumerate(zip(expected, got, strict=True)):
             if list(want) != list(have):
                 mode = "parsing special tokens" if parse_special else "special tokens as text"
                 return f"check text {index} ({texts[index][:40]!r}, {mode}): {list(have)[:8]} != {list(want)[:8]}"
     return None
+
+
+def _mode(parse_special: bool) -> str:
+    return "parsing special tokens" if parse_special else "special tokens as text"
+
+
+def _differing(reference: Rows, fast: Rows, texts: list[str], parse_special: bool) -> list[int]:
+    """Indexes of the texts `fast` encodes otherwise than `reference`, in batches of bounded size."""
+    found: list[int] = []
+    start = 0
+    while start < len(texts):
+        end, size = start, 0
+        while end < len(texts) and (end == start or (size < GATE_BATCH_CHARS and end - start < GATE_BATCH_TEXTS)):
+            size += len(texts[end])
+            end += 1
+        batch = texts[start:end]
+        want, have = reference(batch, parse_special), fast(batch, parse_special)
+        found += [start + index for index, (a, b) in enumerate(zip(want, have, strict=True)) if list(a) != list(b)]
+        start = end
+    return found
+
+
+def _culprits(items: list[Any], make: Callable[[list[Any]], str], reference: Rows, fast: Rows, parse: bool) -> list[Any]:
+    """The items whose text (`make`) alone differs, by bisection; all of them when only together they differ."""
+    if len(items) <= 1:
+        return list(items)
+    middle = len(items) // 2
+    found: list[Any] = []
+    for half in (items[:middle], items[middle:]):
+        if _differing(reference, fast, [make(half)], parse):
+            found += _culprits(half, make, reference, fast, parse)
+    return found or list(items)
+
+
+def _touching(texts: list[str], firsts: set[str]) -> list[int]:
+    """Indexes of the texts holding the first character of a special-token string (only those can parse one)."""
+    if not firsts:
+        return []
+    return [index for index, text in enumerate(texts) if not firsts.isdisjoint(text)]
+
+
+def scan(reference: Rows, fast: Rows, special: Sequence[str]) -> str | None:
+    """None when `fast` gives `reference`'s ids for every code point and every special-token string, else
+    what differs, naming the code points (U+XXXX) or the special-token strings.
+
+    Every code point (`checkset.code_point_blocks`: after a space, between letters, three in a row;
+    `checkset.edge_text`: at the start and the end of a text) with special tokens as text, and where a
+    text holds the first character of a special-token string, parsing them too; every special-token
+    string (`checkset.token_groups`) in both modes. A text that differs is bisected to what differs."""
+    tokens = [token for token in special if token]
+    firsts = {token[0] for token in tokens}
+    try:
+        blocks = checkset.code_point_blocks()
+        block_texts = [checkset.code_point_text(block) for block in blocks]
+        for parse_special in (False, True):
+            chosen = range(len(blocks)) if not parse_special else _touching(block_texts, firsts)
+            texts = [block_texts[index] for index in chosen]
+            for index in _differing(reference, fast, texts, parse_special):
+                block = blocks[chosen[index]]
+                points = _culprits(block, checkset.code_point_text, reference, fast, parse_special)
+                return (
+                    f"code point {checkset.describe(points)} (after a space, between letters, repeated; "
+                    f"{_mode(parse_special)})"
+                )
+        points = checkset.code_points()
+        for first in range(0, len(points), GATE_BATCH_TEXTS):  # built a batch at a time: bounded memory
+            some = points[first : first + GATE_BATCH_TEXTS]
+            edges = [checkset.edge_text(point) for point in some]
+            for parse_special in (False, True):
+                chosen = range(len(some)) if not parse_special else _touching(edges, firsts)
+                bad = _differing(reference, fast, [edges[index] for index in chosen], parse_special)
+                if bad:
+                    culprits = [some[chosen[index]] for index in bad]
+                    where = "at the start and the end of a text"
+                    return f"code point {checkset.describe(culprits)} ({where}; {_mode(parse_special)})"
+        groups = checkset.token_groups(tokens)
+        for parse_special in (False, True):
+            bad = _differing(reference, fast, tokens, parse_special)
+            if bad:
+                return f"special-token string {tokens[bad[0]][:80]!r} alone ({_mode(parse_special)})"
+            texts = [checkset.token_text(group) for group in groups]
+            for index in _differing(reference, fast, texts, parse_special):
+                culprits = _culprits(groups[index], checkset.token_text, reference, fast, parse_special)
+                shown = ", ".join(repr(token[:80]) for token in culprits[:8])
+                return f"special-token string {shown} in context ({_mode(parse_special)})"
+    except Exception as exc:  # a fast encoder that cannot encode a text is not used
+        return f"fastokens failed on the code-point scan: {exc!r}"
+    return None
+
+
+def cache_dir() -> Path:
+    """Where gate verdicts are kept: $TOKENIZER_CACHE_DIR/gate, else $XDG_CACHE_HOME (~/.cache)/tokenizer-service/gate."""
+    configured = os.environ.get(CACHE_DIR_ENV)
+    if configured:
+        return Path(configured).expanduser() / "gate"
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "tokenizer-service" / "gate"
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def gate_key(library: Any) -> dict[str, Any]:
+    """What a gate verdict depends on: both encoders and their versions, the model's bytes, the check set."""
+    return {
+        "fast": f"{FASTOKENS} {_version(FASTOKENS)}",
+        "reference": f"{library.library} {_version(library.library)}",
+        "model_sha256": library.files.sha256,
+        "checkset": checkset.VERSION,
+    }
+
+
+def _cache_file(key: dict[str, Any]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    return cache_dir() / f"{digest}.json"
+
+
+def cached_verdict(key: dict[str, Any]) -> dict[str, Any] | None:
+    """An earlier gate's verdict for exactly this key, or None (no cache, unreadable, another key)."""
+    try:
+        verdict = json.loads(_cache_file(key).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(verdict, dict) or verdict.get("key") != key or not isinstance(verdict.get("passed"), bool):
+        return None
+    return verdict
+
+
+def remember_verdict(key: dict[str, Any], differs: str | None, seconds: float) -> None:
+    """Keep a verdict (written atomically); a cache that cannot be written is silently no cache."""
+    path = _cache_file(key)
+    verdict = {"key": key, "passed": differs is None, "differs": differs, "seconds": round(seconds, 3)}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=".verdict-", suffix=".tmp")
+        try:
+            with os.fdopen(descriptor, "w") as file:
+                json.dump(verdict, file)
+            os.replace(temporary, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise
+    except OSError:
+        return
 
 
 def _fastokens() -> Any | None:
@@ -286,10 +455,13 @@ def _fastokens() -> Any | None:
     return fastokens
 
 
-def _adopt_fast(library: Any, build: Callable[[Any], Any], special: list[str]) -> bool:
+def _adopt_fast(library: Any, build: Callable[[Any], Any], special: list[str], trusted: bool = False) -> bool:
     """Put fastokens in front of `library` if it loads the model and passes the gate; else log why not, once.
 
-    On success the reference library's copy is dropped (loaded again only to decode)."""
+    The gate: the check set (both modes), then the scan of every code point and special-token string
+    (`scan`), whose verdict is remembered in the cache (`cache_dir`) by `gate_key`. `trusted`: the process
+    that announced the model passed the whole gate on these very files (a worker): the check set only.
+    On success the reference library's copy is dropped (loaded again only to decode or verify)."""
     where, name = library.files.path, library.library
     fastokens = _fastokens()
     if fastokens is None:
@@ -297,18 +469,48 @@ def _adopt_fast(library: Any, build: Callable[[Any], Any], special: list[str]) -
         return False
     try:
         fast = build(fastokens)
-    except (KeyboardInterrupt, SystemExit, GeneratorExit):
-        raise
-    except BaseException as exc:  # a model fastokens does not support (a normalizer, a pattern; a Rust panic
-        # is a BaseException): the library serves it
+    except Exception as exc:  # a model fastokens does not support (a normalizer, a pattern): the library serves it
         logger.warning("%s: fastokens cannot load it (%s); encoding with %s", where, exc, name)
         return False
-    differs = gate(str(where), library._reference_rows, _fast_rows(fast), checkset.texts(special))
+    fast_rows = _fast_rows(fast)
+    differs = gate(str(where), library._reference_rows, fast_rows, checkset.texts(special))
+    if differs is None and not trusted:
+        key = gate_key(library)
+        verdict = cached_verdict(key)
+        if verdict is not None:
+            differs = verdict["differs"] if not verdict["passed"] else None
+        else:
+            started = time.monotonic()
+            differs = scan(library._reference_rows, fast_rows, special)
+            seconds = time.monotonic() - started
+            logger.info("%s: the fast encoder's gate took %.1fs (%s)", where, seconds, "passed" if differs is None else "refused")
+            remember_verdict(key, differs, seconds)
     if differs is not None:
         logger.warning("%s: fastokens differs from %s (%s); encoding with %s", where, name, differs, name)
         return False
     library.fast, library.encoder, library._reference = fast, FASTOKENS, None
     return True
+
+
+def plant_difference(library: Library, point: int) -> None:
+    """Tests only (PLANT_ENV): the fast encoder gives one wrong id in each text holding `point`."""
+    fast = getattr(library, "fast", None)
+    if fast is not None:
+        library.fast = _Planted(fast, chr(point))  # type: ignore[attr-defined]
+
+
+class _Planted:
+    def __init__(self, fast: Any, char: str) -> None:
+        self.inner, self.char = fast, char
+
+    def encode_batch_flat(self, texts: list[str], **options: Any) -> tuple[Any, Any]:
+        ids, offsets = self.inner.encode_batch_flat(texts, **options)
+        bounds = np.frombuffer(offsets, dtype="<u8")
+        changed = np.frombuffer(ids, dtype="<u4").copy()
+        for index, text in enumerate(texts):
+            if self.char in text and bounds[index + 1] > bounds[index]:
+                changed[bounds[index]] ^= 1
+        return changed.tobytes(), offsets
 
 
 # -- Hugging Face tokenizers ------------------------------------------------------------------------------
@@ -322,7 +524,7 @@ REFERENCE_MAX_TEXT_CHARS = 4 << 20
 class HuggingFace(Library):
     library = TOKENIZERS
 
-    def __init__(self, files: ModelFiles, encoder: str = FAST) -> None:
+    def __init__(self, files: ModelFiles, encoder: str = FAST, trusted: bool = False) -> None:
         self.files = files
         document = json.loads(files.contents[0])
         if document["model"].get("dropout") not in (None, 0, 0.0):
@@ -348,12 +550,13 @@ class HuggingFace(Library):
         self.bos_id, self.eos_id, self.pad_id, self.unk_id = ids["bos"], ids["eos"], ids["pad"], ids["unk"]
         self.normalizes = document.get("normalizer") is not None
         self.special = [added.content for added in reference.get_added_tokens_decoder().values()]
+        self._holes: frozenset[int] | None = None
         self._reference: Any | None = reference
         self.fast: Any | None = None
         self.encoder = TOKENIZERS
         self.max_text_chars = REFERENCE_MAX_TEXT_CHARS
         if encoder == FAST:
-            self._try_fast(files)
+            self._try_fast(files, trusted)
 
     def _load_reference(self) -> Any:
         import tokenizers
@@ -372,15 +575,22 @@ class HuggingFace(Library):
             self._reference = self._load_reference()
         return self._reference
 
-    def _try_fast(self, files: ModelFiles) -> None:
+    def _try_fast(self, files: ModelFiles, trusted: bool) -> None:
         def build(fastokens: Any) -> Any:
             fast = fastokens.Tokenizer.from_json_str(files.contents[0].decode("utf-8"))
             fast.no_truncation()
             fast.no_padding()
             return fast
 
-        if _adopt_fast(self, build, self.special):
+        if _adopt_fast(self, build, self.special, trusted):
             self.max_text_chars = None
+
+    def fall_back(self) -> None:
+        super().fall_back()
+        self.max_text_chars = REFERENCE_MAX_TEXT_CHARS
+
+    def reference_rows(self, texts: list[str], parse_special: bool) -> list[list[int]]:
+        return self._reference_rows(texts, parse_special)
 
     def _reference_rows(self, texts: list[str], parse_special: bool) -> list[list[int]]:
         reference = self.reference
@@ -410,7 +620,21 @@ class HuggingFace(Library):
         return np.concatenate(id_parts), np.concatenate(length_parts)
 
     def decode(self, rows: list[list[int]]) -> list[str]:
-        return list(self.reference.decode_batch(rows, skip_special_tokens=False)) if rows else []
+        if not rows:
+            return []
+        reference = self.reference
+        holes = self._holes
+        if holes is None:  # ids below vocab_size that no token has (a vocabulary with gaps): found once
+            size = self.vocab_size
+            self._holes = holes = frozenset(i for i in range(size) if reference.id_to_token(i) is None)
+        if holes:
+            for index, row in enumerate(rows):
+                missing = next((i for i in row if i in holes), None)
+                if missing is not None:
+                    raise InvalidField(
+                        f"ids[{index}] holds {missing}, an id no token of this model has", field="ids", index=index
+                    )
+        return list(reference.decode_batch(rows, skip_special_tokens=False))
 
 
 def _fast_rows(fast: Any) -> Callable[[list[str], bool], list[list[int]]]:
@@ -436,7 +660,7 @@ def _fast_flat(fast: Any, texts: list[str], parse_special: bool) -> Encoded:
 class Tiktoken(Library):
     library = TIKTOKEN
 
-    def __init__(self, files: ModelFiles, encoder: str = FAST) -> None:
+    def __init__(self, files: ModelFiles, encoder: str = FAST, trusted: bool = False) -> None:
         self.files = files
         self.spec = tiktoken_spec(files)
         self.type = "bpe"
@@ -459,7 +683,7 @@ class Tiktoken(Library):
         self.fast: Any | None = None
         self.encoder = TIKTOKEN
         if encoder == FAST:
-            self._try_fast(files)
+            self._try_fast(files, trusted)
 
     def _load_reference(self) -> Any:
         import tiktoken
@@ -488,13 +712,16 @@ class Tiktoken(Library):
             self._reference = self._load_reference()
         return self._reference
 
-    def _try_fast(self, files: ModelFiles) -> None:
+    def _try_fast(self, files: ModelFiles, trusted: bool) -> None:
         def build(fastokens: Any) -> Any:
             return fastokens.Tokenizer.from_tiktoken(
                 str(files.main), pattern=self.spec.pat_str, special_tokens=self.spec.special_tokens
             )
 
-        _adopt_fast(self, build, list(self.spec.special_tokens))
+        _adopt_fast(self, build, list(self.spec.special_tokens), trusted)
+
+    def reference_rows(self, texts: list[str], parse_special: bool) -> list[list[int]]:
+        return self._reference_rows(texts, parse_special)
 
     def _reference_rows(self, texts: list[str], parse_special: bool) -> list[list[int]]:
         reference = self.reference
@@ -532,6 +759,16 @@ def _has_token(encoding: Any, token: int) -> bool:
 LIBRARIES: dict[str, type[Library]] = {SENTENCEPIECE: SentencePiece, TOKENIZERS: HuggingFace, TIKTOKEN: Tiktoken}
 
 
-def load(files: ModelFiles, encoder: str = FAST) -> Library:
-    """The model in its library, with fastokens in front when `encoder` is fast and it passes the gate."""
-    return LIBRARIES[files.library](files, encoder)
+def load(files: ModelFiles, encoder: str = FAST, trusted: bool = False) -> Library:
+    """The model in its library, with fastokens in front when `encoder` is fast and it passes the gate
+    (`trusted`: the announcing process passed the whole gate on these files; the check set only)."""
+    library = LIBRARIES[files.library](files, encoder, trusted)
+    planted = os.environ.get(PLANT_ENV)
+    if planted and trusted:  # tests only: a worker whose fast encoder differs after its gate
+        plant_difference(library, int(planted.removeprefix("U+"), 16))
+    return library
+
+
+def flatten_rows(ids: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+    offsets = ragged_offsets(lengths)
+    return [ids[offsets[i] : offsets[i + 1]] for i in range(len(lengths))]

