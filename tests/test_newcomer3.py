@@ -114,3 +114,57 @@ def test_every_service_error_names_the_url_it_requested(server) -> None:
         assert "root URL" not in str(refused.value)  # the path was right: the model is what is missing
         with pytest.raises(TokenizerServiceError, match=rf"^{server.url}/v1/detokenize: 4\d\d "):
             client.detokenize([[10**9]])
+
+
+# -- /docs works offline ---------------------------------------------------------------------------------------
+
+
+def asset_urls(page: str) -> list[str]:
+    import re
+
+    return re.findall(r"""(?:src|href)\s*=\s*["']([^"']+)["']""", page)
+
+
+@pytest.mark.parametrize("page", ["/docs", "/redoc"])
+def test_the_docs_pages_load_every_asset_from_the_server_itself(server, page: str) -> None:
+    import httpx
+
+    answer = httpx.get(f"{server.url}{page}")
+    assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/html")
+    urls = asset_urls(answer.text)
+    assert any(url.endswith(".js") for url in urls), answer.text
+    assert "cdn" not in answer.text and "fonts.googleapis" not in answer.text
+    for url in urls:
+        assert url.startswith("/") and not url.startswith("//"), f"{page} loads {url} from elsewhere"
+        asset = httpx.get(f"{server.url}{url}")
+        assert asset.status_code == 200 and len(asset.content) > 1000, url
+        kind = {"js": "text/javascript", "css": "text/css", "png": "image/png"}[url.rpartition(".")[2]]
+        assert asset.headers["content-type"].startswith(kind), (url, asset.headers["content-type"])
+    if page == "/docs":
+        bundle = httpx.get(f"{server.url}/docs/assets/swagger-ui-bundle.js").text
+        assert "SwaggerUIBundle" in bundle and '"5.' in bundle  # Swagger UI 5: it reads OpenAPI 3.1
+        assert httpx.get(f"{server.url}/openapi.json").json()["openapi"].startswith("3.1")
+
+
+def test_with_api_keys_the_docs_and_their_assets_stay_open() -> None:
+    from tests.test_edge_inprocess import Edge
+
+    guarded = Edge(api_keys=["docs-test-key"])
+    try:
+        docs = guarded.request("GET", "/docs")
+        assert docs.status_code == 200
+        for url in asset_urls(docs.text):
+            assert guarded.request("GET", url).status_code == 200, url
+        assert guarded.request("POST", "/v1/tokenize", json={"texts": ["a"]}).status_code == 401
+        assert guarded.request("GET", "/docs/assets/nothing.js").status_code in (401, 404)
+    finally:
+        guarded.close()
+
+
+def test_the_asset_paths_left_open_are_those_served() -> None:
+    from tokenizer_service.http.auth import OPEN_PATHS
+    from tokenizer_service.http.docs_ui import ASSET_PATHS, asset_directory
+
+    assert ASSET_PATHS <= OPEN_PATHS
+    assert {path for path in OPEN_PATHS if path.startswith("/docs/assets/")} == ASSET_PATHS
+    assert asset_directory() is not None, "the server extra installs fastapi-offline, which ships the assets"

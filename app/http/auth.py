@@ -11,7 +11,15 @@ import hmac
 
 from starlette.types import Scope
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+OPEN_PATHS = frozenset(
+    {"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+    | {  # the docs pages' own assets (tokenizer_service.http.docs_ui), which a browser fetches without a key
+        "/docs/assets/swagger-ui-bundle.js",
+        "/docs/assets/swagger-ui.css",
+        "/docs/assets/redoc.standalone.js",
+        "/docs/assets/favicon.png",
+    }
+)
 
 
 def route_path(scope: Scope) -> str:

@@ -19,6 +19,7 @@ from tokenizer_service.core.pool import WorkerPool
 from tokenizer_service.core.readiness import ServiceState
 from tokenizer_service.core.registry import ModelRegistry
 from tokenizer_service.http.auth import ApiKeys
+from tokenizer_service.http.docs_ui import install_docs
 from tokenizer_service.http.edge import Edge
 from tokenizer_service.http.negotiation import MODEL_SHA256_HEADER
 from tokenizer_service.http.openapi import publish
@@ -81,7 +82,10 @@ def create_app(settings: Settings | None = None, registry: ModelRegistry | None 
         version=__version__,
         description="Batched SentencePiece tokenization for LLM training.",
         lifespan=lifespan,
+        docs_url=None,  # /docs and /redoc with their assets served here, not from a CDN: install_docs
+        redoc_url=None,
     )
+    install_docs(app)
     install_error_handlers(app)
     routers = (tokenize.router, models.router, health.router)
     for router in routers:
