@@ -111,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:  # every model read once here, so a wrong path is one line and not a failed lifespan
         paths = settings.model_paths()
-        registry = ModelRegistry.from_paths(paths, settings.default_model, settings.encoder)
+        registry = ModelRegistry.from_paths(
+            paths, settings.default_model, settings.encoder, settings.chat_template_paths(paths)
+        )
     except (ConfigError, ModelLoadError) as exc:
         if settings.log_level in ("debug", "trace"):
             logging.getLogger("tokenizer").exception("cannot start")

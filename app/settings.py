@@ -64,6 +64,12 @@ class Settings(BaseSettings):
         "a model to serve as NAME=PATH; repeat the flag, or comma-separate in the environment",
         default_factory=list,
     )
+    chat_template: Annotated[list[str], NoDecode] = option(
+        "NAME=FILE",
+        "model NAME's chat template (a Jinja file, rendered as transformers renders it), for conversations; "
+        "overrides the model's own (chat_template.jinja, tokenizer_config.json); repeat the flag per model",
+        default_factory=list,
+    )
     models_dir: Path | None = option(
         "DIR",
         "serve every *.model and *.tiktoken in this directory under its file stem, and every subdirectory "
@@ -156,7 +162,7 @@ class Settings(BaseSettings):
     def queued_bytes_limit(self) -> int:
         return self.max_queued_bytes or QUEUED_REQUESTS_DEFAULT * self.max_request_bytes
 
-    @field_validator("model", "api_keys", "cors_origins", mode="before")
+    @field_validator("model", "chat_template", "api_keys", "cors_origins", mode="before")
     @classmethod
     def _split_list(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -198,6 +204,29 @@ class Settings(BaseSettings):
             if not sep or not name or not path:
                 raise ValueError(f"is not NAME=PATH (for example --model default={spec or 'tok.model'})")
         return value
+
+    @field_validator("chat_template")
+    @classmethod
+    def _check_template_specs(cls, value: list[str]) -> list[str]:
+        for spec in value:
+            name, sep, path = spec.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"is not NAME=FILE (for example --chat-template default={spec or 'chat.jinja'})")
+        return value
+
+    def chat_template_paths(self, models: dict[str, Path] | None = None) -> dict[str, Path]:
+        """--chat-template files by model name; ConfigError for a name no model has."""
+        models = self.model_paths() if models is None else models
+        templates: dict[str, Path] = {}
+        for spec in self.chat_template:
+            name, _, file = spec.partition("=")
+            name = name.strip()
+            if name not in models:
+                raise ConfigError(
+                    f"--chat-template {spec}: no model is named {name!r}; served models: {', '.join(sorted(models))}"
+                )
+            templates[name] = Path(file.strip()).expanduser()
+        return templates
 
     def model_paths(self) -> dict[str, Path]:
         """Configured models by name: --models-dir first, then each --model; the bundled one if none."""

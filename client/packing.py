@@ -72,6 +72,8 @@ class PackedRows:
     leftover: np.ndarray
     leftover_document_starts: np.ndarray
     stats: PackStats
+    # with a loss mask (conversations): the mask of the leftover, to send back as carry_loss_mask
+    leftover_loss_mask: np.ndarray | None = None
 
     @property
     def num_rows(self) -> int:
@@ -79,7 +81,7 @@ class PackedRows:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The arrays by name, in field order (what a binary /v1/pack answer carries; ``stats`` aside)."""
-        return {name: getattr(self, name) for name in _ARRAYS}
+        return {name: getattr(self, name) for name in _ARRAYS if getattr(self, name) is not None}
 
     def row_cu_seqlens(self, row: int) -> np.ndarray:
         """``[0, end of segment 1, ..., end of last segment]`` of one row."""
@@ -108,8 +110,14 @@ def pack_concat(
     carry_document_starts: npt.ArrayLike | None = None,
     eos_id: int | None = None,
     mask_document_start: bool = False,
+    loss_mask: npt.ArrayLike | None = None,
+    carry_loss_mask: npt.ArrayLike | None = None,
 ) -> PackedRows:
     """Cut ``carry + documents`` into rows of exactly ``seq_len`` tokens.
+
+    With ``loss_mask`` (one 0/1 per id: conversations' assistant-only loss), ``labels`` are ``IGNORE_INDEX``
+    wherever the mask is 0, and ``leftover_loss_mask`` carries the leftover's mask, for the next call's
+    ``carry_loss_mask`` (a carry without one is all trained), so no token's mask is lost between calls.
 
     Nothing is padded or dropped: what does not fill a last row is returned as
     ``leftover``, with ``leftover_document_starts`` (where documents begin in
@@ -134,6 +142,11 @@ def pack_concat(
     stream = np.concatenate([carry_ids, ids])
     rows = stream.size // seq_len
     used = rows * seq_len
+    stream_mask = None
+    if loss_mask is not None or carry_loss_mask is not None:
+        own = _check_mask(loss_mask, ids.size, "loss_mask")
+        carried = _check_mask(carry_loss_mask, carry_ids.size, "carry_loss_mask")
+        stream_mask = np.concatenate([carried, own])
 
     lengths = np.diff(offsets)
     all_starts = np.concatenate([carry_starts, offsets[:-1][lengths > 0] + carry_ids.size])
@@ -145,6 +158,8 @@ def pack_concat(
 
     input_ids = stream[:used].reshape(rows, seq_len)
     labels = input_ids.copy()
+    if stream_mask is not None:
+        labels.reshape(-1)[stream_mask[:used] == 0] = IGNORE_INDEX
     if mask_document_start:
         labels.reshape(-1)[doc_starts] = IGNORE_INDEX
 
@@ -164,7 +179,20 @@ def pack_concat(
         leftover=stream[used:].copy(),
         leftover_document_starts=(all_starts[all_starts >= used] - used).astype(np.int32),
         stats=_stats(rows, seq_len, used, lengths.size, int(split.sum())),
+        leftover_loss_mask=None if stream_mask is None else stream_mask[used:].copy(),
     )
+
+
+def _check_mask(mask: npt.ArrayLike | None, size: int, name: str) -> np.ndarray:
+    """A loss mask as uint8 0/1, one per id (none: every id trained)."""
+    if mask is None:
+        return np.ones(size, np.uint8)
+    array = np.asarray(mask)
+    if array.ndim != 1 or array.size != size:
+        raise ValueError(f"{name} must be 1-D with one value per id ({size}), got shape {array.shape}")
+    if array.size and (array.min() < 0 or array.max() > 1):
+        raise ValueError(f"{name} must hold only 0 and 1")
+    return array.astype(np.uint8, copy=False)
 
 
 def pack_best_fit(
@@ -174,6 +202,7 @@ def pack_best_fit(
     *,
     pad_id: int,
     mask_document_start: bool = False,
+    loss_mask: npt.ArrayLike | None = None,
 ) -> PackedRows:
     """Best-fit decreasing packing with padding (Ding et al. 2024).
 
@@ -206,7 +235,10 @@ def pack_best_fit(
     input_ids = np.full(rows * seq_len, pad, np.int32)
     input_ids[dst] = ids
     labels = np.full(rows * seq_len, IGNORE_INDEX, np.int32)
-    labels[dst] = ids
+    if loss_mask is None:
+        labels[dst] = ids
+    else:
+        labels[dst] = np.where(_check_mask(loss_mask, ids.size, "loss_mask") == 1, ids, IGNORE_INDEX)
     if mask_document_start:
         labels[dst_start[pieces.start == 0]] = IGNORE_INDEX
     positions = np.zeros(rows * seq_len, np.int32)

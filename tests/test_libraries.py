@@ -188,7 +188,8 @@ def test_what_each_model_says_of_itself(models):
     files = [snapshot / "tokenizer.json", snapshot / "tokenizer_config.json"]
     assert info.sha256 == hashlib.sha256(b"".join(path.read_bytes() for path in files)).hexdigest()
     assert set(info.as_dict()) == {
-        "name", "library", "encoder", "type", "vocab_size", "bos_id", "eos_id", "pad_id", "unk_id", "sha256"
+        "name", "library", "encoder", "type", "vocab_size", "bos_id", "eos_id", "pad_id", "unk_id", "sha256",
+        "chat_template",
     }  # fmt: skip
     unigram = inspect_model("u", models["hfuni"])
     assert (unigram.type, unigram.bos_id, unigram.eos_id) == ("unigram", -1, -1)  # no tokenizer_config.json

@@ -177,6 +177,7 @@ def test_models_lists_each_model(client, server, model_files):
             "pad_id": sp.pad_id(),
             "unk_id": sp.unk_id(),
             "sha256": hashlib.sha256(model_files[name].read_bytes()).hexdigest(),
+            "chat_template": None,
         }
 
 

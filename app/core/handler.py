@@ -30,10 +30,17 @@ from typing import Any
 import numpy as np
 import orjson
 
-from tokenizer_service.core import channel
-from tokenizer_service.core.errors import InvalidField, ModelNotFound, PayloadTooLarge, PoisonInput, ServiceError
+from tokenizer_service.core import channel, chat
+from tokenizer_service.core.errors import (
+    InvalidField,
+    ModelNotFound,
+    PayloadTooLarge,
+    PoisonInput,
+    ServiceError,
+    Unavailable,
+)
 from tokenizer_service.core.libraries import Library
-from tokenizer_service.core.models import ModelInfo
+from tokenizer_service.core.models import ModelInfo, find_model_files
 from tokenizer_service.core.poison import PoisonMemory
 from tokenizer_service.core.protocol import (
     BINARY,
@@ -106,6 +113,8 @@ class Handler:
         self.progress = progress
         self.poison = PoisonMemory()
         self.libraries = list(libraries)
+        self.chats: dict[int, chat.ChatTemplate] = {}  # compiled once per worker, on the first conversation
+        self.records: dict[int, chat.Records] = {}
 
     # -- dispatch --------------------------------------------------------------------------------
 
@@ -152,6 +161,8 @@ class Handler:
         else:
             request = parse_request(body, PackRequest, "texts", self.limits.max_texts)
         position, info = self.model(request.model)
+        if request.texts is None:  # conversations or prompt-completion records
+            return self.dialogue(route, binary, request, position, info)
         if (known := self.poison.find(info.name, request.texts)) is not None:
             raise PoisonInput(
                 f"texts[{known}] was found earlier to crash or hang a tokenizer worker; it is refused",
@@ -231,6 +242,82 @@ class Handler:
         seconds = time.monotonic() - started
         result = Result(position, JSON, len(texts), len(ids), started, seconds, math.nan, [content])
         return channel.DONE, result.payload()
+
+    # -- conversations and prompt-completion records ---------------------------------------------------
+
+    def dialogue(
+        self, route: int, binary: bool, request: TokenizeRequest | PackRequest, position: int, info: ModelInfo
+    ) -> tuple[int, Parts]:
+        """Ids and loss masks of conversations (the chat template) or records, answered or packed whole here."""
+        kind = request.inputs
+        for name in ("add_bos", "add_eos", "sample", "max_length"):
+            if getattr(request, name, None) not in (None, False):
+                raise InvalidField(
+                    f"{name} cannot be used with {kind}: the chat template (or, for records, TRL's rule) decides "
+                    "the special tokens, and a truncated conversation would train on a cut turn",
+                    field=name,
+                )
+        options = chat.ChatOptions(parse_special_tokens=request.parse_special_tokens, train_on=request.train_on)
+        started = time.monotonic()
+        if kind == "conversations":
+            ids, lengths, mask = self.chat_template(position, info).encode(request.conversations, options)
+        else:
+            ids, lengths, mask = self.record_encoder(position, info).encode(request.records, options)
+        seconds = time.monotonic() - started
+        offsets = ragged_offsets(lengths)
+        count, tokens = len(lengths), int(offsets[-1])
+        if isinstance(request, PackRequest):
+            context, packed = pack_dialogue(request, info, position, binary, self.limits.max_seq_len, ids, offsets, mask)
+            padding = packed.stats.padding_fraction if packed.stats.rows else math.nan
+            parts = pack_answer(info.name, context, packed)
+            return channel.DONE, Result(position, binary, count, tokens, started, seconds, padding, parts).payload()
+        if binary:
+            parts_out = wire.encode_parts(
+                {"ids": ids, "loss_mask": mask, "offsets": offsets}, {"model": info.name, "num_tokens": tokens}
+            )
+        else:
+            content = {
+                "model": info.name,
+                "ids": split_ragged(ids, offsets),
+                "loss_mask": split_ragged(mask, offsets),
+                "lengths": np.diff(offsets),
+                "num_tokens": tokens,
+            }
+            parts_out = [orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)]
+        return channel.DONE, Result(position, binary, count, tokens, started, seconds, math.nan, parts_out).payload()
+
+    def _files(self, info: ModelInfo) -> Any:
+        files = find_model_files(info.name, info.path, info.chat_template_path)
+        if files.sha256 != info.sha256:
+            raise Unavailable(
+                f"model {info.name!r}: its files or chat template changed since the server started; restart it"
+            )
+        return files
+
+    def chat_template(self, position: int, info: ModelInfo) -> chat.ChatTemplate:
+        found = self.chats.get(position)
+        if found is None:
+            if info.chat_template is None:
+                raise InvalidField(
+                    f"model {info.name!r} has no chat template; pass --chat-template {info.name}=FILE (a Jinja "
+                    "template with {% generation %} marks) to tokenize conversations",
+                    field="conversations",
+                )
+            if info.chat_template["loss_mask"] is None:
+                raise InvalidField(chat.no_mask_message(info.name), field="conversations")
+            files = self._files(info)
+            library = self.libraries[position]
+            found = chat.ChatTemplate(info.name, files.template, library, chat.special_tokens(files, library))
+            self.chats[position] = found
+        return found
+
+    def record_encoder(self, position: int, info: ModelInfo) -> chat.Records:
+        found = self.records.get(position)
+        if found is None:
+            library = self.libraries[position]
+            found = chat.Records(library, chat.special_tokens(self._files(info), library).get("eos"))
+            self.records[position] = found
+        return found
 
     # -- chunks of split requests ------------------------------------------------------------------
 
@@ -533,6 +620,69 @@ def check_carry_starts(request: PackRequest) -> None:
         previous = start
 
 
+def pack_dialogue(
+    request: PackRequest,
+    info: ModelInfo,
+    model: int,
+    binary: bool,
+    max_seq_len: int,
+    ids: np.ndarray,
+    offsets: np.ndarray,
+    mask: np.ndarray,
+) -> tuple[PackContext, PackedRows]:
+    """Pack conversations' ids with their loss masks: labels are -100 wherever the mask is 0."""
+    if not 2 <= request.seq_len <= max_seq_len:
+        raise InvalidField(f"seq_len must be between 2 and {max_seq_len}, got {request.seq_len}", field="seq_len")
+    check_carry_starts(request)
+    carry = None if request.carry is None else np.asarray(request.carry, dtype=np.int64)
+    if carry is not None:
+        if request.strategy != "concat":
+            raise InvalidField("carry is only meaningful with strategy 'concat'", field="carry")
+        if len(carry) and (carry.min() < 0 or carry.max() >= info.vocab_size):
+            bad = int(np.flatnonzero((carry < 0) | (carry >= info.vocab_size))[0])
+            raise InvalidField(
+                f"carry[{bad}] is {int(carry[bad])}, outside the vocabulary [0, {info.vocab_size})",
+                field="carry",
+                index=bad,
+            )
+    carry_mask = request.carry_loss_mask
+    if carry_mask is not None and (carry is None or len(carry_mask) != len(carry)):
+        raise InvalidField(
+            "carry_loss_mask needs the carry it describes, one 0/1 per carried id", field="carry_loss_mask"
+        )
+    context = PackContext(
+        model=model,
+        binary=binary,
+        seq_len=request.seq_len,
+        strategy=request.strategy,
+        add_eos=False,
+        carry=request.carry,
+        carry_document_starts=request.carry_document_starts,
+        mask_document_start=request.mask_document_start,
+    )
+    if request.strategy == "concat":
+        packed = pack_concat(
+            ids,
+            offsets,
+            request.seq_len,
+            carry=None if carry is None else carry.astype(np.int32),
+            carry_document_starts=request.carry_document_starts,
+            mask_document_start=request.mask_document_start,
+            loss_mask=mask,
+            carry_loss_mask=carry_mask,
+        )
+    else:
+        packed = pack_best_fit(
+            ids,
+            offsets,
+            request.seq_len,
+            pad_id=info.padding_id,
+            mask_document_start=request.mask_document_start,
+            loss_mask=mask,
+        )
+    return context, packed
+
+
 def pack_answer(model: str, context: PackContext, packed: PackedRows) -> Sequence[bytes | bytearray | memoryview]:
     if context.binary:
         arrays = packed.arrays()
@@ -555,4 +705,6 @@ def pack_answer(model: str, context: PackContext, packed: PackedRows) -> Sequenc
         "leftover_document_starts": packed.leftover_document_starts,
         "stats": packed.stats.as_dict(),
     }
+    if packed.leftover_loss_mask is not None:
+        content["leftover_loss_mask"] = packed.leftover_loss_mask
     return [orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)]

@@ -56,7 +56,7 @@ class ModelLoadError(RuntimeError):
     """A configured model file is missing, unreadable, or none of the kinds this service serves."""
 
 
-SERVER_ONLY = frozenset({"path", "files"})  # ModelInfo's fields that /v1/models and metadata.json leave out
+SERVER_ONLY = frozenset({"path", "files", "chat_template_path"})  # ModelInfo's fields that /v1/models and metadata.json leave out
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,9 @@ class ModelInfo:
     unk_id: int
     sha256: str
     files: tuple[Path, ...] = field(default=(), compare=False)  # what sha256 covers, in order
+    # null, or {"sha256", "source", "loss_mask"} (tokenizer_service.core.chat.announce)
+    chat_template: dict[str, Any] | None = None
+    chat_template_path: Path | None = field(default=None, compare=False)  # --chat-template's file, for workers
 
     @property
     def padding_id(self) -> int:
@@ -95,6 +98,7 @@ class ModelInfo:
             "encoder": described.get("library", SENTENCEPIECE),
             **described,
         }
+        described.setdefault("chat_template", None)  # described before conversations were served
         kept = {f.name: described[f.name] for f in fields(cls) if f.name not in SERVER_ONLY}
         return cls(path=path, **kept)
 
@@ -121,6 +125,7 @@ class ModelFiles:
     path: Path  # what was configured (a tokenizer.json's directory stays the directory)
     files: tuple[Path, ...]
     contents: tuple[bytes, ...]
+    template: TemplateFile | None = None  # its chat template (find_template), whose bytes join the sha256
 
     @property
     def main(self) -> Path:
@@ -128,6 +133,8 @@ class ModelFiles:
 
     @property
     def sha256(self) -> str:
+        if self.template is not None and self.template.hashed:
+            return files_sha256((*self.contents, self.template.hashed))
         return files_sha256(self.contents)
 
     def special_tokens(self) -> dict[str, str | None]:
@@ -176,8 +183,9 @@ def why_unreadable(path: Path) -> str | None:
         return exc.strerror or str(exc)
 
 
-def find_model_files(name: str, path: Path) -> ModelFiles:
-    """Recognize the model at `path` by its content (not its name), with every file that changes its ids."""
+def find_model_files(name: str, path: Path, chat_template: Path | None = None) -> ModelFiles:
+    """Recognize the model at `path` by its content (not its name), with every file that changes its ids, and
+    its chat template (`chat_template`: the --chat-template file, else the model's own; `find_template`)."""
     given = path.expanduser()  # what messages name: the path as the user wrote it
     if given.is_dir() and not os.path.lexists(given / HF_FILE):
         raise ModelLoadError(f"model {name!r}: the directory {given} holds no {HF_FILE}; a model is {KINDS}")
@@ -197,7 +205,12 @@ def find_model_files(name: str, path: Path) -> ModelFiles:
     if beside is not None and os.path.lexists(beside):  # a dangling link beside is refused, not skipped
         files.append(beside)
         contents.append(_read(name, beside))
-    found = ModelFiles(library, path, tuple(files), tuple(contents))
+    config = contents[1] if library == TOKENIZERS and len(contents) > 1 else None
+    try:
+        template = find_template(library, main, config, chat_template)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"model {name!r}: {exc}") from None
+    found = ModelFiles(library, path, tuple(files), tuple(contents), template)
     if library == TIKTOKEN:
         tiktoken_spec(found, name)  # refuse a file without its pattern now, in one line
     return found
@@ -220,6 +233,60 @@ def sniff(content: bytes) -> str | None:
     if content[:1] == b"\n":  # a serialized ModelProto starts with field 1 (pieces), length-delimited
         return SENTENCEPIECE
     return None
+
+
+# -- chat templates ------------------------------------------------------------------------------------
+
+TEMPLATE_FILE = "chat_template.jinja"
+
+
+@dataclass(frozen=True)
+class TemplateFile:
+    """A model's chat template: its text, where it came from, and the bytes that join the model's sha256."""
+
+    text: str
+    source: str  # "flag" | "snapshot" | "tokenizer_config"
+    path: Path
+    hashed: bytes  # b"" when its bytes are hashed already (tokenizer_config.json is one of the model's files)
+
+
+def _template_text(path: Path, content: bytes) -> str:
+    try:
+        return content.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ModelLoadError(f"the chat template {path} is not UTF-8 (byte {exc.start})") from None
+
+
+def find_template(library: str, main: Path, config: bytes | None, flag: Path | None) -> TemplateFile | None:
+    """A model's chat template, first match wins: the --chat-template file (any kind of model), then a
+    tokenizer.json's chat_template.jinja beside it, then its tokenizer_config.json's `chat_template` (a
+    string, or a list of {name, template}: the one named default)."""
+    if flag is not None:
+        flag = flag.expanduser()
+        try:
+            content = flag.read_bytes()
+        except OSError as exc:
+            raise ModelLoadError(f"cannot read the chat template {flag}: {exc.strerror}") from None
+        return TemplateFile(_template_text(flag, content), "flag", flag.absolute(), content)
+    if library != TOKENIZERS:
+        return None
+    beside = main.parent / TEMPLATE_FILE
+    if beside.is_file():
+        content = beside.read_bytes()
+        return TemplateFile(_template_text(beside, content), "snapshot", beside, content)
+    if config is None:
+        return None
+    try:
+        document = json.loads(config)
+    except ValueError:
+        return None  # hf_special_tokens refuses a config that is not JSON, naming it
+    value = document.get("chat_template") if isinstance(document, dict) else None
+    if isinstance(value, list):
+        named = {item.get("name"): item.get("template") for item in value if isinstance(item, dict)}
+        value = named.get("default")
+    if not isinstance(value, str):
+        return None
+    return TemplateFile(value, "tokenizer_config", main.parent / HF_CONFIG, b"")
 
 
 # -- Hugging Face tokenizer.json -----------------------------------------------------------------------

@@ -94,7 +94,7 @@ def load_models(models: Sequence[ModelInfo]) -> None:
     libraries.single_threaded()
     _libraries.clear()
     for info in models:
-        files = find_model_files(info.name, info.path)
+        files = find_model_files(info.name, info.path, info.chat_template_path)
         if files.sha256 != info.sha256:
             raise ModelChanged(
                 f"model {info.name!r}: {info.path} changed since the server started (sha256 {files.sha256}, "

@@ -7,17 +7,23 @@ again when they load the model), so /v1/models says which encoder serves it.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
-from tokenizer_service.core import libraries
+from tokenizer_service.core import chat, libraries
 from tokenizer_service.core.models import ID_LIMIT, ModelFiles, ModelInfo, ModelLoadError, find_model_files
+
+logger = logging.getLogger("tokenizer")
 
 __all__ = ["ModelRegistry", "inspect_model", "model_info"]
 
 
-def inspect_model(name: str, path: Path, encoder: str = libraries.FAST) -> ModelInfo:
-    """What the model at `path` is (any of the three kinds); ModelLoadError in one line when it is none."""
-    files = find_model_files(name, path)
+def inspect_model(
+    name: str, path: Path, encoder: str = libraries.FAST, chat_template: Path | None = None
+) -> ModelInfo:
+    """What the model at `path` is (any of the three kinds); ModelLoadError in one line when it is none.
+    `chat_template`: a --chat-template file, which overrides the model's own template."""
+    files = find_model_files(name, path, chat_template)
     try:
         library = libraries.load(files, encoder)
     except ModelLoadError as exc:
@@ -33,7 +39,10 @@ def inspect_model(name: str, path: Path, encoder: str = libraries.FAST) -> Model
             f"model {name!r}: {files.path} has ids up to {library.vocab_size - 1}; an id must lie in "
             f"0..{ID_LIMIT - 1} (ids are answered as int32)"
         )
-    return model_info(name, files, library)
+    info = model_info(name, files, library)
+    if info.chat_template is not None and info.chat_template["loss_mask"] is None:
+        logger.warning("%s", chat.no_mask_message(name) + "; its texts are served, its conversations refused")
+    return info
 
 
 def model_info(name: str, files: ModelFiles, library: libraries.Library) -> ModelInfo:
@@ -51,6 +60,8 @@ def model_info(name: str, files: ModelFiles, library: libraries.Library) -> Mode
         unk_id=library.unk_id,
         sha256=files.sha256,
         files=files.files,
+        chat_template=chat.announce(files.template),
+        chat_template_path=files.template.path if files.template is not None and files.template.source == "flag" else None,
     )
 
 
@@ -65,11 +76,16 @@ class ModelRegistry:
 
     @classmethod
     def from_paths(
-        cls, paths: dict[str, Path], default: str | None = None, encoder: str = libraries.FAST
+        cls,
+        paths: dict[str, Path],
+        default: str | None = None,
+        encoder: str = libraries.FAST,
+        chat_templates: dict[str, Path] | None = None,
     ) -> ModelRegistry:
         if not paths:
             raise ModelLoadError("no model to serve")
-        models = {name: inspect_model(name, path, encoder) for name, path in paths.items()}
+        templates = chat_templates or {}
+        models = {name: inspect_model(name, path, encoder, templates.get(name)) for name, path in paths.items()}
         return cls(models, default or ("default" if "default" in models else next(iter(models))))
 
     def get(self, name: str | None) -> ModelInfo | None:

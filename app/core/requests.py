@@ -19,7 +19,9 @@ from pydantic import (
     StrictStr,
     ValidationError,
     WithJsonSchema,
+    model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from tokenizer_service.core.errors import InvalidField, InvalidJSON, PayloadTooLarge
 
@@ -78,9 +80,73 @@ class EncodeOptions(_Body):
         return self
 
 
+# A conversation: OpenAI messages. Checked by tokenizer_service.core.chat (each refusal names the conversation and
+# the message), so the schema documents them and validation leaves them as they came.
+MESSAGE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["role"],
+    "properties": {
+        "role": {"type": "string"},
+        "content": {
+            "anyOf": [
+                {"type": "string"},
+                {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["type", "text"],
+                        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                    },
+                },
+                {"type": "null"},
+            ]
+        },
+        "train": {"type": "boolean", "description": "override: train on this assistant turn or not"},
+    },
+    "additionalProperties": True,
+}
+Conversations = Annotated[
+    list[Any], WithJsonSchema({"type": "array", "items": {"type": "array", "items": MESSAGE_SCHEMA}})
+]
+Records = Annotated[
+    list[Any],
+    WithJsonSchema(
+        {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["prompt", "completion"],
+                "properties": {"prompt": {"type": "string"}, "completion": {"type": "string"}},
+                "additionalProperties": False,
+            },
+        }
+    ),
+]
+INPUTS = ("texts", "conversations", "records")
+
+
 class _TextsAndModel(_Body):
-    texts: list[StrictStr]
+    texts: list[StrictStr] | None = None
+    conversations: Conversations | None = None  # instead of texts: chat template, ids and loss masks
+    records: Records | None = None  # instead of texts: prompt-completion records, as TRL's SFT trainer
     model: StrictStr | None = None
+    train_on: Literal["assistant", "last"] = "assistant"  # conversations: every assistant turn, or the last
+
+    @property
+    def inputs(self) -> str:
+        """Which of texts, conversations and records the request gave (exactly one)."""
+        return next(name for name in INPUTS if getattr(self, name) is not None)
+
+    @model_validator(mode="after")
+    def _exactly_one_input(self) -> Any:
+        given = [name for name in INPUTS if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise PydanticCustomError(
+                "inputs",
+                "give exactly one of texts, conversations and records (got {given})",
+                {"given": ", ".join(given) or "none", "field": given[1] if given else "texts"},
+            )
+        return self
 
 
 class TokenizeRequest(EncodeOptions, _TextsAndModel):  # texts and model first, as before EncodeOptions
@@ -113,17 +179,16 @@ PACK_CONSTRAINTS: dict[str, object] = {
 }
 
 
-class PackRequest(_Body):
+class PackRequest(_TextsAndModel):
     model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=PACK_CONSTRAINTS)
 
-    texts: list[StrictStr]
     seq_len: Annotated[StrictInt, Field(ge=2, le=INT32_MAX)]  # and at most --max-seq-len (in the published schema)
     strategy: Literal["concat", "best_fit"] = "concat"
-    model: StrictStr | None = None
     add_bos: StrictBool = False
     add_eos: StrictBool | None = None  # EOS after each document when the model has one
     carry: list[Id] | None = None
     carry_document_starts: list[Count] | None = None
+    carry_loss_mask: list[Annotated[StrictInt, Field(ge=0, le=1)]] | None = None  # the carry's loss mask
     mask_document_start: StrictBool = False
     parse_special_tokens: StrictBool = False
 
@@ -144,6 +209,9 @@ def parse_request(raw: bytes | bytearray | memoryview, model: type[Body], items:
     """
     document, lenient = parse_json(raw)
     check_item_count(document, items, max_items)
+    if items == "texts":
+        check_item_count(document, "conversations", max_items)
+        check_item_count(document, "records", max_items)
     body = validate(model, document)
     texts = getattr(body, "texts", None)
     if lenient and texts is not None and (found := find_lone_surrogate(texts)) is not None:
@@ -204,6 +272,8 @@ def validate(model: type[Body], document: Any) -> Body:
     except ValidationError as exc:
         error = exc.errors(include_url=False)[0]
         field, index = _field_path(tuple(error["loc"]))
+        if error["type"] == "inputs":  # which of texts, conversations and records: the body as a whole
+            field = error["ctx"]["field"]
         message = error["msg"]
         if index is not None:
             message = f"{field}[{index}]: {message}"

@@ -46,7 +46,9 @@ def create_app(settings: Settings | None = None, registry: ModelRegistry | None 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Service]]:
-        models = registry or ModelRegistry.from_paths(settings.model_paths(), settings.default_model, settings.encoder)
+        models = registry or ModelRegistry.from_paths(
+            settings.model_paths(), settings.default_model, settings.encoder, settings.chat_template_paths()
+        )
         for info in models.models.values():
             metrics.model_info.labels(info.name, info.sha256, str(info.vocab_size), info.library, info.encoder).set(1)
         limits = Limits(

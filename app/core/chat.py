@@ -1,0 +1,619 @@
+"""Conversations: a model's chat template, rendered as transformers renders it, and which tokens are trained.
+
+Where a model's template comes from (first match wins; `find_template`): ``--chat-template NAME=FILE``;
+``chat_template.jinja`` beside a ``tokenizer.json``; ``tokenizer_config.json``'s ``chat_template`` (a string,
+or a list of ``{name, template}``: the one named ``default``). Its bytes join the model's sha256.
+
+Which tokens are trained (`resolve`):
+
+1. the template's own ``{% generation %}`` marks;
+2. else its training version from TRL's catalogue (app/core/catalogue/, vendored from trl by
+   scripts/vendor_trl_catalogue.py), matched by the template's exact text as
+   ``trl.chat_template_utils.get_training_chat_template`` matches it; conversations are then rendered with
+   the training version, as TRL's SFT trainer does with ``assistant_only_loss=True``;
+3. else none: a conversation request for that model is refused, never answered with an all-zero mask.
+
+Ids and masks (`ChatTemplate.encode`) are transformers' ``apply_chat_template(conversation,
+chat_template=T, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)``: the conversation is
+rendered by transformers' own Jinja environment (``render_jinja_template``: its filters, globals and the
+``{% generation %}`` tracker), the text is tokenized with special-token strings parsed, and a token is trained
+when its characters overlap a generation span. One deliberate difference: special-token strings inside a
+message's *content* are ordinary text (training data must not inject control tokens) unless
+``parse_special_tokens``; only the strings the template itself writes are control tokens.
+
+Token offsets come without a second encode where the model is lossless byte-level BPE (tiktoken ranks, a
+byte-level ``tokenizer.json`` with no normalizer): the ids' byte lengths, summed, are the offsets, and the
+sum must equal the text's length (else the reference library's offsets are used). Otherwise (SentencePiece,
+a normalizing ``tokenizer.json``) the reference library gives ids and offsets together.
+
+Prompt-completion records (``{"prompt", "completion"}``) are tokenized as TRL's SFT trainer does for plain
+text: ``tok(prompt)`` and ``tok(prompt + completion + eos)`` (EOS appended unless the completion ends with
+it), the mask covering what follows their common prefix.
+
+Nothing here knows HTTP: refusals are InvalidField / PayloadTooLarge naming the conversation and message.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tokenizer_service.core.errors import InvalidField, PayloadTooLarge
+from tokenizer_service.core.models import TIKTOKEN, TOKENIZERS, TemplateFile, tiktoken_ranks
+
+CATALOGUE = Path(__file__).resolve().parent / "catalogue"
+GENERATION_TAG = re.compile(r"\{\%-?\s*generation\s*-?\%\}")  # transformers' own test for the marks
+TRAIN_ON = ("assistant", "last")
+MAX_MESSAGES = 8192  # per conversation
+MESSAGE_KEYS_CONTROL = ("train",)  # ours: taken off a message before the template sees it
+
+
+# -- which tokens are trained -------------------------------------------------------------------------------
+
+
+@functools.cache
+def catalogue() -> dict[str, tuple[str, str]]:
+    """TRL's catalogue: a stock template's exact text -> (its name, its training version's text)."""
+    pairs = {}
+    for training in sorted(CATALOGUE.glob("*_training.jinja")):
+        name = training.name.removesuffix("_training.jinja")
+        stock = CATALOGUE / f"{name}.jinja"
+        if stock.is_file():
+            pairs[stock.read_text(encoding="utf-8")] = (name, training.read_text(encoding="utf-8"))
+    return pairs
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What a model renders conversations with, and where its loss mask comes from."""
+
+    text: str  # the template rendered: the model's own, or the catalogue's training version
+    loss_mask: str | None  # "template" | "catalogue:<name>" | None (conversations are refused)
+
+
+def resolve(template: TemplateFile) -> Resolved:
+    if GENERATION_TAG.search(template.text):
+        return Resolved(template.text, "template")
+    known = catalogue().get(template.text)
+    if known is not None:
+        name, training = known
+        return Resolved(training, f"catalogue:{name}")
+    return Resolved(template.text, None)
+
+
+def announce(template: TemplateFile | None) -> dict[str, Any] | None:
+    """`/v1/models`' `chat_template`: null, or its sha256, source and where its loss mask comes from."""
+    if template is None:
+        return None
+    import hashlib
+
+    return {
+        "sha256": hashlib.sha256(template.text.encode("utf-8")).hexdigest(),
+        "source": template.source,
+        "loss_mask": resolve(template).loss_mask,
+    }
+
+
+def no_mask_message(model: str) -> str:
+    return (
+        f"model {model!r}: its chat template has no {{% generation %}} marks and is not in TRL's catalogue of "
+        "templates, so the tokens to train on are unknown; pass --chat-template "
+        f"{model}=FILE with a template that marks the assistant's output with {{% generation %}}"
+    )
+
+
+# -- tokens and their character offsets, per library ------------------------------------------------------
+
+
+def _bytes_to_unicode() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte (what byte-level BPE vocabularies are written in)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    codes = printable[:]
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            codes.append(256 + extra)
+            extra += 1
+    return {chr(code): byte for byte, code in zip(printable, codes, strict=True)}
+
+
+def _uses(component: Any, kind: str) -> bool:
+    if not isinstance(component, dict):
+        return False
+    if component.get("type") == kind:
+        return True
+    return any(_uses(part, kind) for part in component.get("pretokenizers", component.get("decoders", [])) or [])
+
+
+def _byte_lengths_tokenizers(document: dict[str, Any], vocab_size: int) -> np.ndarray | None:
+    """Byte length of each id of a lossless byte-level tokenizer.json (None when it is not one)."""
+    model = document.get("model", {})
+    if (
+        document.get("normalizer") is not None
+        or model.get("type") not in (None, "BPE")
+        or not _uses(document.get("decoder"), "ByteLevel")
+        or not _uses(document.get("pre_tokenizer"), "ByteLevel")
+    ):
+        return None
+    pre = document["pre_tokenizer"]
+    parts = pre.get("pretokenizers", [pre]) if isinstance(pre, dict) else []
+    if any(part.get("type") == "ByteLevel" and part.get("add_prefix_space") for part in parts):
+        return None
+    alphabet = _bytes_to_unicode()
+    lengths = np.full(vocab_size, -1, dtype=np.int64)
+    for token, index in (model.get("vocab") or {}).items():
+        if 0 <= index < vocab_size:
+            if any(char not in alphabet for char in token):
+                return None
+            lengths[index] = len(token)
+    for added in document.get("added_tokens") or []:
+        if 0 <= added["id"] < vocab_size:
+            if added.get("normalized") and not added.get("special"):
+                return None  # matched after normalization in the byte-level alphabet: not plain bytes
+            lengths[added["id"]] = len(added["content"].encode("utf-8"))
+    return lengths
+
+
+def _char_offsets(text: str, byte_ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Character (start, end) of tokens whose byte ends in `text`'s UTF-8 are `byte_ends` (tokenizers' rule:
+    a token that covers part of a character covers that whole character)."""
+    starts = np.concatenate([[0], byte_ends[:-1]]).astype(np.int64)
+    ends = byte_ends.astype(np.int64)
+    points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
+    if len(points) == int(byte_ends[-1]) if len(byte_ends) else True:  # ASCII: bytes are characters
+        return starts, ends
+    widths = 1 + (points >= 0x80) + (points >= 0x800) + (points >= 0x10000)
+    char_of_byte = np.repeat(np.arange(len(points), dtype=np.int64), widths)
+    char_of_byte = np.append(char_of_byte, len(points))
+    first = char_of_byte[starts]
+    last = np.where(ends > starts, char_of_byte[np.maximum(ends - 1, 0)] + 1, first)
+    return first, last
+
+
+class Tokens:
+    """A model's ids and character offsets of texts, and its special-token strings (what the template writes)."""
+
+    def __init__(self, library: Any) -> None:
+        self.library = library
+        self.kind = library.library
+        self.byte_lengths: np.ndarray | None = None
+        self.strip: dict[str, tuple[bool, bool]] = {}  # special string -> (lstrip, rstrip), tokenizers only
+        if self.kind == TOKENIZERS:
+            document = json.loads(library.files.contents[0])
+            added = document.get("added_tokens") or []
+            self.special = {token["content"]: token["id"] for token in added if token.get("special")}
+            self.strip = {
+                token["content"]: (bool(token.get("lstrip")), bool(token.get("rstrip")))
+                for token in added
+                if token.get("special")
+            }
+            self.byte_lengths = _byte_lengths_tokenizers(document, library.vocab_size)
+        elif self.kind == TIKTOKEN:
+            self.special = dict(library.spec.special_tokens)
+            lengths = np.full(library.vocab_size, -1, dtype=np.int64)
+            for token, rank in tiktoken_ranks(library.files.contents[0], library.files.main).items():
+                lengths[rank] = len(token)
+            for token, rank in self.special.items():
+                lengths[rank] = len(token.encode("utf-8"))
+            self.byte_lengths = lengths
+        else:  # sentencepiece: its control pieces (<s>, </s>, ...), which it never matches in text itself
+            processor = library.processor
+            self.special = {
+                processor.id_to_piece(i): i for i in range(processor.get_piece_size()) if processor.is_control(i)
+            }
+        self._pattern = self._special_pattern()
+
+    def _special_pattern(self) -> re.Pattern[str] | None:
+        if not self.special:
+            return None
+        alternatives = []
+        for token in sorted(self.special, key=len, reverse=True):
+            lstrip, rstrip = self.strip.get(token, (False, False))
+            alternatives.append(("\\s*" if lstrip else "") + re.escape(token) + ("\\s*" if rstrip else ""))
+        return re.compile("|".join(f"({alternative})" for alternative in alternatives))
+
+    @property
+    def splits_always(self) -> bool:
+        """SentencePiece never matches control pieces in text: the template's are found here, always."""
+        return self.kind not in (TOKENIZERS, TIKTOKEN)
+
+    def encode(self, texts: list[str], parse_special: bool) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """(ids, char starts, char ends) of each text, exactly the library's ids."""
+        if not texts:
+            return []
+        if self.byte_lengths is not None:
+            ids, lengths = self.library.encode_plain(texts, parse_special)
+            out, offset = [], 0
+            for text, length in zip(texts, lengths.tolist(), strict=True):
+                row = ids[offset : offset + length]
+                offset += length
+                widths = self.byte_lengths[row]
+                byte_ends = np.cumsum(widths)
+                if (widths < 0).any() or (int(byte_ends[-1]) if length else 0) != len(text.encode("utf-8")):
+                    out.append(self._reference([text], parse_special)[0])
+                    continue
+                starts, ends = _char_offsets(text, byte_ends)
+                out.append((row.astype(np.int32), starts, ends))
+            return out
+        return self._reference(texts, parse_special)
+
+    def _reference(self, texts: list[str], parse_special: bool) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        if self.kind == TOKENIZERS:
+            reference = self.library.reference
+            reference.encode_special_tokens = not parse_special
+            out = []
+            for encoding in reference.encode_batch(texts, add_special_tokens=False):
+                offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+                out.append((np.asarray(encoding.ids, dtype=np.int32), offsets[:, 0], offsets[:, 1]))
+            return out
+        if self.kind == TIKTOKEN:
+            reference = self.library.reference
+            out = []
+            for text in texts:
+                ids = reference.encode(text, allowed_special="all") if parse_special else reference.encode_ordinary(text)
+                widths = np.array([len(reference.decode_single_token_bytes(i)) for i in ids], dtype=np.int64)
+                starts, ends = _char_offsets(text, np.cumsum(widths)) if ids else (np.zeros(0, np.int64),) * 2
+                out.append((np.asarray(ids, dtype=np.int32), starts, ends))
+            return out
+        out = []
+        for text in texts:
+            proto = _sentencepiece_proto(self.library.processor, text)
+            ids = np.array([piece.id for piece in proto.pieces], dtype=np.int32)
+            begins = np.array([piece.begin for piece in proto.pieces], dtype=np.int64)
+            ends = np.array([piece.end for piece in proto.pieces], dtype=np.int64)
+            out.append((ids, *_bytes_to_chars(text, begins, ends)))
+        return out
+
+    def with_template_specials(
+        self, text: str, restore: dict[str, str], parse_special: bool
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Ids and offsets of a rendered text whose special-token strings are the template's (control tokens),
+        its other pieces encoded as text (`restore` turns placeholders back into the content's strings)."""
+        pieces: list[tuple[int, int, int | None]] = []  # (start, end, special id or None for text)
+        position = 0
+        if self._pattern is not None:
+            for match in self._pattern.finditer(text):
+                if match.start() > position:
+                    pieces.append((position, match.start(), None))
+                token = next(group for group in match.groups() if group is not None).strip()
+                found = self.special.get(token)
+                if found is None:  # a stripped match of a token that is itself whitespace-bounded
+                    found = self.special[match.group(0)]
+                pieces.append((match.start(), match.end(), found))
+                position = match.end()
+        if position < len(text) or not pieces:
+            pieces.append((position, len(text), None))
+        segments = [text[start:end] for start, end, special in pieces if special is None]
+        for placeholder, original in restore.items():
+            segments = [segment.replace(placeholder, original) for segment in segments]
+        encoded = iter(self.encode(segments, parse_special and not restore))
+        ids, starts, ends = [], [], []
+        for start, end, special in pieces:
+            if special is not None:
+                ids.append(np.array([special], np.int32))
+                starts.append(np.array([start], np.int64))
+                ends.append(np.array([end], np.int64))
+                continue
+            row, row_starts, row_ends = next(encoded)
+            ids.append(row)
+            starts.append(row_starts + start)
+            ends.append(row_ends + start)
+        return np.concatenate(ids), np.concatenate(starts), np.concatenate(ends)
+
+
+def _sentencepiece_proto(processor: Any, text: str) -> Any:
+    try:
+        return processor.encode(text, return_type="proto")
+    except (TypeError, ValueError):  # sentencepiece before return_type
+        return processor.encode(text, out_type="immutable_proto")
+
+
+def _bytes_to_chars(text: str, begins: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
+    widths = 1 + (points >= 0x80) + (points >= 0x800) + (points >= 0x10000)
+    char_of_byte = np.append(np.repeat(np.arange(len(points), dtype=np.int64), widths), len(points))
+    first = char_of_byte[begins]
+    last = np.where(ends > begins, char_of_byte[np.maximum(ends - 1, 0)] + 1, first)
+    return first, last
+
+
+def special_tokens(files: Any, library: Any) -> dict[str, str | None]:
+    """role (bos, eos, pad, unk) -> the token's string: what templates see as bos_token, eos_token..."""
+    found = dict(files.special_tokens())
+    if library.library not in (TOKENIZERS, TIKTOKEN):  # sentencepiece: its own pieces
+        processor = library.processor
+        for role, token in (("bos", library.bos_id), ("eos", library.eos_id), ("pad", library.pad_id), ("unk", library.unk_id)):
+            found[role] = processor.id_to_piece(token) if token >= 0 else None
+    return found
+
+
+# -- conversations --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    parse_special_tokens: bool = False
+    train_on: str = "assistant"
+
+
+Encoded = tuple[np.ndarray, np.ndarray, np.ndarray]  # flat int32 ids, int64 lengths, flat uint8 loss mask
+
+
+def _where(index: int, message: int | None = None) -> str:
+    return f"conversations[{index}]" + ("" if message is None else f".messages[{message}]")
+
+
+def check_conversation(conversation: Any, index: int) -> list[dict[str, Any]]:
+    """The messages as the template sees them (None values dropped, our `train` key taken off); refusals name
+    the conversation and the message."""
+    if not isinstance(conversation, list):
+        raise InvalidField(f"{_where(index)} must be a list of messages", field="conversations", index=index)
+    if not conversation:
+        raise InvalidField(f"{_where(index)} has no message", field="conversations", index=index)
+    if len(conversation) > MAX_MESSAGES:
+        raise PayloadTooLarge(
+            f"{_where(index)} has {len(conversation):,} messages, over the limit of {MAX_MESSAGES:,}",
+            field="conversations",
+            index=index,
+        )
+    messages = []
+    for position, message in enumerate(conversation):
+        where = _where(index, position)
+        if not isinstance(message, dict):
+            raise InvalidField(f"{where} must be an object with a role", field="conversations", index=index)
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise InvalidField(f"{where} has no role (a string)", field="conversations", index=index)
+        content = message.get("content")
+        if content is not None and not isinstance(content, str):
+            if not isinstance(content, list) or not all(
+                isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                for part in content
+            ):
+                raise InvalidField(
+                    f"{where}.content must be a string or a list of {{\"type\": \"text\", \"text\": string}} parts",
+                    field="conversations",
+                    index=index,
+                )
+        train = message.get("train")
+        if train is not None and not isinstance(train, bool):
+            raise InvalidField(f"{where}.train must be true or false", field="conversations", index=index)
+        if train and role != "assistant":
+            raise InvalidField(
+                f"{where}.train is true on a {role!r} message; only assistant turns are trained",
+                field="conversations",
+                index=index,
+            )
+        messages.append({key: value for key, value in message.items() if value is not None and key != "train"})
+    return messages
+
+
+def _strings(value: Any) -> list[str]:
+    """Every string a message carries (content, reasoning, tool calls...), where content special tokens hide."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [string for item in value.values() for string in _strings(item)]
+    if isinstance(value, list):
+        return [string for item in value for string in _strings(item)]
+    return []
+
+
+def _replace(value: Any, table: list[tuple[str, str]]) -> Any:
+    if isinstance(value, str):
+        for old, new in table:
+            value = value.replace(old, new)
+        return value
+    if isinstance(value, dict):
+        return {key: _replace(item, table) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_replace(item, table) for item in value]
+    return value
+
+
+PLACEHOLDER_BASE = 0x10FF00  # private use, plane 16: placeholders for special-token strings inside content
+
+
+class ChatTemplate:
+    """A model's template compiled once per process, and its conversations' ids and loss masks."""
+
+    def __init__(self, name: str, template: TemplateFile, library: Any, special_tokens: dict[str, str | None]) -> None:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        self.name = name
+        self.resolved = resolve(template)
+        self.compiled = _compile_jinja_template(self.resolved.text)
+        self.kwargs = {f"{role}_token": token for role, token in special_tokens.items() if token}
+        self.tokens = Tokens(library)
+
+    def render(self, messages: list[dict[str, Any]], index: int) -> tuple[str, list[tuple[int, int]]]:
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        try:
+            rendered, spans = render_jinja_template(
+                conversations=[messages],
+                chat_template=self.resolved.text,
+                return_assistant_tokens_mask=True,
+                **self.kwargs,
+            )
+        except RecursionError:
+            raise InvalidField(
+                f"{_where(index)}: the chat template recursed too deep", field="conversations", index=index
+            ) from None
+        except Exception as exc:  # the template's raise_exception, a jinja error, a bad value
+            raise InvalidField(
+                f"{_where(index)}: the chat template raised: {exc}", field="conversations", index=index
+            ) from None
+        return rendered[0], [tuple(span) for span in spans[0]]
+
+    def encode(self, conversations: Sequence[Any], options: ChatOptions, first_index: int = 0) -> Encoded:
+        if self.resolved.loss_mask is None:
+            raise InvalidField(no_mask_message(self.name), field="conversations")
+        if options.train_on not in TRAIN_ON:
+            raise InvalidField(f"train_on must be one of {list(TRAIN_ON)}", field="train_on")
+        ids, masks = [], []
+        plain: list[tuple[int, str, list[tuple[int, int]], list[dict[str, Any]], list[Any]]] = []
+        for position, conversation in enumerate(conversations):
+            index = first_index + position
+            messages = check_conversation(conversation, index)
+            flags = [message.get("train") if isinstance(message, dict) else None for message in conversation]
+            table = self._placeholders(messages, index, options)
+            rendered, spans = self.render(_replace(messages, table) if table else messages, index)
+            if table or self.tokens.splits_always:
+                restore = {placeholder: original for original, placeholder in table}
+                row, starts, ends = self.tokens.with_template_specials(rendered, restore, options.parse_special_tokens)
+                ids.append(row)
+                masks.append(self._mask(starts, ends, spans, messages, flags, options, index))
+            else:
+                ids.append(None)
+                masks.append(None)
+                plain.append((position, rendered, spans, messages, flags))
+        encoded = self.tokens.encode([rendered for _, rendered, _, _, _ in plain], True)
+        for (position, _, spans, messages, flags), (row, starts, ends) in zip(plain, encoded, strict=True):
+            ids[position] = row
+            masks[position] = self._mask(starts, ends, spans, messages, flags, options, first_index + position)
+        lengths = np.fromiter((len(row) for row in ids), dtype=np.int64, count=len(ids))
+        if not ids:
+            return np.zeros(0, np.int32), lengths, np.zeros(0, np.uint8)
+        return np.concatenate(ids).astype(np.int32), lengths, np.concatenate(masks)
+
+    def _placeholders(self, messages: list[dict[str, Any]], index: int, options: ChatOptions) -> list[tuple[str, str]]:
+        """(special-token string, placeholder) for those inside the content, unless they are to be parsed."""
+        if options.parse_special_tokens or not self.tokens.special:
+            return []
+        strings = _strings(messages)
+        found = sorted(
+            {token for token in self.tokens.special if any(token in string for string in strings)}, key=len, reverse=True
+        )
+        if not found and not self.tokens.splits_always:
+            return []
+        if any(PLACEHOLDER_BASE <= ord(char) for string in strings for char in string if ord(char) >= PLACEHOLDER_BASE):
+            raise InvalidField(
+                f"{_where(index)} holds characters U+10FF00..U+10FFFF (private use) beside special-token strings; "
+                "these cannot be told apart: pass parse_special_tokens or drop them",
+                field="conversations",
+                index=index,
+            )
+        return [(token, chr(PLACEHOLDER_BASE + number) * len(token)) for number, token in enumerate(found)]
+
+    def _mask(
+        self,
+        starts: np.ndarray,
+        ends: np.ndarray,
+        spans: list[tuple[int, int]],
+        messages: list[dict[str, Any]],
+        flags: list[Any],
+        options: ChatOptions,
+        index: int,
+    ) -> np.ndarray:
+        assistants = [position for position, message in enumerate(messages) if message["role"] == "assistant"]
+        overridden = any(flags[position] is not None for position in assistants)
+        if options.train_on == "last" or overridden:
+            if len(spans) != len(assistants):
+                raise InvalidField(
+                    f"{_where(index)}: the chat template marks {len(spans)} generation spans for "
+                    f"{len(assistants)} assistant messages, so train_on='last' and train flags cannot name turns",
+                    field="conversations",
+                    index=index,
+                )
+            chosen = []
+            for number, (position, span) in enumerate(zip(assistants, spans, strict=True)):
+                default = options.train_on == "assistant" or number == len(assistants) - 1
+                if flags[position] if flags[position] is not None else default:
+                    chosen.append(span)
+            spans = chosen
+        mask = np.zeros(len(starts), dtype=np.uint8)
+        for start, end in spans:
+            mask |= ((ends > start) & (starts < end)).astype(np.uint8)
+        if not mask.any():
+            raise InvalidField(
+                f"{_where(index)} has no token to train on (no assistant output is selected)",
+                field="conversations",
+                index=index,
+            )
+        return mask
+
+
+def _post_processor(library: Any) -> tuple[list[int], list[int]]:
+    """The ids `tok(text)` adds around a text (add_special_tokens=True), as transformers' tokenizer call does."""
+    if library.library == TOKENIZERS:
+        reference = library.reference
+        reference.encode_special_tokens = True
+        plain = reference.encode("a", add_special_tokens=False).ids
+        full = reference.encode("a", add_special_tokens=True).ids
+        for start in range(len(full) - len(plain) + 1):
+            if full[start : start + len(plain)] == plain:
+                return full[:start], full[start + len(plain) :]
+        return [], []
+    if library.library == TIKTOKEN:
+        return [], []
+    return ([library.bos_id] if library.bos_id >= 0 else []), []
+
+
+class Records:
+    """A model's prompt-completion records, as TRL's SFT trainer tokenizes plain-text ones."""
+
+    def __init__(self, library: Any, eos_token: str | None) -> None:
+        self.library = library
+        self.eos_id = library.eos_id
+        self.eos_token = eos_token
+        self.prefix, self.suffix = _post_processor(library)
+
+    def encode(self, records: Sequence[Any], options: ChatOptions, first_index: int = 0) -> Encoded:
+        return encode_records(self, records, options, first_index)
+
+
+def encode_records(model: Records, records: Sequence[Any], options: ChatOptions, first_index: int = 0) -> Encoded:
+    """TRL's SFT trainer on plain prompt-completion data: ids of tok(prompt + completion + eos), trained after
+    the common prefix with tok(prompt). The EOS is appended unless the completion ends with its string (then
+    that string is the EOS, as in TRL)."""
+    eos_id, eos_token, prefix, suffix = model.eos_id, model.eos_token, model.prefix, model.suffix
+    if eos_id < 0 or eos_token is None:
+        raise InvalidField("prompt-completion records need a model with an EOS token (TRL appends it)", field="records")
+    prompts, fulls = [], []
+    for position, record in enumerate(records):
+        index = first_index + position
+        if (
+            not isinstance(record, dict)
+            or set(record) - {"prompt", "completion"}
+            or not isinstance(record.get("prompt"), str)
+            or not isinstance(record.get("completion"), str)
+        ):
+            raise InvalidField(
+                f'records[{index}] must be {{"prompt": string, "completion": string}}', field="records", index=index
+            )
+        prompts.append(record["prompt"])
+        ends = record["completion"].endswith(eos_token)
+        fulls.append(record["prompt"] + (record["completion"][: -len(eos_token)] if ends else record["completion"]))
+    parse = options.parse_special_tokens
+    prompt_rows = model.library.encode_plain(prompts, parse)
+    full_rows = model.library.encode_plain(fulls, parse)
+    ids, masks = [], []
+    p_offsets = np.concatenate([[0], np.cumsum(prompt_rows[1])])
+    f_offsets = np.concatenate([[0], np.cumsum(full_rows[1])])
+    for position in range(len(prompts)):
+        prompt = [*prefix, *prompt_rows[0][p_offsets[position] : p_offsets[position + 1]].tolist(), *suffix]
+        full = [*prefix, *full_rows[0][f_offsets[position] : f_offsets[position + 1]].tolist(), eos_id, *suffix]
+        common = 0
+        for want, have in zip(prompt, full, strict=False):
+            if want != have:
+                break
+            common += 1
+        mask = np.zeros(len(full), np.uint8)
+        mask[common:] = 1
+        if not mask.any():
+            raise InvalidField(f"records[{first_index + position}] has no token to train on", field="records")
+        ids.append(np.asarray(full, np.int32))
+        masks.append(mask)
+    lengths = np.fromiter((len(row) for row in ids), dtype=np.int64, count=len(ids))
+    if not ids:
+        return np.zeros(0, np.int32), lengths, np.zeros(0, np.uint8)
+    return np.concatenate(ids), lengths, np.concatenate(masks)
