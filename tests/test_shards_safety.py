@@ -75,6 +75,143 @@ def dataset(made: dict[str, Path], tmp_path: Path, request: pytest.FixtureReques
     return copy
 
 
+# -- 2. an export never writes onto its own dataset ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dataset", ["one", "three"], indirect=True)
+def test_an_export_onto_its_own_shards_is_refused_before_anything_is_touched(dataset: Path, tmp_path: Path) -> None:
+    assert len(TokenDataset(dataset).metadata["shards"]) in (1, 3)
+    before = snapshot(dataset)
+    (tmp_path / "link").symlink_to(dataset)
+    cases = [
+        ("megatron", dataset / "00000", []),  # the reported one: unlinked 00000.bin, or overwrote 00000.bin/.idx
+        ("megatron", tmp_path / "link" / "00000", []),  # through a symlink to the dataset
+        ("megatron", dataset / "sub" / "corpus", []),
+        ("nanogpt", dataset / "00000.bin", []),
+        ("nanogpt", dataset, []),  # a directory: DIR/train.bin
+        ("llmc", dataset, []),
+        ("litdata", tmp_path / "link", []),
+    ]
+    for to, output, extra in cases:
+        result = tokenizer_shards("export", dataset, "--to", to, "--output", output, *extra)
+        one_line(result, 2, "inside the dataset", str(dataset))
+        assert snapshot(dataset) == before, (to, output)
+    # the validation set's place is checked too: megatron OUT_val, litdata OUT_val/
+    base = dataset.parent / "x"
+    dataset.rename(dataset.parent / "x_val")
+    moved = dataset.parent / "x_val"
+    result = tokenizer_shards("export", moved, "--to", "litdata", "--output", base, "--val-documents", "5")
+    one_line(result, 2, "inside the dataset")
+    assert snapshot(moved) == before and not base.exists()
+    assert tokenizer_shards("verify", moved).returncode == 0
+
+
+# -- 3. a re-export replaces the earlier one ----------------------------------------------------------------------
+
+
+def llmc_ids(directory: Path, split: str = "train") -> list[int]:
+    """What llm.c reads of `-i DIR/train_*.bin` (its glob, sorted)."""
+    ids: list[int] = []
+    for file in sorted(directory.glob(f"{split}_*.bin")):
+        header = np.fromfile(file, dtype="<i4", count=256)
+        assert file.stat().st_size == 1024 + 2 * int(header[2])
+        ids += np.fromfile(file, dtype="<u2", offset=1024).tolist()
+    return ids
+
+
+def test_a_reexport_replaces_the_files_of_the_earlier_one(made: dict[str, Path], tmp_path: Path) -> None:
+    source = made["three"]
+    dataset = TokenDataset(source)
+    everything = np.concatenate([dataset.shard(i).ids for i in range(dataset.num_shards)]).tolist()
+    out = tmp_path / "llmc"
+    first = tokenizer_shards("export", source, "--to", "llmc", "--output", out, "--shard-tokens", "500", "-q")
+    assert first.returncode == 0, first.stderr
+    assert len(list(out.glob("train_*.bin"))) > 8
+    again = tokenizer_shards("export", source, "--to", "llmc", "--output", out, "--shard-tokens", "4000", "-q")
+    assert again.returncode == 0, again.stderr
+    assert llmc_ids(out) == everything  # no stale train_*.bin left for llm.c's glob
+    assert sorted(p.name for p in out.iterdir()) == [f"train_{i:06d}.bin" for i in range(-(-len(everything) // 4000))]
+    # a validation split, then none: the old val_*.bin go too (they would hold training documents now)
+    val = shards(["export", str(source), "--to", "llmc", "--output", str(out), "--val-documents", "20", "-q"])
+    assert val == 0 and llmc_ids(out, "val") and llmc_ids(out) != everything
+    assert shards(["export", str(source), "--to", "llmc", "--output", str(out), "-q"]) == 0
+    assert not list(out.glob("val_*")) and llmc_ids(out) == everything
+
+    # megatron --per-shard, then one pair: the per-shard pairs and the old validation pair go
+    prefix = tmp_path / "meg" / "corpus"
+    megatron = ["export", str(source), "--to", "megatron", "--output", str(prefix), "-q"]
+    assert shards([*megatron, "--per-shard"]) == 0
+    assert shards([*megatron, "--val-documents", "3"]) == 0
+    assert shards(megatron) == 0
+    assert sorted(p.name for p in prefix.parent.iterdir()) == ["corpus.bin", "corpus.idx"]
+
+    # nanogpt: val.bin beside train.bin goes with a re-export without a validation split
+    nano = tmp_path / "nano"
+    nano.mkdir()
+    assert shards(["export", str(source), "--to", "nanogpt", "--output", str(nano), "--val-documents", "3", "-q"]) == 0
+    assert (nano / "val.bin").exists()
+    assert shards(["export", str(source), "--to", "nanogpt", "--output", str(nano), "-q"]) == 0
+    assert sorted(p.name for p in nano.iterdir()) == ["train.bin"]
+
+    # litdata: chunks of the earlier export go
+    lit = tmp_path / "lit"
+    assert shards(["export", str(source), "--to", "litdata", "--output", str(lit), "-q"]) == 0
+    (lit / "chunk-0-7.bin").write_bytes(b"stale")  # as a longer earlier export leaves
+    assert shards(["export", str(source), "--to", "litdata", "--output", str(lit), "-q"]) == 0
+    index = json.loads((lit / "index.json").read_text())
+    assert sorted(p.name for p in lit.iterdir()) == sorted(["index.json", *(c["filename"] for c in index["chunks"])])
+
+
+def test_an_export_into_a_directory_of_other_files_is_refused(made: dict[str, Path], tmp_path: Path) -> None:
+    for to in ("llmc", "litdata"):
+        out = tmp_path / to
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+        result = tokenizer_shards("export", made["one"], "--to", to, "--output", out)
+        one_line(result, 2, "notes.txt", "not written by an export")
+        assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+# -- issue 35: refusals before any progress bar -------------------------------------------------------------------
+
+
+def test_refusals_known_before_work_come_before_any_progress_bar(
+    made: dict[str, Path], documents: list[str], tmp_path: Path
+) -> None:
+    wide = dict(json.loads((made["one"] / "metadata.json").read_text()))
+    wide_dir = tmp_path / "wide"
+    shutil.copytree(made["one"], wide_dir)
+    meta = {**wide, "dtype": "<u4", "model": {**wide["model"], "vocab_size": 129_280}}
+    # a 129k vocabulary's dataset (its ids as uint32: written again so that the sizes agree)
+    for name in ("00000.bin",):
+        ids = np.fromfile(made["one"] / name, dtype="<u2").astype("<u4")
+        (wide_dir / name).chmod(0o644)
+        ids.tofile(wide_dir / name)
+    idx = wide_dir / "00000.idx"
+    idx.chmod(0o644)
+    raw = bytearray(idx.read_bytes())
+    raw[11] = 4
+    idx.write_bytes(bytes(raw))
+    (wide_dir / "metadata.json").write_text(json.dumps(meta))
+    assert tokenizer_shards("verify", wide_dir).returncode == 0
+    one_line(tokenizer_shards("export", wide_dir, "--to", "nanogpt", "--output", tmp_path / "n"), 2, "uint16")
+    one_line(tokenizer_shards("export", wide_dir, "--to", "llmc", "--output", tmp_path / "l"), 2, "uint16")
+    packed = build(tmp_path / "best", documents[:100], "--seq-len", "64", "--strategy", "best_fit")
+    one_line(tokenizer_shards("export", packed, "--to", "litdata", "--output", tmp_path / "b"), 2, "best_fit")
+    too_many = tokenizer_shards(
+        "export", made["one"], "--to", "megatron", "--output", tmp_path / "v", "--val-documents", 999
+    )
+    one_line(too_many, 2, "leaves no training document")
+    one_line(
+        tokenizer_shards("export", made["one"], "--to", "llmc", "--output", tmp_path / "s", "--shard-tokens", "0"),
+        2,
+        "--shard-tokens",
+    )
+    one_line(tokenizer_shards("verify", packed, "--sample", "5"), 2, "ragged")
+    one_line(tokenizer_shards("verify", made["one"], "--sample", "-1"), 2, "--sample")
+    assert not any((tmp_path / name).exists() for name in ("n", "l", "b", "v", "v_val", "s"))
+
+
 # -- 4. merge takes exactly the rank directories it names ----------------------------------------------------------
 
 

@@ -47,12 +47,20 @@ Where the same bytes serve, files are hard-linked, not copied: a whole ``.bin`` 
 itself: the pre-tokenizer writes complete shards read-only so that editing an export in place fails
 instead of changing the dataset. Every shard is checked first (``TokenDataset.check``: offsets, ids
 below the vocabulary, row boundaries); an export of a corrupt shard is refused before anything is written.
+
+An export owns its output (``check_destination``, ``earlier_files``): it never writes at a path that is, or lies
+inside, the dataset it reads (paths resolved, symlinks followed); it removes the files of an earlier export of
+the same format at the same place before writing (megatron: ``OUT.bin/.idx``, ``OUT_val.bin/.idx`` and the
+``--per-shard`` pairs ``OUT[_val]_NNNNN.bin/.idx``; nanogpt: the file and its ``val.bin``; litdata: ``index.json``
+and ``chunk-*.bin`` in ``OUT/`` and ``OUT_val/``; llmc: ``train_*.bin`` and ``val_*.bin`` in ``OUT/``), so that
+nothing of it is read with the new one; and a litdata or llmc directory holding anything else is refused.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 import time
@@ -122,6 +130,16 @@ def check_exportable(metadata: dict[str, Any], to: str, val_documents: int = 0) 
         raise ExportError(
             f"{to} stores ids as uint16: a vocabulary of {vocab} pieces does not fit; use megatron or litdata"
         )
+    if to == "litdata":  # a chunk is at most a shard: its byte offsets are uint32
+        itemsize = 4 if metadata.get("dtype") == "<u4" else 2
+        for shard in metadata.get("shards", []):
+            packed = metadata.get("layout") == "packed"
+            items = int(shard.get("rows") or 0) if packed else int(shard.get("documents", 0))
+            if 4 * (items + 2) + itemsize * int(shard.get("tokens", 0)) >= 1 << 32:
+                raise ExportError(
+                    f"shard {shard.get('name')} is over litdata's 4 GiB chunk: pre-tokenize with a smaller "
+                    "--shard-tokens"
+                )
     if val_documents:
         if metadata.get("layout") != "ragged":
             raise ExportError(
@@ -131,6 +149,97 @@ def check_exportable(metadata: dict[str, Any], to: str, val_documents: int = 0) 
             raise ExportError(
                 f"--val-documents {val_documents:,} leaves no training document of {metadata.get('documents', 0):,}"
             )
+
+
+# -- where an export writes: never into its dataset, and only over its own earlier files -------------------------
+
+_SHARD_PART = r"(?:[0-9]{5,}|rank-[0-9]{5}-[0-9]{5,})"  # a shard's name in OUT_NNNNN (merged ranks: rank-RRRRR-NNNNN)
+_LITDATA_FILE = re.compile(r"index\.json|chunk-[0-9]+-[0-9]+\.bin")
+_LLMC_FILE = re.compile(r"(?:train|val)_[0-9]{6,}\.bin")
+
+
+def _ours(pattern: re.Pattern[str], name: str) -> bool:
+    """`name` is a file an export writes, or the temporary name it writes it under (``.NAME.tmp``)."""
+    temporary = name.startswith(".") and name.endswith(".tmp") and pattern.fullmatch(name[1:-4])
+    return bool(pattern.fullmatch(name) or temporary)
+
+
+def _megatron_files(prefix: Path) -> re.Pattern[str]:
+    """PREFIX.bin/.idx, PREFIX_val.bin/.idx and the --per-shard pairs PREFIX[_val]_NNNNN.bin/.idx."""
+    return re.compile(rf"{re.escape(prefix.name)}(?:_val)?(?:_{_SHARD_PART})?\.(?:bin|idx)")
+
+
+def places(to: str, output: Path) -> list[tuple[Path, bool]]:
+    """Where an export of format `to` at `output` writes, training then validation: each a directory the export owns
+    (litdata, llmc: it may hold nothing else) or a file or prefix beside other files (megatron, nanogpt)."""
+    owned_directory = to in ("litdata", "llmc")
+    found = [(output, owned_directory)]
+    if to != "llmc":  # llmc's validation files lie in OUT itself
+        found.append((val_output(to, output), owned_directory))
+    return found
+
+
+def earlier_files(to: str, output: Path) -> list[Path]:
+    """The files of an earlier export of format `to` at `output` (training and validation, and their temporary
+    files): what a new export there removes before it writes, so that nothing of the earlier one is read with it."""
+    found: list[Path] = []
+    if to == "megatron":
+        pattern = _megatron_files(output)
+        if output.parent.is_dir():
+            found += [path for path in output.parent.iterdir() if _ours(pattern, path.name) and not path.is_dir()]
+        return sorted(found)
+    if to == "nanogpt":
+        return [path for path in (output, val_output(to, output)) if path.is_file() or path.is_symlink()]
+    pattern = _LITDATA_FILE if to == "litdata" else _LLMC_FILE
+    for directory, _ in places(to, output):
+        if directory.is_dir():
+            found += [path for path in directory.iterdir() if _ours(pattern, path.name) and not path.is_dir()]
+    return sorted(found)
+
+
+def check_destination(dataset: TokenDataset, to: str, output: Path, val_documents: int = 0) -> None:
+    """ExportError, before anything is read or written, unless the export may write at `output`: no place it writes
+    is, or lies inside, the dataset (paths resolved, symlinks followed); a directory it owns (litdata, llmc) holds
+    nothing but an earlier export's files; and the places can be made and written."""
+    home = dataset.path.resolve()
+    for place, owned in places(to, output)[: 1 if to == "llmc" or not val_documents else 2]:
+        resolved = place.resolve()
+        if resolved == home or resolved.is_relative_to(home):
+            what = f"--output {output}" if place == output else f"the validation set's place {place}"
+            raise ExportError(
+                f"{what} is inside the dataset {dataset.path} ({resolved}): an export never writes into the dataset "
+                "it reads; give a path outside it"
+            )
+        if owned and place.is_dir():
+            pattern = _LITDATA_FILE if to == "litdata" else _LLMC_FILE
+            others = sorted(path.name for path in place.iterdir() if not _ours(pattern, path.name) or path.is_dir())
+            if others:
+                listed = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+                raise ExportError(
+                    f"{place} holds files not written by an export to {to}: {listed}; give an empty or new directory "
+                    f"(an export replaces an earlier export's own files there, and nothing else)"
+                )
+        existing = place if owned else place.parent
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            raise ExportError(f"cannot write {place}: {existing} is a file, not a directory")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ExportError(f"cannot write {place}: no permission to write in {existing}")
+
+
+def remove_earlier(dataset: TokenDataset, to: str, output: Path) -> list[Path]:
+    """Remove the files of an earlier export of format `to` at `output` (and an emptied litdata OUT_val/); never a
+    file inside `dataset` (a validation place not written this time is not checked by `check_destination`)."""
+    home = dataset.path.resolve()
+    removed = [path for path in earlier_files(to, output) if not path.parent.resolve().is_relative_to(home)]
+    for path in removed:
+        path.unlink(missing_ok=True)
+    if to == "litdata":
+        val = val_output(to, output)
+        if val.is_dir() and not any(val.iterdir()):
+            val.rmdir()
+    return removed
 
 
 def check_shards(dataset: TokenDataset, progress: Progress) -> None:
@@ -421,14 +530,21 @@ def export(
     progress: Progress | None = None,
     stage: Stage | None = None,
 ) -> Exported:
-    """Export `dataset` to format `to` at `output` (the first `val_documents` documents to `val_output`)."""
+    """Export `dataset` to format `to` at `output` (the first `val_documents` documents to `val_output`), replacing
+    the files of an earlier export of that format there (`earlier_files`); refused (ExportError) before anything is
+    read or written where the dataset cannot go to that format or the export cannot write there
+    (`check_exportable`, `check_destination`), and before anything is written where a shard fails its check."""
     if to not in FORMATS:
         raise ExportError(f"unknown format {to!r}; one of {', '.join(FORMATS)}")
+    if shard_tokens < 1:
+        raise ExportError(f"--shard-tokens must be at least 1, got {shard_tokens}")
     check_exportable(dataset.metadata, to, val_documents)
+    check_destination(dataset, to, output, val_documents)
     report = progress or (lambda count: None)
     announce = stage or (lambda what, total: None)
     announce("checking shards", dataset.num_tokens)
     check_shards(dataset, report)
+    remove_earlier(dataset, to, output)
     dtype = dataset.metadata["dtype"]
     done = Exported()
     if val_documents:

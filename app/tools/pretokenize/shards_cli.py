@@ -7,7 +7,8 @@
                             [--val-documents N]
 
 A refusal or a broken output is one line on stderr: exit 2 for a refusal (a format that cannot hold
-the output, an incomplete output), 1 for an output that fails verification.
+the output, an incomplete output, an --output inside the dataset, ranks that cannot merge), said before
+any progress bar; 1 for an output that fails verification.
 """
 
 from __future__ import annotations
@@ -27,7 +28,16 @@ from tokenizer_service.core.models import ModelInfo, ModelLoadError, find_model_
 from tokenizer_service.core.registry import inspect_model
 from tokenizer_service.core.requests import EncodeOptions
 from tokenizer_service.tools.pretokenize.cli import describe_os_error
-from tokenizer_service.tools.pretokenize.export import DEFAULT_LLMC_SHARD_TOKENS, FORMATS, NANOGPT_FILE, Exported, ExportError, export
+from tokenizer_service.tools.pretokenize.export import (
+    DEFAULT_LLMC_SHARD_TOKENS,
+    FORMATS,
+    NANOGPT_FILE,
+    Exported,
+    ExportError,
+    check_destination,
+    check_exportable,
+    export,
+)
 from tokenizer_service.tools.pretokenize.ranks import RankError, merge
 from tokenizer_service.tools.pretokenize.run import resolve_local_model
 from tokenizer_service.tools.pretokenize.sources import DocumentReader, InputError, Source
@@ -45,6 +55,9 @@ packed best_fit outputs to none, their padding cannot be masked by these readers
 Hard links are the shards' own read-only files: copy one before editing it. --val-documents N puts the
 first N documents in a validation set: nanogpt val.bin beside train.bin, llmc OUT/val_NNNNNN.bin,
 megatron OUT_val.bin/.idx, litdata OUT_val/. Every shard is checked before anything is written.
+An export owns its output: it replaces the files of an earlier export of the same format there (a
+re-export leaves no stale train_*.bin, chunk or validation file), refuses a litdata or llmc directory
+holding other files, and never writes into the dataset it reads.
 """
 
 
@@ -234,8 +247,9 @@ def model_of(dataset: TokenDataset, given: str | None) -> ModelInfo:
     )
 
 
-def verify(dataset: TokenDataset, sample: int, model: str | None, seed: int) -> str:
-    """Every shard against its header and metadata.json; then `sample` documents re-tokenized."""
+def verify(dataset: TokenDataset, sample: int, model: str | None, seed: int, info: ModelInfo | None = None) -> str:
+    """Every shard against its header and metadata.json; then `sample` documents re-tokenized (with `info`, the
+    model `model_of` found, when the caller looked for it before the shards were read)."""
     tokens = 0
     for shard in range(dataset.num_shards):
         dataset.check(shard)  # header and sizes; offsets rising to the data's end; ids below the vocabulary
@@ -250,7 +264,7 @@ def verify(dataset: TokenDataset, sample: int, model: str | None, seed: int) -> 
         return checked
     if dataset.layout != "ragged":
         raise ValueError("--sample re-tokenizes documents: it needs a ragged output")
-    info = model_of(dataset, model)
+    info = info or model_of(dataset, model)
     # always the reference library, never the fast encoder whose ids are being checked
     library = libraries.load(find_model_files(info.name, info.path), libraries.REFERENCE)
     options: dict[str, Any] = dataset.metadata["options"]
@@ -299,8 +313,19 @@ def main(argv: list[str] | None = None) -> int:
         print(describe(dataset))
         return 0
     if args.command == "verify":
+        info = None  # what --sample needs is found, or refused (exit 2), before any shard is read
         try:
-            print(verify(dataset, args.sample, args.model, args.seed))
+            if args.sample < 0:
+                raise ValueError(f"--sample must be 0 or more, got {args.sample}")
+            if args.sample and dataset.layout != "ragged":
+                raise ValueError("--sample re-tokenizes documents: it needs a ragged output, this one is packed")
+            if args.sample:
+                info = model_of(dataset, args.model)
+        except (ValueError, OSError, ModelLoadError) as exc:
+            print(f"tokenizer-shards: cannot verify {args.directory}: {exc}", file=sys.stderr)
+            return 2
+        try:
+            print(verify(dataset, args.sample, args.model, args.seed, info))
         except (ValueError, OSError, InputError, ModelLoadError) as exc:
             print(f"tokenizer-shards: verify failed: {exc}", file=sys.stderr)
             return 1
@@ -308,8 +333,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.val_documents < 0:
         print("tokenizer-shards: --val-documents must be 0 or more", file=sys.stderr)
         return 2
-    try:
+    if args.shard_tokens < 1:
+        print(f"tokenizer-shards: --shard-tokens must be at least 1, got {args.shard_tokens}", file=sys.stderr)
+        return 2
+    try:  # every refusal that needs no shard read comes before the progress bar
         output = export_output(args.to, args.output)
+        check_exportable(dataset.metadata, args.to, args.val_documents)
+        check_destination(dataset, args.to, output, args.val_documents)
     except ExportError as exc:
         print(f"tokenizer-shards: cannot export to {args.to}: {exc}", file=sys.stderr)
         return 2
