@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import os
 import signal
 import socket
 import sys
@@ -20,6 +21,7 @@ import uvicorn
 from pydantic import ValidationError
 from pydantic_settings import CliSettingsSource
 
+from tokenizer_service.core.libraries import CACHE_DIR_ENV
 from tokenizer_service.core.models import ModelLoadError
 from tokenizer_service.core.registry import ModelRegistry
 from tokenizer_service.entry import USAGE_ERROR
@@ -109,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{PROG}: {describe_error(error, argv)}", file=sys.stderr)
         return USAGE_ERROR
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.cache_dir is not None:  # the gate's verdicts (tokenizer_service.core.libraries.cache_dir)
+        os.environ[CACHE_DIR_ENV] = str(settings.cache_dir.expanduser())
     try:  # every model read once here, so a wrong path is one line and not a failed lifespan
         paths = settings.model_paths()
         registry = ModelRegistry.from_paths(

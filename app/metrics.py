@@ -119,6 +119,20 @@ class Metrics:
             self.rejected_requests.labels(reason)
         for reason in CANCEL_REASONS:
             self.cancelled_requests.labels(reason)
+        # Shadow verification (tokenizer_service.core.shadow): texts a fast encoder encoded, encoded again by the
+        # reference library; any mismatch makes the model fall back to the reference library (alert on it).
+        self.shadow_checks = Counter(
+            "tokenizer_shadow_checks",
+            "Texts encoded by a fast encoder that were encoded again by the reference library, by model.",
+            ["model"],
+            registry=r,
+        )
+        self.shadow_mismatches = Counter(
+            "tokenizer_shadow_mismatches",
+            "Texts a fast encoder encoded otherwise than the reference library, by model (it then falls back).",
+            ["model"],
+            registry=r,
+        )
         self.rebuild_seconds = Histogram(
             "tokenizer_worker_rebuild_seconds",
             "Time from a worker's death until its replacement answers.",

@@ -88,6 +88,26 @@ class Settings(BaseSettings):
         "library's ids on the built-in check set (else the library); reference: always the library itself",
         "fast",
     )
+    shadow_rate: float = option(
+        "SHARE",
+        "share of texts a fast encoder encodes that the reference library encodes again, off the hot path "
+        "(shadow verification; a mismatch falls the model back to the reference library in every worker)",
+        0.001,
+        ge=0,
+        le=1,
+    )
+    shadow_interval_seconds: float = option(
+        "SECONDS",
+        "and at least one text per this many seconds of a worker's fast encoding (0: only --shadow-rate)",
+        10.0,
+        ge=0,
+    )
+    cache_dir: Path | None = option(
+        "DIR",
+        "where the fast encoder's gate remembers its verdicts (DIR/gate; default ~/.cache/tokenizer-service/"
+        "gate, or under $XDG_CACHE_HOME); unwritable: no cache",
+        None,
+    )
     default_model: str | None = option("NAME", "model used when a request names none", None)
     max_request_bytes: int = option("BYTES", "largest request body accepted (413 above)", 32 * 1024 * 1024, ge=1)
     max_texts: int = option("N", "most texts in one request (413 above)", 8192, ge=1)

@@ -30,6 +30,7 @@ CHUNK = 2  # part of a split request (pickled by the worker that split it)
 FINISH = 3  # the parts of a split /v1/pack request, to pack and answer
 PING = 4  # a round trip: the worker has loaded its models
 POISON = 5  # remember a text that killed workers (no reply)
+FALLBACK = 6  # encode this model with its reference library from now on (no reply)
 
 # Worker to server
 DONE = 11  # the whole answer: meta + body bytes
@@ -38,6 +39,7 @@ PART = 13  # one chunk's result
 FAILED = 14  # the request is refused: an error body (JSON)
 PONG = 15
 SHARE = 16  # before a job's reply: chunks of a large request for other workers; the job's own chunk follows
+VERIFIED = 17  # unsolicited (job 0), after a reply: shadow verification's count, and a mismatch if one was found
 
 
 def frame(job: int, kind: int, payload: bytes | bytearray | memoryview = b"") -> list[bytes | bytearray | memoryview]:

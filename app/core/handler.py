@@ -82,6 +82,8 @@ class Limits:
     max_seq_len: int
     min_chunk_chars: int
     max_request_bytes: int = 32 * 1024 * 1024
+    shadow_rate: float = 0.001  # shadow verification (tokenizer_service.core.shadow): share of texts checked
+    shadow_interval: float = 10.0  # and at least one text per this many seconds of fast encoding
 
 
 class TextMarker:

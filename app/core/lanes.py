@@ -164,6 +164,10 @@ class Worker:
             self._start_clock(job)
         self._transport.writelines(channel.frame_parts(job.number, job.kind, job.parts))
 
+    def fall_back(self, payload: bytes) -> None:
+        if self._transport is not None and self.state is not WorkerState.GONE:
+            self._transport.writelines(channel.frame(0, channel.FALLBACK, payload))
+
     def poison(self, payload: bytes) -> None:
         if self._transport is not None and self.state is not WorkerState.GONE:  # a starting one too (Lane._ready)
             self._transport.writelines(channel.frame(0, channel.POISON, payload))
@@ -189,6 +193,10 @@ class Worker:
         self.process.kill()
 
     def replied(self, number: int, kind: int, payload: Buffer) -> None:
+        if kind == channel.VERIFIED:  # unsolicited, between replies: shadow verification's findings
+            if self.lane.on_verified is not None:
+                self.lane.on_verified(payload)
+            return
         if not self.inflight or self.inflight[0].number != number:
             logger.error("%s worker %s answered job %d out of turn; restarting it", self.lane.name, self.pid, number)
             self.process.kill()
@@ -267,6 +275,8 @@ class Lane:
         self._on_change = on_change
         self._restarts: dict[int, asyncio.Task[None]] = {}
         self._poison: list[bytes] = []
+        self._fallbacks: list[bytes] = []  # models encoded by the reference library since a shadow mismatch
+        self.on_verified: Callable[[Buffer], None] | None = None  # takes a worker's VERIFIED
         self._loop: asyncio.AbstractEventLoop | None = None
         self.cores = usable_cpus()
 
@@ -306,6 +316,8 @@ class Lane:
             raise RuntimeError(f"{self.name} worker {worker.pid} answered its first ping with kind {kind}")
         for payload in self._poison:
             worker.poison(payload)
+        for payload in self._fallbacks:
+            worker.fall_back(payload)
         worker.state = WorkerState.SERVING
         self.failing = False
         self._changed()
@@ -485,3 +497,10 @@ class Lane:
         for worker in self.workers:
             if worker is not None and worker.serving:
                 worker.poison(payload)
+
+    def broadcast_fallback(self, payload: bytes) -> None:
+        """Every worker, and every one started later, encodes the model with its reference library."""
+        self._fallbacks.append(payload)
+        for worker in self.workers:
+            if worker is not None and worker.state is not WorkerState.GONE:
+                worker.fall_back(payload)

@@ -17,6 +17,7 @@ Only domain errors leave this module (tokenizer_service.core.errors); tokenizer_
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
@@ -36,10 +37,12 @@ from tokenizer_service.core.protocol import (
     PACK,
     Split,
     chunk_head,
+    fallback_payload,
     finish_payload,
     load_chunk,
     poison_payload,
     read_split,
+    read_verified,
     request_head,
 )
 from tokenizer_service.metrics import Metrics
@@ -81,6 +84,11 @@ class WorkerPool:
         if any(info.library == SENTENCEPIECE for info in models):
             self.sampler = Lane("seeded-sampler", 1, startup, metrics, on_change=self._changed, **common)
         self.lanes = [lane for lane in (self.tokenizers, self.sampler) if lane is not None]
+        # shadow verification: a mismatch falls the model back to its reference library in every worker
+        self.on_fallback: Callable[[ModelInfo], None] = _ignore  # called with the model's new announcement
+        self.fallen: set[int] = set()
+        for lane in self.lanes:
+            lane.on_verified = self._verified
 
     async def start(self) -> None:
         try:
@@ -104,6 +112,31 @@ class WorkerPool:
 
     def _changed(self) -> None:
         self.on_change()
+
+    def _verified(self, payload: Buffer) -> None:
+        """A worker's shadow verification: count its checks; on a mismatch, log it once and fall the model
+        back to its reference library in every worker, now and after any restart."""
+        model, checks, mismatch = read_verified(payload)
+        info = self.models[model]
+        self.metrics.shadow_checks.labels(info.name).inc(checks)
+        if mismatch is None:
+            return
+        self.metrics.shadow_mismatches.labels(info.name).inc()
+        if model in self.fallen:
+            return
+        self.fallen.add(model)
+        logger.error(
+            "model %r: fastokens encoded a text otherwise than %s (shadow verification): %s; every worker now "
+            "encodes it with %s",
+            info.name,
+            info.library,
+            mismatch,
+            info.library,
+        )
+        for lane in self.lanes:
+            lane.broadcast_fallback(fallback_payload(model))
+        self.models[model] = dataclasses.replace(info, encoder=info.library)
+        self.on_fallback(self.models[model])
 
     def pids(self) -> list[int]:
         return sorted(pid for lane in self.lanes for pid in lane.pids())
@@ -243,6 +276,10 @@ class WorkerPool:
 
 
 def _nothing() -> None:
+    pass
+
+
+def _ignore(info: ModelInfo) -> None:
     pass
 
 

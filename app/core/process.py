@@ -38,11 +38,12 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from tokenizer_service.core import channel, libraries, memory
+from tokenizer_service.core import channel, libraries, memory, protocol
 from tokenizer_service.core.handler import Handler, Limits, TextMarker
 from tokenizer_service.core.libraries import Library
 from tokenizer_service.core.models import ModelInfo, find_model_files
 from tokenizer_service.core.requests import EncodeOptions
+from tokenizer_service.core.shadow import Shadow
 from tokenizer_client.wire import ragged_offsets
 
 if TYPE_CHECKING:
@@ -149,6 +150,10 @@ def serve(connection: socket.socket, startup: Startup, progress: Any) -> None:
     memory.keep_freed_memory()
     libraries_of_models = [library(info.name) for info in startup.models]
     handler = Handler(startup.models, libraries_of_models, startup.default, startup.limits, TextMarker(progress))
+    shadow = Shadow(startup.limits.shadow_rate, startup.limits.shadow_interval)
+    for info, watched in zip(startup.models, libraries_of_models, strict=True):
+        shadow.watch(info.name, watched)
+    positions = {info.name: position for position, info in enumerate(startup.models)}
     reader = channel.FrameReader()
     connection.setblocking(True)
     while True:
@@ -162,6 +167,9 @@ def serve(connection: socket.socket, startup: Startup, progress: Any) -> None:
             if kind == channel.POISON:
                 handler.remember_poison(payload)
                 continue
+            if kind == channel.FALLBACK:  # another worker's shadow check found fastokens wrong on this model
+                libraries_of_models[protocol.read_fallback(payload)].fall_back()
+                continue
             try:
                 reply, parts = handler.handle(kind, payload, _sharer(connection, number))
             except Exception:
@@ -174,8 +182,22 @@ def serve(connection: socket.socket, startup: Startup, progress: Any) -> None:
             except (BrokenPipeError, ConnectionResetError):
                 return  # the server stopped while this job ran
             del parts
+            if shadow.pending and not _verify(connection, shadow, positions):
+                return
         if big and not _waiting(connection):  # everything of the last jobs is freed by now
             memory.trim()
+
+
+def _verify(connection: socket.socket, shadow: Shadow, positions: dict[str, int]) -> bool:
+    """After a reply: the sampled texts encoded again by the reference library, and what was found told
+    to the server (VERIFIED), which counts it and, on a mismatch, falls the model back in every worker."""
+    for report in shadow.run():  # the server logs a mismatch, once a model
+        payload = protocol.verified_payload(positions[report.model], report.checks, report.mismatch)
+        try:
+            _send_all(connection, channel.frame(0, channel.VERIFIED, payload))
+        except (BrokenPipeError, ConnectionResetError):
+            return False
+    return True
 
 
 def _sharer(connection: socket.socket, number: int) -> Callable[[int, Sequence[Buffer]], None]:

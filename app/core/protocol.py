@@ -9,6 +9,9 @@ REQUEST    to worker    REQUEST_HEAD (route, answer in binary, most chunks, care
 CHUNK      to worker    CHUNK_HEAD (careful), a pickled `Chunk`
 FINISH     to worker    blobs: the pickled `PackContext`, then each PART payload (a split /v1/pack)
 POISON     to worker    POISON_HEAD (model index, text length), then the text's digest
+FALLBACK   to worker    FALLBACK_HEAD (model index): encode it with the reference library from now on
+VERIFIED   to server    job 0, between replies: VERIFIED_HEAD (model index, texts checked, mismatch), then
+                        the mismatch's log line (UTF-8; empty when none): shadow verification
 DONE       to server    RESULT_HEAD, then the answer's bytes (JSON, or the binary frame)
 PART       to server    RESULT_HEAD, then blobs (ids and lengths) or one JSON fragment (detokenize)
 SHARE      to server    sent by a worker that splits a REQUEST, before its reply: SPLIT's layout,
@@ -51,6 +54,8 @@ CHUNK_HEAD = struct.Struct("<B")
 RESULT_HEAD = struct.Struct("<HBIQddd")  # model, content, texts, tokens, started, seconds, padding (NaN: none)
 POISON_HEAD = struct.Struct("<HQ")
 SPLIT_HEAD = struct.Struct("<HBIB")
+FALLBACK_HEAD = struct.Struct("<H")
+VERIFIED_HEAD = struct.Struct("<HIB")
 
 
 class ResultHead(NamedTuple):
@@ -215,3 +220,24 @@ def read_poison(payload: Buffer) -> tuple[int, int, bytes]:
     """(model index, text length, the text's digest) of a POISON."""
     model, length = POISON_HEAD.unpack_from(payload)
     return model, length, bytes(payload[POISON_HEAD.size :])
+
+
+def verified_payload(model: int, checks: int, mismatch: str | None) -> bytes:
+    line = b"" if mismatch is None else mismatch.encode("utf-8", "backslashreplace")
+    return VERIFIED_HEAD.pack(model, checks, mismatch is not None) + line
+
+
+def read_verified(payload: Buffer) -> tuple[int, int, str | None]:
+    """(model index, texts checked, the mismatch's line or None) of a VERIFIED."""
+    model, checks, mismatched = VERIFIED_HEAD.unpack_from(payload)
+    line = bytes(payload[VERIFIED_HEAD.size :]).decode("utf-8")
+    return model, checks, line if mismatched else None
+
+
+def fallback_payload(model: int) -> bytes:
+    return FALLBACK_HEAD.pack(model)
+
+
+def read_fallback(payload: Buffer) -> int:
+    (model,) = FALLBACK_HEAD.unpack_from(payload)
+    return int(model)

@@ -15,6 +15,7 @@ from starlette.middleware.cors import CORSMiddleware
 from tokenizer_service import __version__
 from tokenizer_service.core import memory
 from tokenizer_service.core.handler import Limits
+from tokenizer_service.core.models import ModelInfo
 from tokenizer_service.core.pool import WorkerPool
 from tokenizer_service.core.readiness import ServiceState
 from tokenizer_service.core.registry import ModelRegistry
@@ -56,12 +57,22 @@ def create_app(settings: Settings | None = None, registry: ModelRegistry | None 
             max_seq_len=settings.max_seq_len,
             min_chunk_chars=settings.min_chunk_chars,
             max_request_bytes=settings.max_request_bytes,
+            shadow_rate=settings.shadow_rate,
+            shadow_interval=settings.shadow_interval_seconds,
         )
         served = list(models.models.values())
         pool = WorkerPool(
             served, models.default, settings.workers, metrics, limits, stall_timeout=settings.stall_timeout
         )
         service = Service(settings=settings, registry=models, metrics=metrics, state=state)
+
+        def fallen_back(info: ModelInfo) -> None:  # shadow verification found fastokens wrong: /v1/models says so
+            before = models.models[info.name]
+            metrics.model_info.remove(before.name, before.sha256, str(before.vocab_size), before.library, before.encoder)
+            metrics.model_info.labels(info.name, info.sha256, str(info.vocab_size), info.library, info.encoder).set(1)
+            models.models[info.name] = info
+
+        pool.on_fallback = fallen_back
         started = time.perf_counter()
         await pool.start()
         edge.open(served)

@@ -1,0 +1,111 @@
+"""Shadow verification: a share of what a fast encoder encodes is encoded again by the reference library.
+
+The gate (tokenizer_service.core.libraries) checks every code point and special-token string before
+fastokens is trusted; this watches it afterwards. A `Shadow` samples texts as a library encodes them
+(`rate`: each text with that chance, drawn as geometric gaps so the hot path only counts; and at least
+one text per `interval` seconds of encoding), keeping the text and the fast encoder's ids. `run()`
+encodes the kept texts with the reference library off the hot path (a server's worker after it sent
+its reply; the pre-tokenizer's worker before it hands its chunk back) and says, per model, how many it
+checked and the first text that differed. A library that differed falls back to its reference library
+at once, in that process; the server tells every other worker (tokenizer_service.core.pool).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tokenizer_service.core.checkset import describe
+
+PENDING_MOST = 64  # texts kept for checking at most; more sampled before a check are dropped
+SHOWN_CODE_POINTS = 64  # of a differing text, in the log line
+
+
+@dataclass
+class Report:
+    """What `run` found for one model: texts checked, and the first that differed (its code points), if one did."""
+
+    model: str
+    checks: int
+    mismatch: str | None = None
+
+
+class Shadow:
+    def __init__(self, rate: float, interval: float, seed: int | None = None) -> None:
+        self.rate = rate
+        self.interval = interval
+        self.random = random.Random(seed)
+        self.pending: list[tuple[Any, str, bool, np.ndarray]] = []
+        self.worked = 0.0  # seconds of fast encoding since the last text sampled
+        self.since = time.monotonic()
+        self.gap = self._gap()
+        self.names: dict[int, str] = {}
+
+    def watch(self, name: str, library: Any) -> None:
+        """Sample what `library` (model `name`) encodes while its fast encoder serves it."""
+        if library.fast is not None and (self.rate > 0 or self.interval > 0):
+            self.names[id(library)] = name
+            library.shadow = self
+
+    def _gap(self) -> int:
+        """Texts until the next sampled one: geometric with mean 1/rate (a rate of 0 samples none)."""
+        if self.rate <= 0:
+            return 1 << 62
+        if self.rate >= 1:
+            return 0
+        return int(math.log(1.0 - self.random.random()) / math.log(1.0 - self.rate))
+
+    def sample(self, library: Any, texts: list[str], parse_special: bool, ids: np.ndarray, lengths: np.ndarray) -> None:
+        """Called as `library` encoded `texts` with its fast encoder: keep the sampled ones with their ids."""
+        count = len(texts)
+        picks = []
+        while self.gap < count:
+            picks.append(self.gap)
+            self.gap += 1 + self._gap()
+        self.gap -= count
+        now = time.monotonic()
+        if not picks and count and self.interval > 0 and now - self.since >= self.interval:
+            picks.append(self.random.randrange(count))
+        if not picks:
+            return
+        self.since = now
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        for index in picks:
+            if len(self.pending) < PENDING_MOST:
+                row = np.array(ids[offsets[index] : offsets[index + 1]], dtype=np.int64)
+                self.pending.append((library, texts[index], parse_special, row))
+
+    def run(self) -> list[Report]:
+        """Check every kept text against its reference library; fall back a library that differs."""
+        if not self.pending:
+            return []
+        pending, self.pending = self.pending, []
+        reports: dict[int, Report] = {}
+        for library, text, parse_special, got in pending:
+            report = reports.setdefault(id(library), Report(self.names.get(id(library), '?'), 0))
+            if library.fast is None:  # fell back meanwhile: nothing to check
+                continue
+            (want,) = library.reference_rows([text], parse_special)
+            report.checks += 1
+            if report.mismatch is None and list(want) != got.tolist():
+                library.fall_back()
+                report.mismatch = mismatch_line(text, got.tolist(), list(want))
+        return [report for report in reports.values() if report.checks]
+
+
+def mismatch_line(text: str, got: list[int], want: list[int]) -> str:
+    """The differing text as code points (bounded) and both ids (bounded): what the log line says."""
+    return (
+        f"{len(text)} characters [{describe(map(ord, text), SHOWN_CODE_POINTS)}]: fast ids {got[:32]}, "
+        f"reference ids {want[:32]}"
+    )
+
+
+class ShadowMismatch(Exception):
+    """The pre-tokenizer's worker found a sampled text its fast encoder got wrong (it now encodes with the
+    reference library); the chunk's ids are not handed out."""

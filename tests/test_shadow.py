@@ -1,0 +1,105 @@
+"""Shadow verification: texts a fast encoder encoded are encoded again by the reference library, and a
+mismatch falls the model back to it: in-process (the sampler, the check) and in a real server, whose
+workers get a fast encoder that differs on one code point after their gate (TOKENIZER_TEST_FAST_DIFFERS,
+the test-only hook in tokenizer_service.core.libraries)."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import numpy as np
+import pytest
+import tiktoken
+
+from tokenizer_service.core import libraries
+from tokenizer_service.core.models import find_model_files
+from tokenizer_service.core.requests import EncodeOptions
+from tokenizer_service.core.shadow import Shadow
+from tests.conftest import start_server, stop_server
+from tests.test_libraries import Reference
+
+SNOWMAN = 0x2603
+
+
+def test_a_sampled_text_that_differs_falls_the_model_back(library_models):
+    library = libraries.load(find_model_files("tt", library_models["tt"]), trusted=True)
+    assert library.encoder == "fastokens"
+    libraries.plant_difference(library, SNOWMAN)
+    shadow = Shadow(rate=1.0, interval=0.0)
+    shadow.watch("tt", library)
+    texts = ["plain text", "a snow\u2603man", "more"]
+    wrong, _ = library.encode(texts, EncodeOptions())
+    (report,) = shadow.run()
+    assert report.model == "tt" and report.checks == 2  # the third after the fall-back: not checked
+    assert report.mismatch is not None and "U+2603" in report.mismatch
+    assert library.encoder == "tiktoken" and library.fast is None
+    right, lengths = library.encode(texts, EncodeOptions())
+    reference = Reference(library_models["tt"])
+    assert right.tolist() == [i for text in texts for i in reference.encode(text)]
+    assert right.tolist() != wrong.tolist()
+    assert shadow.run() == []  # nothing sampled after the fall-back: the reference library is not watched
+
+
+def test_the_sampler_takes_about_its_share_and_one_text_per_interval(library_models):
+    library = libraries.load(find_model_files("tt", library_models["tt"]), trusted=True)
+    shadow = Shadow(rate=0.01, interval=0.0, seed=1)
+    shadow.watch("tt", library)
+    for _ in range(100):
+        library.encode(["text"] * 100, EncodeOptions())
+        shadow.pending.clear()
+    sampled = 0
+    for _ in range(100):
+        library.encode(["text"] * 100, EncodeOptions())
+        sampled += len(shadow.pending)
+        shadow.pending.clear()
+    assert 60 <= sampled <= 140  # 10,000 texts at 1%
+    never = Shadow(rate=0.0, interval=0.05)
+    never.watch("tt", library)
+    library.encode(["text"] * 10, EncodeOptions())
+    assert not never.pending
+    time.sleep(0.06)
+    library.encode(["text"] * 10, EncodeOptions())
+    assert len(never.pending) == 1
+
+
+def metric(url: str, name: str, model: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    found = re.search(rf'^{name}{{model="{model}"}} (\S+)$', text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+@pytest.mark.slow
+def test_a_server_catches_a_mismatch_at_run_time_and_serves_the_reference_ids_in_every_worker(
+    library_models, tmp_path
+):
+    log = tmp_path / "server.log"
+    args = ["--workers", "2", "--model", f"tt={library_models['tt']}", "--shadow-rate", "1"]
+    url, process = start_server(args, log, env={libraries.PLANT_ENV: "U+2603"})
+    try:
+        served = httpx.get(f"{url}/v1/models", timeout=10).json()["models"]
+        assert served[0]["encoder"] == "fastokens"
+        reference = Reference(library_models["tt"])
+        text = "a snow\u2603man in the garden"
+        httpx.post(f"{url}/v1/tokenize", json={"texts": [text, "plain"]}, timeout=30).raise_for_status()
+        deadline = time.monotonic() + 20
+        while metric(url, "tokenizer_shadow_mismatches_total", "tt") < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert metric(url, "tokenizer_shadow_mismatches_total", "tt") == 1
+        assert metric(url, "tokenizer_shadow_checks_total", "tt") >= 1
+        served = httpx.get(f"{url}/v1/models", timeout=10).json()["models"]
+        assert served[0]["encoder"] == "tiktoken"
+        assert 'encoder="tiktoken"' in httpx.get(f"{url}/metrics", timeout=10).text
+        time.sleep(0.5)  # the FALLBACK frames reach the other worker
+        for _ in range(8):  # both workers, concurrently and in turn
+            answers = [
+                httpx.post(f"{url}/v1/tokenize", json={"texts": [text] * 4}, timeout=30).json()["ids"]
+                for _ in range(2)
+            ]
+            assert all(ids == reference.encode(text) for answer in answers for ids in answer)
+        assert metric(url, "tokenizer_shadow_mismatches_total", "tt") == 1  # the reference library is not watched
+    finally:
+        stop_server(process)
+    lines = [line for line in log.read_text().splitlines() if "shadow verification" in line]
+    assert len(lines) == 1 and "U+2603" in lines[0], lines
