@@ -125,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         return USAGE_ERROR
     if settings.models_dir is not None and paths == BUNDLED:
         logging.getLogger("tokenizer").warning(
-            "no *.model in %s: serving the bundled model as 'default' (--empty-models-dir bundled)", settings.models_dir
+            "no model in %s (*.model, *.tiktoken, or a subdirectory with a tokenizer.json): serving the bundled "
+            "model as 'default' (--empty-models-dir bundled)",
+            settings.models_dir,
         )
     if (problem := check_address(settings.host, settings.port)) is not None:
         print(f"{PROG}: {problem}", file=sys.stderr)

@@ -168,3 +168,27 @@ def test_the_asset_paths_left_open_are_those_served() -> None:
     assert ASSET_PATHS <= OPEN_PATHS
     assert {path for path in OPEN_PATHS if path.startswith("/docs/assets/")} == ASSET_PATHS
     assert asset_directory() is not None, "the server extra installs fastapi-offline, which ships the assets"
+
+
+# -- what a models folder serves, as the docs say --------------------------------------------------------------
+
+
+def test_a_models_folder_serves_what_the_docs_say_and_nothing_else(tmp_path: Path) -> None:
+    from tokenizer_service.settings import models_in
+
+    for name in ("llama2.model", "cl100k_base.tiktoken", "cl100k_base.tiktoken.json", "tokenizer.json", "notes.txt"):
+        (tmp_path / name).write_text("{}")
+    (tmp_path / "qwen2.5").mkdir()
+    (tmp_path / "qwen2.5" / "tokenizer.json").write_text("{}")
+    (tmp_path / "no-tokenizer-here").mkdir()
+    (tmp_path / "no-tokenizer-here" / "config.json").write_text("{}")
+    assert models_in(tmp_path) == {
+        "cl100k_base": tmp_path / "cl100k_base.tiktoken",
+        "llama2": tmp_path / "llama2.model",
+        "qwen2.5": tmp_path / "qwen2.5",
+    }
+    # Every place that tells a user what to put in the folder names the three kinds, not "*.model" alone.
+    for path in ("docker-compose.yml", "Dockerfile", "deploy/k8s/deployment.yaml", "docs/operations.md"):
+        text = (ROOT / path).read_text(encoding="utf-8")
+        assert "*.tiktoken" in text and "tokenizer.json" in text, path
+        assert "every `*.model` in it" not in text and "Put *.model files" not in text, path

@@ -81,8 +81,16 @@ def test_readme_and_pretokenize_docs_run_as_written(server: Server, tmp_path: Pa
             ran.append(run_block(language, code, tmp_path, server.url))
     assert len(ran) >= 4
     assert '"ids":[[' in ran[0].replace(" ", "")  # the curl example's answer
-    assert (tmp_path / "megatron" / "web_text_document.idx").exists()
-    assert (tmp_path / "megatron" / "web_text_document_val.idx").exists()
+    assert (tmp_path / "scratch" / "megatron" / "web_text_document.idx").exists()
+    assert (tmp_path / "scratch" / "megatron" / "web_text_document_val.idx").exists()
     docs = [block for block in blocks(ROOT / "docs" / "pretokenize.md", "### Mixtures") if not block[2]]
     for language, code, _ in docs:
         run_block(language, code, tmp_path, server.url)
+    # Run from a checkout, the examples leave nothing git would show: they write under scratch/ alone,
+    # which .gitignore names.
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["scratch", "tests"]
+    assert sorted(path.name for path in (tmp_path / "tests").iterdir()) == ["data"]
+    written = ["scratch/shards/metadata.json", "scratch/megatron/web_text_document.bin"]
+    if (ROOT / ".git").exists():
+        ignored = subprocess.run(["git", "check-ignore", *written], cwd=ROOT, capture_output=True, text=True)
+        assert ignored.stdout.split() == written, f"README's scratch/ is not ignored by git: {ignored}"
