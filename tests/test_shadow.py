@@ -103,3 +103,33 @@ def test_a_server_catches_a_mismatch_at_run_time_and_serves_the_reference_ids_in
         stop_server(process)
     lines = [line for line in log.read_text().splitlines() if "shadow verification" in line]
     assert len(lines) == 1 and "U+2603" in lines[0], lines
+
+
+@pytest.mark.slow
+def test_the_pretokenizer_restarts_the_shard_with_the_reference_library_on_a_mismatch(
+    library_models, tmp_path, monkeypatch, multilingual
+):
+    from tokenizer_service.tools.pretokenize.run import Options, run
+    from tokenizer_client.dataset import TokenDataset
+    from tests.conftest import DATA
+
+    # U+00F2 (ò) first appears in document 61 of 120: shards before it are written, the one it falls in is not
+    monkeypatch.setenv(libraries.PLANT_ENV, "U+00F2")
+    monkeypatch.setenv("TOKENIZER_SHADOW_RATE", "1")
+    warnings: list[str] = []
+    options = Options(
+        inputs=[str(DATA / "multilingual.jsonl")],
+        output=tmp_path / "out",
+        model=str(library_models["tt"]),
+        workers=2,
+        shard_tokens=2000,
+    )
+    summary = run(options, report_bad=warnings.append, warn=warnings.append)
+    (line,) = [line for line in warnings if "shadow verification" in line]  # the line shows 64 code points
+    assert "restarting the shard being written" in line and len(summary.metadata["shards"]) > 2
+    reference = Reference(library_models["tt"])
+    eos = summary.metadata["model"]["eos_id"]
+    dataset = TokenDataset(summary.output)
+    assert len(dataset) == len(multilingual)
+    for index, text in enumerate(multilingual):
+        assert np.asarray(dataset[index]).tolist() == [*reference.encode(text), eos], index

@@ -43,7 +43,7 @@ from tokenizer_service.core.handler import Handler, Limits, TextMarker
 from tokenizer_service.core.libraries import Library
 from tokenizer_service.core.models import ModelInfo, find_model_files
 from tokenizer_service.core.requests import EncodeOptions
-from tokenizer_service.core.shadow import Shadow
+from tokenizer_service.core.shadow import Shadow, ShadowMismatch
 from tokenizer_client.wire import ragged_offsets
 
 if TYPE_CHECKING:
@@ -119,8 +119,31 @@ def encode_chunk(model: str, texts: list[str], options: EncodeOptions) -> Tokeni
     """Tokenize texts[i] exactly as the model's library would in-process (the pre-tokenizer's pool)."""
     from tokenizer_client.batches import TokenizedBatch  # here, not at import: the server's workers never need it
 
-    ids, lengths = _libraries[model].encode(texts, options)
+    library = _libraries[model]
+    shadow = _pretokenize_shadow(model, library)
+    ids, lengths = library.encode(texts, options)
+    for report in shadow.run():  # before the chunk is handed back: a wrong chunk never reaches a shard
+        if report.mismatch is not None:
+            raise ShadowMismatch(
+                f"model {model!r}: fastokens encoded a text otherwise than {library.library} "
+                f"(shadow verification): {report.mismatch}"
+            )
     return TokenizedBatch(ids, ragged_offsets(lengths), model, None)
+
+
+_shadows: dict[str, Shadow] = {}
+
+
+def _pretokenize_shadow(model: str, library: Library) -> Shadow:
+    """The pre-tokenizer's shadow verification, with the server's settings (TOKENIZER_SHADOW_RATE,
+    TOKENIZER_SHADOW_INTERVAL_SECONDS) where they are set."""
+    shadow = _shadows.get(model)
+    if shadow is None:
+        rate = float(os.environ.get("TOKENIZER_SHADOW_RATE") or Limits.shadow_rate)
+        interval = float(os.environ.get("TOKENIZER_SHADOW_INTERVAL_SECONDS") or Limits.shadow_interval)
+        shadow = _shadows[model] = Shadow(rate, interval)
+        shadow.watch(model, library)
+    return shadow
 
 
 # -- serving jobs ------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from tokenizer_service.core.models import ModelInfo, ModelLoadError
 from tokenizer_service.core.registry import inspect_model
 from tokenizer_service.core.requests import EncodeOptions
+from tokenizer_service.core.shadow import ShadowMismatch
 from tokenizer_service.settings import ConfigError, Settings, describe_error, usable_cpus
 from tokenizer_service.tools.pretokenize.backends import local_pool, tokenize_locally, tokenize_via_service
 from tokenizer_service.tools.pretokenize.ranks import blocks, rank_directory
@@ -278,6 +279,17 @@ def run(
             if not metadata["shards"]:  # nothing of this output is worth keeping, and it would block a rerun
                 out.discard(created)
             raise
+        except ShadowMismatch as mismatch:
+            # Shadow verification found fastokens wrong: the shard being built (in memory, not written) is
+            # dropped, and the run goes on from the last shard written, with the reference library.
+            warn(f"{mismatch}; restarting the shard being written, encoding with {model.library}")
+            stack.close()  # the pool of fast workers
+            model = dataclasses.replace(model, encoder=model.library)
+            metadata, _ = open_output(out, wanted)
+            sources = [Source(**source) for source in metadata["sources"]]
+            return _tokenize(
+                options, model, out, metadata, sources, stack, rank, report_bad, progress, warn, started, corpus
+            )
 
 
 def _tokenize(
