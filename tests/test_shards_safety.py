@@ -96,6 +96,15 @@ def test_an_export_onto_its_own_shards_is_refused_before_anything_is_touched(dat
         result = tokenizer_shards("export", dataset, "--to", to, "--output", output, *extra)
         one_line(result, 2, "inside the dataset", str(dataset))
         assert snapshot(dataset) == before, (to, output)
+    # a shard linked from elsewhere: the export would replace the link's target
+    store = tmp_path / "store"
+    store.mkdir()
+    (dataset / "00000.bin").rename(store / "corpus.bin")
+    (dataset / "00000.bin").symlink_to(store / "corpus.bin")
+    for to, output in (("megatron", store / "corpus"), ("nanogpt", store / "corpus.bin")):
+        result = tokenizer_shards("export", dataset, "--to", to, "--output", output)
+        one_line(result, 2, "would write over", "00000.bin")
+        assert snapshot(dataset) == before, (to, output)
     # the validation set's place is checked too: megatron OUT_val, litdata OUT_val/
     base = dataset.parent / "x"
     dataset.rename(dataset.parent / "x_val")

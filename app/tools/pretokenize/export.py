@@ -197,12 +197,24 @@ def earlier_files(to: str, output: Path) -> list[Path]:
     return sorted(found)
 
 
+def _touches(to: str, output: Path, file: Path) -> bool:
+    """Whether an export of format `to` at `output` may write or remove the file at (resolved) path `file`."""
+    if to == "nanogpt":
+        return file in (output.resolve(), val_output(to, output).resolve())
+    if to == "megatron":
+        return file.parent == output.parent.resolve() and _ours(_megatron_files(output), file.name)
+    pattern = _LITDATA_FILE if to == "litdata" else _LLMC_FILE
+    return file.parent in {place.resolve() for place, _ in places(to, output)} and _ours(pattern, file.name)
+
+
 def check_destination(dataset: TokenDataset, to: str, output: Path, val_documents: int = 0) -> None:
     """ExportError, before anything is read or written, unless the export may write at `output`: no place it writes
-    is, or lies inside, the dataset (paths resolved, symlinks followed); a directory it owns (litdata, llmc) holds
-    nothing but an earlier export's files; and the places can be made and written."""
+    is, or lies inside, the dataset (paths resolved, symlinks followed), nor is any file it writes or removes one of
+    the dataset's (a shard linked from elsewhere); a directory it owns (litdata, llmc) holds nothing but an earlier
+    export's files; and the places can be made and written."""
     home = dataset.path.resolve()
-    for place, owned in places(to, output)[: 1 if to == "llmc" or not val_documents else 2]:
+    written = places(to, output)[: 1 if to == "llmc" or not val_documents else 2]
+    for place, _ in written:
         resolved = place.resolve()
         if resolved == home or resolved.is_relative_to(home):
             what = f"--output {output}" if place == output else f"the validation set's place {place}"
@@ -210,6 +222,7 @@ def check_destination(dataset: TokenDataset, to: str, output: Path, val_document
                 f"{what} is inside the dataset {dataset.path} ({resolved}): an export never writes into the dataset "
                 "it reads; give a path outside it"
             )
+    for place, owned in written:
         if owned and place.is_dir():
             pattern = _LITDATA_FILE if to == "litdata" else _LLMC_FILE
             others = sorted(path.name for path in place.iterdir() if not _ours(pattern, path.name) or path.is_dir())
@@ -226,6 +239,15 @@ def check_destination(dataset: TokenDataset, to: str, output: Path, val_document
             raise ExportError(f"cannot write {place}: {existing} is a file, not a directory")
         if not os.access(existing, os.W_OK | os.X_OK):
             raise ExportError(f"cannot write {place}: no permission to write in {existing}")
+    for shard in dataset.metadata["shards"]:
+        for suffix in (BIN_SUFFIX, ".idx", ".seg"):
+            file = (dataset.path / f"{shard['name']}{suffix}").resolve()
+            if _touches(to, output, file):
+                raise ExportError(
+                    f"--output {output} would write over {file}, shard {shard['name']}{suffix} of the dataset "
+                    f"{dataset.path} (linked from there): an export never writes into the dataset it reads; "
+                    "give another path"
+                )
 
 
 def remove_earlier(dataset: TokenDataset, to: str, output: Path) -> list[Path]:
