@@ -71,7 +71,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenizer_client.dataset import BIN_SUFFIX, TokenDataset
+from tokenizer_client.dataset import BIN_SUFFIX, SHARD_SUFFIXES, TokenDataset
 
 FORMATS = ("megatron", "litdata", "nanogpt", "llmc")
 
@@ -240,7 +240,7 @@ def check_destination(dataset: TokenDataset, to: str, output: Path, val_document
         if not os.access(existing, os.W_OK | os.X_OK):
             raise ExportError(f"cannot write {place}: no permission to write in {existing}")
     for shard in dataset.metadata["shards"]:
-        for suffix in (BIN_SUFFIX, ".idx", ".seg"):
+        for suffix in SHARD_SUFFIXES:
             file = (dataset.path / f"{shard['name']}{suffix}").resolve()
             if _touches(to, output, file):
                 raise ExportError(
