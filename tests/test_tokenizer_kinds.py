@@ -43,7 +43,8 @@ def test_models_say_library_encoder_and_type(kinds):
         "hfuni": ("tokenizers", "tokenizers", "unigram"),
         "hfwp": ("tokenizers", "tokenizers", "wordpiece"),
         "tt": ("tiktoken", "fastokens", "bpe"),
-        **({"cl100k": ("tiktoken", "fastokens", "bpe")} if "cl100k" in models else {}),
+        # fastokens 0.3.5 takes U+180E for whitespace in cl100k_base, tiktoken does not: the gate refuses it
+        **({"cl100k": ("tiktoken", "tiktoken", "bpe")} if "cl100k" in models else {}),
     }
     metrics = httpx.get(f"{url}/metrics").text
     assert 'library="tokenizers"' in metrics and 'encoder="fastokens"' in metrics

@@ -14,8 +14,10 @@ A ``tokenizer.json``'s own truncation and padding settings are inference setting
 **The fast path.** `tokenizer.json` and tiktoken models may be encoded by fastokens, an exact
 reimplementation in Rust, 10-50x cheaper per token than `tokenizers` here. It is trusted only behind a
 gate: when a process loads a model, fastokens must give the reference library's ids for every text of
-the built-in check set (tokenizer_service.core.checkset) in both special-token modes; otherwise that model is encoded
-by the reference library, logged once, and its `encoder` says so. ``encoder="reference"`` skips it.
+the built-in check set (tokenizer_service.core.checkset) in both special-token modes, and on every code point and
+special-token string (`scan`; the verdict cached by `gate_key` in `cache_dir()`); otherwise that model is
+encoded by the reference library, logged once, and its `encoder` says so. ``encoder="reference"`` skips
+it. After the gate, shadow verification (tokenizer_service.core.shadow) watches it.
 
 Every library runs single-threaded in a worker (`single_threaded`): one process per core already.
 """

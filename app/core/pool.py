@@ -29,6 +29,7 @@ from tokenizer_service.core.errors import PoisonInput, ServiceError, Unavailable
 from tokenizer_service.core.handler import Limits
 from tokenizer_service.core.join import Answer, ChunkResult, join_detokenize, join_tokenize, read_chunk_result, read_done
 from tokenizer_service.core.lanes import Lane, WorkerCrashed
+from tokenizer_service.core.libraries import FASTOKENS
 from tokenizer_service.core.models import SENTENCEPIECE, ModelInfo
 from tokenizer_service.core.poison import text_digest
 from tokenizer_service.core.process import Startup
@@ -89,6 +90,10 @@ class WorkerPool:
         self.fallen: set[int] = set()
         for lane in self.lanes:
             lane.on_verified = self._verified
+        for info in models:  # exported at 0 from the start, so alerts and rate() see the first mismatch
+            if info.encoder == FASTOKENS:
+                metrics.shadow_checks.labels(info.name)
+                metrics.shadow_mismatches.labels(info.name)
 
     async def start(self) -> None:
         try:
