@@ -263,3 +263,18 @@ def test_the_vendored_catalogue_is_trls_and_matches_as_trl_matches(snapshot):
         tokenizer = hf_tokenizer(snapshot, None, "<|im_end|>")
         tokenizer.chat_template = stock_text
         assert get_training_chat_template(tokenizer) == training_text, name
+
+
+def test_offsets_from_byte_lengths_equal_the_reference_librarys(snapshot, library_models, multilingual):
+    """Lossless byte-level models get their token offsets from the ids' byte lengths; they must equal the offsets
+    tokenizers (and tiktoken) report, on multilingual text and on special tokens."""
+    texts = [*multilingual[:40], "<|im_start|>user\nhé 日本 <|im_end|>\n", "", "a\u0301 👍🏽 \ufdfa"]
+    for path in (snapshot, library_models["tt"]):
+        tokens = chat.Tokens(libraries.load(find_model_files("m", path)))
+        assert tokens.byte_lengths is not None
+        for parse in (False, True):
+            fast = tokens.encode(texts, parse)
+            reference = tokens._reference(texts, parse)
+            for (ids, starts, ends), (want_ids, want_starts, want_ends) in zip(fast, reference, strict=True):
+                assert ids.tolist() == want_ids.tolist()
+                assert starts.tolist() == want_starts.tolist() and ends.tolist() == want_ends.tolist()

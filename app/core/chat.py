@@ -101,6 +101,18 @@ def announce(template: TemplateFile | None) -> dict[str, Any] | None:
     }
 
 
+def check_syntax(template: TemplateFile) -> str | None:
+    """None when transformers' Jinja environment compiles the template (and its training version), else why not."""
+    from jinja2 import TemplateSyntaxError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(resolve(template).text)
+    except TemplateSyntaxError as exc:
+        return f"the chat template {template.path} is not valid Jinja (line {exc.lineno}: {exc.message})"
+    return None
+
+
 def no_mask_message(model: str) -> str:
     return (
         f"model {model!r}: its chat template has no {{% generation %}} marks and is not in TRL's catalogue of "
@@ -154,10 +166,8 @@ def _byte_lengths_tokenizers(document: dict[str, Any], vocab_size: int) -> np.nd
             if any(char not in alphabet for char in token):
                 return None
             lengths[index] = len(token)
-    for added in document.get("added_tokens") or []:
+    for added in document.get("added_tokens") or []:  # with no normalizer, matched as the text's own characters
         if 0 <= added["id"] < vocab_size:
-            if added.get("normalized") and not added.get("special"):
-                return None  # matched after normalization in the byte-level alphabet: not plain bytes
             lengths[added["id"]] = len(added["content"].encode("utf-8"))
     return lengths
 
@@ -165,6 +175,8 @@ def _byte_lengths_tokenizers(document: dict[str, Any], vocab_size: int) -> np.nd
 def _char_offsets(text: str, byte_ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Character (start, end) of tokens whose byte ends in `text`'s UTF-8 are `byte_ends` (tokenizers' rule:
     a token that covers part of a character covers that whole character)."""
+    if not len(byte_ends):
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
     starts = np.concatenate([[0], byte_ends[:-1]]).astype(np.int64)
     ends = byte_ends.astype(np.int64)
     points = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
@@ -210,6 +222,7 @@ class Tokens:
                 processor.id_to_piece(i): i for i in range(processor.get_piece_size()) if processor.is_control(i)
             }
         self._pattern = self._special_pattern()
+        self._any = re.compile("|".join(re.escape(token) for token in self.special)) if self.special else None
 
     def _special_pattern(self) -> re.Pattern[str] | None:
         if not self.special:
@@ -420,6 +433,7 @@ def _replace(value: Any, table: list[tuple[str, str]]) -> Any:
 
 
 PLACEHOLDER_BASE = 0x10FF00  # private use, plane 16: placeholders for special-token strings inside content
+_PRIVATE = re.compile("[\U0010FF00-\U0010FFFF]")
 
 
 class ChatTemplate:
@@ -490,12 +504,15 @@ class ChatTemplate:
         if options.parse_special_tokens or not self.tokens.special:
             return []
         strings = _strings(messages)
+        pattern = self.tokens._any
         found = sorted(
-            {token for token in self.tokens.special if any(token in string for string in strings)}, key=len, reverse=True
+            {match.group(0) for string in strings for match in pattern.finditer(string)} if pattern else set(),
+            key=len,
+            reverse=True,
         )
         if not found and not self.tokens.splits_always:
             return []
-        if any(PLACEHOLDER_BASE <= ord(char) for string in strings for char in string if ord(char) >= PLACEHOLDER_BASE):
+        if any(_PRIVATE.search(string) for string in strings):
             raise InvalidField(
                 f"{_where(index)} holds characters U+10FF00..U+10FFFF (private use) beside special-token strings; "
                 "these cannot be told apart: pass parse_special_tokens or drop them",

@@ -39,6 +39,8 @@ def inspect_model(
             f"model {name!r}: {files.path} has ids up to {library.vocab_size - 1}; an id must lie in "
             f"0..{ID_LIMIT - 1} (ids are answered as int32)"
         )
+    if files.template is not None and (problem := chat.check_syntax(files.template)) is not None:
+        raise ModelLoadError(f"model {name!r}: {problem}")
     info = model_info(name, files, library)
     if info.chat_template is not None and info.chat_template["loss_mask"] is None:
         logger.warning("%s", chat.no_mask_message(name) + "; its texts are served, its conversations refused")
