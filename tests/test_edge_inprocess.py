@@ -151,6 +151,7 @@ def test_probes_models_and_metrics(edge: Edge) -> None:
     assert [model["name"] for model in models["models"]] == ["default"]
     metrics = edge.request("GET", "/metrics").text
     assert "tokenizer_ready 1.0" in metrics
+    assert "\ntokenizer_inflight_requests 0.0\n" in metrics  # the scrape is not a request in flight (issue 36)
     assert 'tokenizer_requests_total{endpoint="/v1/tokenize",status="200"}' in metrics
 
 

@@ -172,7 +172,9 @@ class Edge:
         started = time.perf_counter()
         status = CLIENT_CLOSED_REQUEST  # a request that ends without an answer: its client hung up
         metrics = self.metrics
-        metrics.inflight.inc()
+        counted = path != "/metrics"  # requests in flight: not the scrape that reads the gauge
+        if counted:
+            metrics.inflight.inc()
         try:
             if self.keys is not None and path not in OPEN_PATHS and (refusal := self._refuse(scope)) is not None:
                 status = await send_error(send, refusal)
@@ -184,7 +186,8 @@ class Edge:
             status = 500
             raise
         finally:
-            metrics.inflight.dec()
+            if counted:
+                metrics.inflight.dec()
             self._count(endpoint, status)
             duration = self._durations.get(endpoint)
             if duration is None:
