@@ -145,7 +145,17 @@ def _batch(frame: wire.Frame | None, document: Any, sha256: str | None, texts: i
     offsets = _offsets(offsets, "offsets", count, len(ids))
     if not isinstance(model, str):
         raise MalformedAnswerError(f"model is {model!r:.40}, not a name")
-    return TokenizedBatch(ids, offsets, model, sha256)
+    mask = None
+    if frame is not None and "loss_mask" in frame.arrays:
+        mask = frame["loss_mask"]
+    elif document is not None and "loss_mask" in document:
+        mask, _ = _json_rows(document["loss_mask"], "loss_mask")
+    if mask is not None:
+        mask = _integers(mask, "loss_mask", 1)
+        if len(mask) != len(ids) or (mask.size and (int(mask.min()) < 0 or int(mask.max()) > 1)):
+            raise MalformedAnswerError("loss_mask does not hold one 0 or 1 per id")
+        mask = mask.astype(np.uint8, copy=False)
+    return TokenizedBatch(ids, offsets, model, sha256, loss_mask=mask)
 
 
 def _packed(frame: wire.Frame | None, document: Any, sha256: str | None, seq_len: int | None = None) -> PackedBatch:

@@ -185,7 +185,7 @@ class BaseClient:
         self, texts: Sequence[str], options: TokenizeOptions, format: Format = "binary"
     ) -> Exchange[TokenizedBatch]:
         payload = options.payload(texts)
-        count = len(payload["texts"])
+        count = len(payload[options.inputs])
         return Exchange(
             post("/v1/tokenize", payload, format), lambda reply: self._read_tokenize(reply, options.model, count)
         )

@@ -92,6 +92,22 @@ def accept_header(format: Format) -> str:
     return wire.MEDIA_TYPE if format == "binary" else "application/json"
 
 
+Inputs = Literal["texts", "conversations", "records"]
+TrainOn = Literal["assistant", "last"]
+
+
+def items_list(items: Iterable[Any], inputs: str) -> list[Any]:
+    """Conversations (lists of message dicts) or records (dicts), as a list; the server checks each message and
+    names the one that is wrong, the client only the shape that cannot be sent."""
+    listed = list(items)
+    kind = list if inputs == "conversations" else dict
+    for index, item in enumerate(listed):
+        if not isinstance(item, kind):
+            what = "a list of messages" if inputs == "conversations" else 'a {"prompt", "completion"} dict'
+            raise TypeError(f"{inputs}[{index}] is {type(item).__name__}, not {what}")
+    return listed
+
+
 @dataclass(frozen=True)
 class TokenizeOptions:
     """/v1/tokenize's options as the client sends them: made once from a method's keywords, passed whole."""
@@ -102,19 +118,27 @@ class TokenizeOptions:
     max_length: int | None = None
     sample: dict[str, Any] | None = None
     parse_special_tokens: bool = False
+    inputs: Inputs = "texts"  # what the items are: texts, conversations (OpenAI messages) or prompt-completion records
+    train_on: TrainOn = "assistant"  # conversations: every assistant turn, or the last
 
     def __post_init__(self) -> None:
         """Numpy integers and bools become Python values; a float length or a non-bool flag is refused here."""
         set_flags(self, "add_bos", "add_eos", "parse_special_tokens")
+        if self.inputs not in get_args(Inputs):
+            raise ValueError(f"inputs must be one of {list(get_args(Inputs))}, not {self.inputs!r}")
+        if self.train_on not in get_args(TrainOn):
+            raise ValueError(f"train_on must be one of {list(get_args(TrainOn))}, not {self.train_on!r}")
         object.__setattr__(self, "max_length", optional_integer(self.max_length, "max_length", minimum=0))
         if self.sample is not None:
             if not isinstance(self.sample, dict):
                 raise TypeError(f"sample must be a dict of options, not {type(self.sample).__name__}")
             object.__setattr__(self, "sample", plain(self.sample))
 
-    def payload(self, texts: Iterable[str]) -> dict[str, Any]:
+    def payload(self, texts: Iterable[Any]) -> dict[str, Any]:
         """The request body; options at their defaults are left out."""
-        payload: dict[str, Any] = {"texts": texts_list(texts)}
+        payload: dict[str, Any] = {self.inputs: texts_list(texts) if self.inputs == "texts" else items_list(texts, self.inputs)}
+        if self.train_on != "assistant":
+            payload["train_on"] = self.train_on
         if self.model is not None:
             payload["model"] = self.model
         if self.add_bos:

@@ -34,6 +34,7 @@ class TokenizedBatch:
     model_sha256: str | None
     index: int | None = None
     start: int | None = None
+    loss_mask: np.ndarray | None = None  # uint8, like ids (conversations and records): 1 where the loss is taken
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -51,6 +52,12 @@ class TokenizedBatch:
 
     def to_list(self) -> list[np.ndarray]:
         return wire.split_ragged(self.ids, self.offsets)
+
+    def masked_list(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(ids, loss_mask) of each sequence: conversations' and records' answers."""
+        if self.loss_mask is None:
+            raise ValueError("this batch has no loss mask: it is the answer to texts, not conversations or records")
+        return list(zip(self.to_list(), wire.split_ragged(self.loss_mask, self.offsets), strict=True))
 
     def pin_memory(self) -> TokenizedBatch:
         """The batch as pinned torch tensors (what DataLoader(pin_memory=True) calls); needs an accelerator."""

@@ -19,7 +19,7 @@ import numpy as np
 from tokenizer_client._base import BaseClient, Exchange, PackStream, Reply
 from tokenizer_client._fingerprints import check_replica_models
 from tokenizer_client._lifecycle import AsyncClosing, Closing
-from tokenizer_client._requests import MODELS, READY, Call, Format, PackOptions, Strategy, TokenizeOptions
+from tokenizer_client._requests import MODELS, READY, Call, Format, PackOptions, Strategy, TokenizeOptions, TrainOn
 from tokenizer_client._retry import RetryPolicy
 from tokenizer_client.batches import PackedBatch, TokenizedBatch
 from tokenizer_client.errors import TokenizerConnectionError, TokenizerError, TokenizerServiceError
@@ -122,6 +122,35 @@ class TokenizerClient(Closing, BaseClient):
         """Token ids of each text (int32 arrays), exactly as the model's library encodes them in-process."""
         options = TokenizeOptions(model, add_bos, add_eos, max_length, sample, parse_special_tokens)
         return self._run(self._tokenize(texts, options, format)).to_list()
+
+    def tokenize_conversations(
+        self,
+        conversations: Sequence[Sequence[dict[str, Any]]],
+        *,
+        model: str | None = None,
+        train_on: TrainOn = "assistant",
+        parse_special_tokens: bool = False,
+        format: Format = "binary",
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(ids, loss_mask) of each conversation (int32, uint8): the model's chat template rendered as transformers
+        renders it, the mask 1 on the assistant's output (``train_on="last"``: the final turn's only; a message's
+        ``"train": false``/``true`` overrides). Special-token strings in the content are text unless
+        ``parse_special_tokens``."""
+        options = TokenizeOptions(model, parse_special_tokens=parse_special_tokens, inputs="conversations", train_on=train_on)
+        return self._run(self._tokenize(conversations, options, format)).masked_list()
+
+    def tokenize_records(
+        self,
+        records: Sequence[dict[str, str]],
+        *,
+        model: str | None = None,
+        parse_special_tokens: bool = False,
+        format: Format = "binary",
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(ids, completion mask) of each ``{"prompt", "completion"}`` record, as TRL's SFT trainer tokenizes
+        prompt-completion data (the completion and the EOS appended to it trained)."""
+        options = TokenizeOptions(model, parse_special_tokens=parse_special_tokens, inputs="records")
+        return self._run(self._tokenize(records, options, format)).masked_list()
 
     def pack(
         self,
@@ -342,6 +371,35 @@ class AsyncTokenizerClient(AsyncClosing, BaseClient):
         """Token ids of each text (int32 arrays), exactly as the model's library encodes them in-process."""
         options = TokenizeOptions(model, add_bos, add_eos, max_length, sample, parse_special_tokens)
         return (await self._run(self._tokenize(texts, options, format))).to_list()
+
+    async def tokenize_conversations(
+        self,
+        conversations: Sequence[Sequence[dict[str, Any]]],
+        *,
+        model: str | None = None,
+        train_on: TrainOn = "assistant",
+        parse_special_tokens: bool = False,
+        format: Format = "binary",
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(ids, loss_mask) of each conversation (int32, uint8): the model's chat template rendered as transformers
+        renders it, the mask 1 on the assistant's output (``train_on="last"``: the final turn's only; a message's
+        ``"train": false``/``true`` overrides). Special-token strings in the content are text unless
+        ``parse_special_tokens``."""
+        options = TokenizeOptions(model, parse_special_tokens=parse_special_tokens, inputs="conversations", train_on=train_on)
+        return (await self._run(self._tokenize(conversations, options, format))).masked_list()
+
+    async def tokenize_records(
+        self,
+        records: Sequence[dict[str, str]],
+        *,
+        model: str | None = None,
+        parse_special_tokens: bool = False,
+        format: Format = "binary",
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """(ids, completion mask) of each ``{"prompt", "completion"}`` record, as TRL's SFT trainer tokenizes
+        prompt-completion data (the completion and the EOS appended to it trained)."""
+        options = TokenizeOptions(model, parse_special_tokens=parse_special_tokens, inputs="records")
+        return (await self._run(self._tokenize(records, options, format))).masked_list()
 
     async def pack(
         self,
