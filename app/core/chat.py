@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 
 from tokenizer_service.core.errors import InvalidField, PayloadTooLarge
 from tokenizer_service.core.models import TIKTOKEN, TOKENIZERS, TemplateFile, tiktoken_ranks
@@ -223,6 +224,9 @@ class Tokens:
             }
         self._pattern = self._special_pattern()
         self._any = re.compile("|".join(re.escape(token) for token in self.special)) if self.special else None
+        # every special-token string appears as itself in JSON (no character JSON escapes): one search of the
+        # messages' JSON finds whether any is in a conversation
+        self.json_safe = all(json.dumps(token, ensure_ascii=False)[1:-1] == token for token in self.special)
 
     def _special_pattern(self) -> re.Pattern[str] | None:
         if not self.special:
@@ -257,6 +261,25 @@ class Tokens:
                 out.append((row.astype(np.int32), starts, ends))
             return out
         return self._reference(texts, parse_special)
+
+    def encode_flat(self, texts: list[str], parse_special: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(flat ids, lengths, flat char starts, flat char ends) of a batch, the offsets counted from the start of
+        the texts joined end to end: for lossless byte-level models a few numpy passes over the whole batch."""
+        if self.byte_lengths is None or not texts:
+            return _flat(self._reference(texts, parse_special), texts)
+        ids, lengths = self.library.encode_plain(texts, parse_special)
+        widths = self.byte_lengths[ids]
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        encoded = [text.encode("utf-8") for text in texts]
+        sums = np.diff(np.concatenate([[0], np.cumsum(widths)])[offsets])
+        bytes_per_text = np.fromiter(map(len, encoded), dtype=np.int64, count=len(texts))
+        if (widths < 0).any() or (sums != bytes_per_text).any():  # not plain bytes here: text by text
+            return _flat(self.encode(texts, parse_special), texts)
+        joined = "".join(texts)
+        if not len(ids):
+            return ids.astype(np.int32), lengths, np.zeros(0, np.int64), np.zeros(0, np.int64)
+        starts, ends = _char_offsets(joined, np.cumsum(widths))
+        return ids.astype(np.int32), lengths, starts, ends
 
     def _reference(self, texts: list[str], parse_special: bool) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         if self.kind == TOKENIZERS:
@@ -322,6 +345,31 @@ class Tokens:
         return np.concatenate(ids), np.concatenate(starts), np.concatenate(ends)
 
 
+def _flat(rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]], texts: list[str]) -> tuple[np.ndarray, ...]:
+    """Per-text (ids, starts, ends) as one batch, offsets shifted to the texts joined end to end."""
+    shift = np.concatenate([[0], np.cumsum([len(text) for text in texts])]).astype(np.int64)
+    lengths = np.fromiter((len(row[0]) for row in rows), dtype=np.int64, count=len(rows))
+    if not rows or not lengths.sum():
+        empty = np.zeros(0, np.int64)
+        return np.zeros(0, np.int32), lengths, empty, empty
+    return (
+        np.concatenate([row[0] for row in rows]).astype(np.int32),
+        lengths,
+        np.concatenate([row[1] + shift[i] for i, row in enumerate(rows)]),
+        np.concatenate([row[2] + shift[i] for i, row in enumerate(rows)]),
+    )
+
+
+def overlap_mask(starts: np.ndarray, ends: np.ndarray, spans: np.ndarray) -> np.ndarray:
+    """1 on each token (char `starts`/`ends`) overlapping one of `spans` (sorted, not overlapping, shape (n, 2)):
+    transformers' rule for return_assistant_tokens_mask, over a whole batch at once."""
+    if not len(spans) or not len(starts):
+        return np.zeros(len(starts), np.uint8)
+    first = np.searchsorted(spans[:, 1], starts, side="right")  # the first span ending after the token starts
+    inside = first < len(spans)
+    return (inside & (spans[np.minimum(first, len(spans) - 1), 0] < ends)).astype(np.uint8)
+
+
 def _sentencepiece_proto(processor: Any, text: str) -> Any:
     try:
         return processor.encode(text, return_type="proto")
@@ -379,34 +427,43 @@ def check_conversation(conversation: Any, index: int) -> list[dict[str, Any]]:
         )
     messages = []
     for position, message in enumerate(conversation):
-        where = _where(index, position)
-        if not isinstance(message, dict):
-            raise InvalidField(f"{where} must be an object with a role", field="conversations", index=index)
-        role = message.get("role")
-        if not isinstance(role, str) or not role:
-            raise InvalidField(f"{where} has no role (a string)", field="conversations", index=index)
-        content = message.get("content")
-        if content is not None and not isinstance(content, str):
-            if not isinstance(content, list) or not all(
-                isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-                for part in content
-            ):
-                raise InvalidField(
-                    f"{where}.content must be a string or a list of {{\"type\": \"text\", \"text\": string}} parts",
-                    field="conversations",
-                    index=index,
-                )
-        train = message.get("train")
-        if train is not None and not isinstance(train, bool):
-            raise InvalidField(f"{where}.train must be true or false", field="conversations", index=index)
-        if train and role != "assistant":
+        if type(message) is dict and type(message.get("role")) is str and message["role"]:
+            content = message.get("content")
+            if type(content) is str and len(message) == 2:  # the usual message: role and text content only
+                messages.append(message)  # templates cannot change it (an immutable sandbox)
+                continue
+        messages.append(_checked_message(message, index, position))
+    return messages
+
+
+def _checked_message(message: Any, index: int, position: int) -> dict[str, Any]:
+    where = _where(index, position)
+    if not isinstance(message, dict):
+        raise InvalidField(f"{where} must be an object with a role", field="conversations", index=index)
+    role = message.get("role")
+    if not isinstance(role, str) or not role:
+        raise InvalidField(f"{where} has no role (a string)", field="conversations", index=index)
+    content = message.get("content")
+    if content is not None and not isinstance(content, str):
+        if not isinstance(content, list) or not all(
+            isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            for part in content
+        ):
             raise InvalidField(
-                f"{where}.train is true on a {role!r} message; only assistant turns are trained",
+                f"{where}.content must be a string or a list of {{\"type\": \"text\", \"text\": string}} parts",
                 field="conversations",
                 index=index,
             )
-        messages.append({key: value for key, value in message.items() if value is not None and key != "train"})
-    return messages
+    train = message.get("train")
+    if train is not None and not isinstance(train, bool):
+        raise InvalidField(f"{where}.train must be true or false", field="conversations", index=index)
+    if train and role != "assistant":
+        raise InvalidField(
+            f"{where}.train is true on a {role!r} message; only assistant turns are trained",
+            field="conversations",
+            index=index,
+        )
+    return {key: value for key, value in message.items() if value is not None and key != "train"}
 
 
 def _strings(value: Any) -> list[str]:
@@ -436,6 +493,15 @@ PLACEHOLDER_BASE = 0x10FF00  # private use, plane 16: placeholders for special-t
 _PRIVATE = re.compile("[\U0010FF00-\U0010FFFF]")
 
 
+@functools.cache
+def _inner_render() -> tuple[Any, Any] | None:
+    try:
+        from transformers.utils.chat_template_utils import _alias_reasoning_fields, _render_with_assistant_indices
+    except ImportError:
+        return None
+    return _render_with_assistant_indices, _alias_reasoning_fields
+
+
 class ChatTemplate:
     """A model's template compiled once per process, and its conversations' ids and loss masks."""
 
@@ -449,9 +515,27 @@ class ChatTemplate:
         self.tokens = Tokens(library)
 
     def render(self, messages: list[dict[str, Any]], index: int) -> tuple[str, list[tuple[int, int]]]:
-        from transformers.utils.chat_template_utils import render_jinja_template
+        """transformers' render_jinja_template(..., return_assistant_tokens_mask=True) of one conversation.
 
+        Messages parsed from JSON are plain data already, so where transformers has them (5.x) its own inner
+        steps are called directly: the reasoning-field aliases, then the compiled template's generation with the
+        {% generation %} tracker; what render_jinja_template adds around them is copying the input into plain JSON
+        types, which JSON is (tests/test_chat.py compares with apply_chat_template itself)."""
         try:
+            inner = _inner_render()
+            if inner is not None:
+                with_indices, alias = inner
+                rendered_one, spans_one = with_indices(
+                    compiled_template=self.compiled,
+                    messages=alias(messages),
+                    tools=None,
+                    documents=None,
+                    add_generation_prompt=False,
+                    **self.kwargs,
+                )
+                return rendered_one, [tuple(span) for span in spans_one]
+            from transformers.utils.chat_template_utils import render_jinja_template
+
             rendered, spans = render_jinja_template(
                 conversations=[messages],
                 chat_template=self.resolved.text,
@@ -473,38 +557,62 @@ class ChatTemplate:
             raise InvalidField(no_mask_message(self.name), field="conversations")
         if options.train_on not in TRAIN_ON:
             raise InvalidField(f"train_on must be one of {list(TRAIN_ON)}", field="train_on")
-        ids, masks = [], []
-        plain: list[tuple[int, str, list[tuple[int, int]], list[dict[str, Any]], list[Any]]] = []
+        ids: list[np.ndarray | None] = []
+        masks: list[np.ndarray | None] = []
+        plain: list[tuple[int, str, list[tuple[int, int]]]] = []  # conversations tokenized together, below
         for position, conversation in enumerate(conversations):
             index = first_index + position
             messages = check_conversation(conversation, index)
             flags = [message.get("train") if isinstance(message, dict) else None for message in conversation]
             table = self._placeholders(messages, index, options)
             rendered, spans = self.render(_replace(messages, table) if table else messages, index)
+            spans = self._selected(spans, messages, flags, options, index)
             if table or self.tokens.splits_always:
                 restore = {placeholder: original for original, placeholder in table}
                 row, starts, ends = self.tokens.with_template_specials(rendered, restore, options.parse_special_tokens)
                 ids.append(row)
-                masks.append(self._mask(starts, ends, spans, messages, flags, options, index))
+                masks.append(overlap_mask(starts, ends, np.array(spans, dtype=np.int64).reshape(-1, 2)))
             else:
                 ids.append(None)
                 masks.append(None)
-                plain.append((position, rendered, spans, messages, flags))
-        encoded = self.tokens.encode([rendered for _, rendered, _, _, _ in plain], True)
-        for (position, _, spans, messages, flags), (row, starts, ends) in zip(plain, encoded, strict=True):
-            ids[position] = row
-            masks[position] = self._mask(starts, ends, spans, messages, flags, options, first_index + position)
+                plain.append((position, rendered, spans))
+        if plain:
+            texts = [rendered for _, rendered, _ in plain]
+            flat, lengths, starts, ends = self.tokens.encode_flat(texts, True)
+            shift = np.concatenate([[0], np.cumsum([len(text) for text in texts])])
+            spans = np.array(
+                [(start + shift[i], end + shift[i]) for i, (_, _, chosen) in enumerate(plain) for start, end in chosen],
+                dtype=np.int64,
+            ).reshape(-1, 2)
+            flat_mask = overlap_mask(starts, ends, spans)
+            offsets = np.concatenate([[0], np.cumsum(lengths)])
+            for i, (position, _, _) in enumerate(plain):
+                ids[position] = flat[offsets[i] : offsets[i + 1]]
+                masks[position] = flat_mask[offsets[i] : offsets[i + 1]]
         lengths = np.fromiter((len(row) for row in ids), dtype=np.int64, count=len(ids))
         if not ids:
             return np.zeros(0, np.int32), lengths, np.zeros(0, np.uint8)
-        return np.concatenate(ids).astype(np.int32), lengths, np.concatenate(masks)
+        mask = np.concatenate(masks)
+        trained = np.add.reduceat(mask, np.concatenate([[0], np.cumsum(lengths)[:-1]])) if len(mask) else mask
+        empty = np.flatnonzero((lengths == 0) | (trained[: len(lengths)] == 0) if len(mask) else lengths == lengths)
+        if len(empty):
+            index = first_index + int(empty[0])
+            raise InvalidField(
+                f"{_where(index)} has no token to train on (no assistant output is selected)",
+                field="conversations",
+                index=index,
+            )
+        return np.concatenate(ids).astype(np.int32), lengths, mask
 
     def _placeholders(self, messages: list[dict[str, Any]], index: int, options: ChatOptions) -> list[tuple[str, str]]:
         """(special-token string, placeholder) for those inside the content, unless they are to be parsed."""
         if options.parse_special_tokens or not self.tokens.special:
             return []
-        strings = _strings(messages)
         pattern = self.tokens._any
+        if pattern is not None and self.tokens.json_safe and not self.tokens.splits_always:
+            if pattern.search(orjson.dumps(messages).decode("utf-8")) is None:  # one search: the usual case
+                return []
+        strings = _strings(messages)
         found = sorted(
             {match.group(0) for string in strings for match in pattern.finditer(string)} if pattern else set(),
             key=len,
@@ -521,16 +629,15 @@ class ChatTemplate:
             )
         return [(token, chr(PLACEHOLDER_BASE + number) * len(token)) for number, token in enumerate(found)]
 
-    def _mask(
+    def _selected(
         self,
-        starts: np.ndarray,
-        ends: np.ndarray,
         spans: list[tuple[int, int]],
         messages: list[dict[str, Any]],
         flags: list[Any],
         options: ChatOptions,
         index: int,
-    ) -> np.ndarray:
+    ) -> list[tuple[int, int]]:
+        """The generation spans to train on: every one, or by train_on='last' and the messages' train flags."""
         assistants = [position for position, message in enumerate(messages) if message["role"] == "assistant"]
         overridden = any(flags[position] is not None for position in assistants)
         if options.train_on == "last" or overridden:
@@ -547,16 +654,7 @@ class ChatTemplate:
                 if flags[position] if flags[position] is not None else default:
                     chosen.append(span)
             spans = chosen
-        mask = np.zeros(len(starts), dtype=np.uint8)
-        for start, end in spans:
-            mask |= ((ends > start) & (starts < end)).astype(np.uint8)
-        if not mask.any():
-            raise InvalidField(
-                f"{_where(index)} has no token to train on (no assistant output is selected)",
-                field="conversations",
-                index=index,
-            )
-        return mask
+        return spans
 
 
 def _post_processor(library: Any) -> tuple[list[int], list[int]]:
