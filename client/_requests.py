@@ -165,23 +165,37 @@ class PackOptions:
     add_eos: bool = True
     mask_document_start: bool = False
     parse_special_tokens: bool = False
+    inputs: Inputs = "texts"  # conversations and records: the chat template decides BOS/EOS (add_bos/add_eos unsent)
+    train_on: TrainOn = "assistant"
 
     def __post_init__(self) -> None:
         set_integer(self, "seq_len", minimum=2)
         set_flags(self, "add_bos", "add_eos", "mask_document_start", "parse_special_tokens")
+        if self.inputs not in get_args(Inputs):
+            raise ValueError(f"inputs must be one of {list(get_args(Inputs))}, not {self.inputs!r}")
+        if self.train_on not in get_args(TrainOn):
+            raise ValueError(f"train_on must be one of {list(get_args(TrainOn))}, not {self.train_on!r}")
 
     def payload(
         self,
-        texts: Iterable[str],
+        texts: Iterable[Any],
         carry: Sequence[int] | np.ndarray | None = None,
         carry_document_starts: Sequence[int] | np.ndarray | None = None,
+        carry_loss_mask: Sequence[int] | np.ndarray | None = None,
     ) -> dict[str, Any]:
-        payload: dict[str, Any] = {"texts": texts_list(texts), **vars(self)}
+        items = texts_list(texts) if self.inputs == "texts" else items_list(texts, self.inputs)
+        payload: dict[str, Any] = {self.inputs: items, **vars(self)}
+        del payload["inputs"]
         if self.model is None:
             del payload["model"]
         if not self.parse_special_tokens:  # its default: a server from before it stays usable
             del payload["parse_special_tokens"]
-        for name, ids in (("carry", carry), ("carry_document_starts", carry_document_starts)):
+        if self.train_on == "assistant":  # its default; sent only with conversations
+            del payload["train_on"]
+        if self.inputs != "texts":  # the chat template (or TRL's rule for records) decides the special tokens
+            del payload["add_bos"], payload["add_eos"]
+        carried = (("carry", carry), ("carry_document_starts", carry_document_starts), ("carry_loss_mask", carry_loss_mask))
+        for name, ids in carried:
             if ids is not None:
                 payload[name] = id_list(ids, name)
         return payload

@@ -64,9 +64,12 @@ class TokenizedBatch:
         return self._to_torch(pin_memory=True)
 
     def _to_torch(self, pin_memory: bool) -> TokenizedBatch:
-        """The same batch with torch tensors in place of its arrays (int32 ids, int64 offsets)."""
-        ids, offsets = tensors([self.ids, self.offsets], pin_memory)
-        return replace(self, ids=ids, offsets=offsets)
+        """The same batch with torch tensors in place of its arrays (int32 ids, int64 offsets, uint8 loss_mask)."""
+        if self.loss_mask is None:
+            ids, offsets = tensors([self.ids, self.offsets], pin_memory)
+            return replace(self, ids=ids, offsets=offsets)
+        ids, offsets, loss_mask = tensors([self.ids, self.offsets, self.loss_mask], pin_memory)
+        return replace(self, ids=ids, offsets=offsets, loss_mask=loss_mask)
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,8 @@ class PackedBatch:
 
     ``leftover`` is the tail of the token stream that did not fill a row (concat only): pass it as
     ``carry``, and ``leftover_document_starts`` as ``carry_document_starts``, to the next pack call so
-    that no token is lost or repeated and every document start stays a segment start. From a prefetcher,
+    that no token is lost or repeated and every document start stays a segment start (conversations and records:
+    ``leftover_loss_mask`` as ``carry_loss_mask``, so that no token's mask is lost). From a prefetcher,
     ``index`` is the batch's number in the stream and ``start`` the stream index of the first text
     with tokens in it (concat) or of the first text of the request its first row came from (best_fit).
     """
@@ -93,6 +97,7 @@ class PackedBatch:
     index: int | None = None
     start: int | None = None
     leftover_document_starts: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+    leftover_loss_mask: np.ndarray | None = None  # uint8, the leftover's loss mask (conversations and records)
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -112,6 +117,17 @@ class PackedBatch:
             [self.input_ids, self.labels, self.position_ids, *self.cu_seqlens], pin_memory
         )
         (leftover,) = tensors([self.leftover], pin_memory=False)
+        if self.leftover_loss_mask is not None:
+            (leftover_loss_mask,) = tensors([self.leftover_loss_mask], pin_memory=False)
+            return replace(
+                self,
+                input_ids=input_ids,
+                labels=labels,
+                position_ids=position_ids,
+                cu_seqlens=cu_seqlens,
+                leftover=leftover,
+                leftover_loss_mask=leftover_loss_mask,
+            )
         return replace(
             self,
             input_ids=input_ids,

@@ -24,6 +24,7 @@ from tokenizer_client._retry import RetryPolicy
 from tokenizer_client.batches import PackedBatch, TokenizedBatch
 from tokenizer_client.errors import TokenizerConnectionError, TokenizerError, TokenizerServiceError
 from tokenizer_client.prefetch import AsyncPrefetcher, PackSpec, Prefetcher, PrefetchOptions
+from tokenizer_client.prefetch.texts import detect_inputs
 from tokenizer_client.urls import DEFAULT_URL
 
 __all__ = ["AsyncTokenizerClient", "TokenizerClient"]
@@ -242,7 +243,7 @@ class TokenizerClient(Closing, BaseClient):
 
     def prefetch(
         self,
-        texts: Iterable[str],
+        texts: Iterable[Any],
         *,
         batch_size: int = 64,
         depth: int = 4,
@@ -257,15 +258,24 @@ class TokenizerClient(Closing, BaseClient):
         as_torch: bool = False,
         pin_memory: bool = False,
         retry: RetryPolicy | None = None,
+        conversations: bool | None = None,
+        records: bool | None = None,
+        train_on: TrainOn = "assistant",
     ) -> Prefetcher:
         """Tokenize `texts` in the background, up to `depth` requests ahead, and iterate the batches in order.
 
         See tokenizer_client.prefetch.Prefetcher. `retry` defaults to this client's policy, else RetryPolicy(). The
         requests go through a client of the prefetcher's own, made by ``async_client()`` (not through
         this client's ``transport=``).
+
+        `texts` may also be an iterable of conversations (lists of OpenAI messages; ``conversations=True``, or
+        detected from the first item) or of ``{"prompt", "completion"}`` records (``records=True``, or detected):
+        ragged batches then carry ``loss_mask``, packed batches' ``labels`` are -100 wherever it is 0, and
+        ``train_on`` ("assistant" or "last") says which assistant turns of a conversation are trained.
         """
         retry = self._prefetch_retry(retry)  # raises if this client is closed
-        tokenize = TokenizeOptions(model, add_bos, add_eos, max_length, sample, parse_special_tokens)
+        inputs, texts = detect_inputs(texts, conversations, records)
+        tokenize = TokenizeOptions(model, add_bos, add_eos, max_length, sample, parse_special_tokens, inputs, train_on)
         options = PrefetchOptions.build(batch_size, depth, tokenize, pack, as_torch, pin_memory, retry)
         return self._started(Prefetcher(self.async_client, texts, options, state))
 
@@ -466,7 +476,7 @@ class AsyncTokenizerClient(AsyncClosing, BaseClient):
 
     def prefetch(
         self,
-        texts: Iterable[str] | AsyncIterable[str],
+        texts: Iterable[Any] | AsyncIterable[Any],
         *,
         batch_size: int = 64,
         depth: int = 4,
@@ -481,12 +491,17 @@ class AsyncTokenizerClient(AsyncClosing, BaseClient):
         as_torch: bool = False,
         pin_memory: bool = False,
         retry: RetryPolicy | None = None,
+        conversations: bool | None = None,
+        records: bool | None = None,
+        train_on: TrainOn = "assistant",
     ) -> AsyncPrefetcher:
         """``async for batch in client.prefetch(texts, ...)``: as TokenizerClient.prefetch, in this event loop.
 
-        `texts` may be a sync or an async iterable.
+        `texts` may be a sync or an async iterable (of conversations or records too; an async iterable of them
+        needs ``conversations=True`` or ``records=True``: it cannot be looked into before the first batch).
         """
         retry = self._prefetch_retry(retry)  # raises if this client is closed
-        tokenize = TokenizeOptions(model, add_bos, add_eos, max_length, sample, parse_special_tokens)
+        inputs, texts = detect_inputs(texts, conversations, records)
+        tokenize = TokenizeOptions(model, add_bos, add_eos, max_length, sample, parse_special_tokens, inputs, train_on)
         options = PrefetchOptions.build(batch_size, depth, tokenize, pack, as_torch, pin_memory, retry)
         return self._started(AsyncPrefetcher(self, texts, options, state))

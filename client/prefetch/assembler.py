@@ -42,6 +42,7 @@ class Assembler:
         self.check = resume.check  # the last text read, as the state after the last delivery names it
         self._windows: deque[Window] = deque()  # those from the text `check` will name next on
         self.leftover = np.empty(0, np.int32)
+        self.leftover_loss_mask: np.ndarray | None = None  # conversations and records (concat): the leftover's mask
         self.empty_reason: str | None = None  # set by finish() when the stream delivered no batch
         # A run from the stream's start that delivers nothing says why (a resumed one may just be at the end).
         self._delivered = 0 if resume.position == StreamPosition(0, 0) else 1
@@ -49,7 +50,8 @@ class Assembler:
         self._packer: ConcatPacker | None = None
         self._regrouper: RowRegrouper | None = None
         if pack is not None and pack.strategy == "concat":
-            self._packer = ConcatPacker(pack.seq_len, pack.rows, pack.mask_document_start, resume.position)
+            masked = options.inputs != "texts"
+            self._packer = ConcatPacker(pack.seq_len, pack.rows, pack.mask_document_start, resume.position, masked)
         elif pack is not None:
             self._regrouper = RowRegrouper(pack.seq_len, pack.rows, resume.position)
 
@@ -61,7 +63,10 @@ class Assembler:
             return [self._deliver(batch, StreamPosition(window.stop, 0), len(window.texts), answer.num_tokens)]
         if isinstance(answer, TokenizedBatch):
             assert self._packer is not None
-            self._packer.feed(np.asarray(answer.ids), np.asarray(answer.offsets), window.start)
+            mask = None if answer.loss_mask is None else np.asarray(answer.loss_mask)
+            if self._packer.masked and mask is None:
+                raise ValueError(f"the answer to {self.options.inputs} {window.start}.. carries no loss mask")
+            self._packer.feed(np.asarray(answer.ids), np.asarray(answer.offsets), window.start, mask)
             return self._drain(self._packer.take)
         assert self._regrouper is not None
         self._regrouper.feed(answer, window.start, window.stop)
@@ -73,6 +78,7 @@ class Assembler:
         pack = self.options.pack
         if self._packer is not None:
             block, self.leftover = self._packer.finish()
+            self.leftover_loss_mask = self._packer.leftover_loss_mask
         elif self._regrouper is not None:
             block = self._regrouper.finish()
         else:
@@ -83,7 +89,7 @@ class Assembler:
         dropped = 0
         if block is not None and pack.drop_last and len(block[0]) < pack.rows:
             dropped, block = len(block[0]), None
-        deliveries = [self._packed(block, self.leftover)] if block is not None else []
+        deliveries = [self._packed(block, self.leftover, self.leftover_loss_mask)] if block is not None else []
         if not self._delivered and not deliveries:
             self.empty_reason = self._why_empty(pack, dropped)
         return deliveries
@@ -104,12 +110,20 @@ class Assembler:
     def _drain(self, take: Callable[[], Block | None]) -> list[Delivery]:
         deliveries = []
         while (block := take()) is not None:
-            deliveries.append(self._packed(block, np.empty(0, np.int32)))
+            empty_mask = None if self._packer is None or not self._packer.masked else np.empty(0, np.uint8)
+            deliveries.append(self._packed(block, np.empty(0, np.int32), empty_mask))
         return deliveries
 
-    def _packed(self, block: Block, leftover: np.ndarray) -> Delivery:
+    def _packed(self, block: Block, leftover: np.ndarray, leftover_mask: np.ndarray | None = None) -> Delivery:
         rows, after = block
-        batch = replace(rows, leftover=leftover, model=self.model or "", model_sha256=self.sha256, index=self.batches)
+        batch = replace(
+            rows,
+            leftover=leftover,
+            leftover_loss_mask=leftover_mask,
+            model=self.model or "",
+            model_sha256=self.sha256,
+            index=self.batches,
+        )
         return self._deliver(batch, after, after.text - self.position.text, int(rows.stats["tokens"]))
 
     def _deliver(self, batch: Batch, after: StreamPosition, texts: int, tokens: int) -> Delivery:

@@ -17,8 +17,10 @@ class PackSpec:
 
     ``concat`` (no padding; documents run across rows and batches) or ``best_fit`` (whole documents,
     pieces of at most ``seq_len``, padded; each request of ``batch_size`` texts packs on its own).
-    ``add_eos``/``add_bos`` mark document boundaries in the ids; ``mask_document_start`` sets the
-    label of each document's first token to -100. The last batch may have fewer than ``rows`` rows
+    ``add_eos``/``add_bos`` mark document boundaries in the ids (``add_eos`` unset: True for texts; conversations
+    and records leave both unset, their chat template decides the special tokens); ``mask_document_start`` sets the
+    label of each document's first token to -100. Conversations' and records' labels are also -100 wherever their
+    loss mask is 0 (the user's turns, the template's headers, the prompt). The last batch may have fewer than ``rows`` rows
     (as DataLoader's ``drop_last=False``); ``drop_last=True`` drops it. Concat rows are never padded:
     the stream's last tokens that fill no row are the prefetcher's ``leftover``. A stream that packs
     into no batch at all warns (``UserWarning``) saying why.
@@ -27,7 +29,7 @@ class PackSpec:
     seq_len: int
     rows: int
     strategy: Literal["concat", "best_fit"] = "concat"
-    add_eos: bool = True
+    add_eos: bool | None = None  # None: True for texts (an EOS after each document), unset for conversations
     add_bos: bool = False
     mask_document_start: bool = False
     drop_last: bool = False
@@ -36,7 +38,9 @@ class PackSpec:
         # Numpy integers and bools become Python values (the state_dict stays plain JSON); floats are refused.
         set_integer(self, "seq_len", minimum=2)
         set_integer(self, "rows", minimum=1)
-        set_flags(self, "add_eos", "add_bos", "mask_document_start", "drop_last")
+        set_flags(self, "add_bos", "mask_document_start", "drop_last")
+        if self.add_eos is not None:
+            set_flags(self, "add_eos")
         if self.strategy not in ("concat", "best_fit"):
             raise ValueError(f"strategy must be 'concat' or 'best_fit', got {self.strategy!r}")
 
@@ -70,12 +74,28 @@ class PrefetchOptions:
         as_torch, pin_memory = flag(as_torch, "as_torch"), flag(pin_memory, "pin_memory")
         if pack is not None and not isinstance(pack, PackSpec):
             raise TypeError(f"pack takes a PackSpec(seq_len=..., rows=...), not {type(pack).__name__} {pack!r}")
+        bare = TokenizeOptions(
+            tokenize.model,
+            parse_special_tokens=tokenize.parse_special_tokens,
+            inputs=tokenize.inputs,
+            train_on=tokenize.train_on,
+        )
+        if tokenize.inputs != "conversations" and tokenize.train_on != "assistant":
+            raise ValueError("train_on applies to conversations only (conversations=True, or an iterable of them)")
+        if tokenize.inputs != "texts":
+            if tokenize != bare or (pack is not None and (pack.add_bos or pack.add_eos is not None)):
+                raise ValueError(
+                    f"add_bos, add_eos, max_length and sample cannot be used with {tokenize.inputs}: the chat "
+                    "template (for records, TRL's rule) decides the special tokens, and a truncated conversation "
+                    "would train on a cut turn"
+                )
         if pack is not None:
-            if tokenize != TokenizeOptions(tokenize.model, parse_special_tokens=tokenize.parse_special_tokens):
+            if tokenize != bare:
                 raise ValueError(
                     "with pack=, set add_bos/add_eos on the PackSpec; max_length and sample do not apply to packing"
                 )
-            tokenize = replace(tokenize, add_bos=pack.add_bos, add_eos=pack.add_eos)
+            if tokenize.inputs == "texts":
+                tokenize = replace(tokenize, add_bos=pack.add_bos, add_eos=pack.add_eos is not False)
         if pin_memory and not as_torch:
             raise ValueError("pin_memory=True needs as_torch=True")
         if as_torch:
@@ -94,6 +114,8 @@ class PrefetchOptions:
             tokenize.add_eos,
             spec.mask_document_start,
             tokenize.parse_special_tokens,
+            tokenize.inputs,
+            tokenize.train_on,
         )
 
     # The tokenize options as attributes of their own, as before they were gathered in `tokenize`.
@@ -102,6 +124,7 @@ class PrefetchOptions:
     add_eos = property(lambda self: self.tokenize.add_eos)
     max_length = property(lambda self: self.tokenize.max_length)
     sample = property(lambda self: self.tokenize.sample)
+    inputs = property(lambda self: self.tokenize.inputs)
 
     @property
     def mode(self) -> str:
@@ -110,6 +133,11 @@ class PrefetchOptions:
     def fingerprint(self) -> dict[str, Any]:
         """The options a resumed run must repeat to produce the same ids."""
         options: dict[str, Any] = asdict(self.tokenize)
+        # texts: as states were saved before conversations came (so those states still resume); records: no train_on
+        if options["inputs"] == "texts":
+            del options["inputs"], options["train_on"]
+        elif options["inputs"] == "records":
+            del options["train_on"]
         if self.pack is not None:
             options.update(seq_len=self.pack.seq_len, mask_document_start=self.pack.mask_document_start)
         if self.mode == "best_fit":

@@ -144,6 +144,7 @@ class Lookahead(Generic[H]):
 
     def __init__(self, options: PrefetchOptions, resume: Resume, recorder: StatsRecorder) -> None:
         self.depth = options.depth
+        self.inputs = options.inputs
         self.recorder = recorder
         self.state = resume.state_dict(options)
         self._next_index = resume.batches
@@ -189,10 +190,11 @@ class Lookahead(Generic[H]):
         if window is None:
             raise exc
         text_index = None
-        if isinstance(exc, TokenizerServiceError) and exc.field == "texts" and exc.index is not None:
+        items = ("texts", "conversations", "records")
+        if isinstance(exc, TokenizerServiceError) and exc.field in items and exc.index is not None:
             text_index = window.start + exc.index
         raise PrefetchError(
-            f"batch {self._next_index} (texts {window.start} to {window.stop - 1}) failed: {exc}",
+            f"batch {self._next_index} ({self.inputs} {window.start} to {window.stop - 1}) failed: {exc}",
             batch_index=self._next_index,
             text_start=window.start,
             text_stop=window.stop,

@@ -55,6 +55,11 @@ class _Prefetching(Generic[H]):
         """Concat packing: the stream's last tokens that fill no row, once the stream has ended (else empty)."""
         return self._pipeline.assembler.leftover
 
+    @property
+    def leftover_loss_mask(self) -> np.ndarray | None:
+        """Concat packing of conversations or records: the loss mask of ``leftover`` (None for texts)."""
+        return self._pipeline.assembler.leftover_loss_mask
+
     def state_dict(self) -> dict[str, Any]:
         """JSON-able position after the last batch handed out; pass as ``state=`` to continue from there."""
         return dict(self._lookahead.state)
@@ -87,7 +92,7 @@ class Prefetcher(Closing, _Prefetching[concurrent.futures.Future[list[Delivery]]
         state: dict[str, Any] | None = None,
     ) -> None:
         resume = Resume.from_state(state, options)
-        self._reader = TextReader(texts, options.batch_size, *resume.reading_from())
+        self._reader = TextReader(texts, options.batch_size, *resume.reading_from(), inputs=options.inputs)
         client = make_client()
         self._loop = LoopThread("tokenizer-prefetch")
         self._start(client, options, resume)
@@ -159,7 +164,7 @@ class AsyncPrefetcher(AsyncClosing, _Prefetching[asyncio.Task[list[Delivery]]]):
         state: dict[str, Any] | None = None,
     ) -> None:
         resume = Resume.from_state(state, options)
-        self._reader = open_texts(texts, options.batch_size, *resume.reading_from())
+        self._reader = open_texts(texts, options.batch_size, *resume.reading_from(), inputs=options.inputs)
         self._start(client, options, resume)
         self._started = False
 

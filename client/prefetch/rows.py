@@ -50,14 +50,19 @@ class ConcatPacker:
     Rows start every ``seq_len`` tokens from the start of the stream; a segment starts at each row
     start and at each document start, and ``position_ids`` restart there. ``cu_seqlens`` per row are
     ``[segment starts..., seq_len]``; with ``mask_document_start`` the label of each document's first
-    token is IGNORE_INDEX.
+    token is IGNORE_INDEX. ``masked`` (conversations, records): each window comes with its loss mask, which
+    travels with the tokens it describes (a document cut across rows and blocks keeps every token's mask),
+    and labels are IGNORE_INDEX wherever it is 0.
     """
 
-    def __init__(self, seq_len: int, rows: int, mask_document_start: bool, resume: StreamPosition) -> None:
+    def __init__(
+        self, seq_len: int, rows: int, mask_document_start: bool, resume: StreamPosition, masked: bool = False
+    ) -> None:
         self.seq_len = seq_len
         self.rows = rows
         self.mask_document_start = mask_document_start
         self._tokens = np.empty(0, np.int32)
+        self._mask = np.empty(0, np.uint8) if masked else None  # one 0/1 per buffered token
         self._doc_starts = np.empty(0, np.int64)  # positions in _tokens where a document begins
         self._doc_texts = np.empty(0, np.int64)  # stream index of each of those documents
         self._head = resume  # the document that _tokens[0] belongs to, when no document begins there
@@ -68,6 +73,10 @@ class ConcatPacker:
     def buffered(self) -> int:
         return int(self._tokens.size)
 
+    @property
+    def masked(self) -> bool:
+        return self._mask is not None
+
     def position_at(self, offset: int) -> StreamPosition:
         """The resume position after the first `offset` buffered tokens are delivered."""
         if offset >= self._tokens.size:
@@ -77,10 +86,13 @@ class ConcatPacker:
             return StreamPosition(int(self._doc_texts[j]), offset - int(self._doc_starts[j]))
         return StreamPosition(self._head.text, self._head.skip + offset)
 
-    def feed(self, ids: np.ndarray, offsets: np.ndarray, start: int) -> None:
-        """Append the documents of texts ``start, start + 1, ...`` (ragged ids and offsets)."""
+    def feed(self, ids: np.ndarray, offsets: np.ndarray, start: int, loss_mask: np.ndarray | None = None) -> None:
+        """Append the documents of texts ``start, start + 1, ...`` (ragged ids and offsets; the loss mask of the
+        ids when the packer is ``masked``)."""
         if start != self._fed:
             raise ValueError(f"windows must be fed in order: expected text {self._fed}, got {start}")
+        if (self._mask is None) != (loss_mask is None):
+            raise ValueError("a masked packer takes a loss mask with every window, an unmasked one none")
         lengths = np.diff(offsets)
         continues = False
         if self._skip:
@@ -91,6 +103,8 @@ class ConcatPacker:
                     "the texts or the model differ from the run the state came from"
                 )
             ids = ids[self._skip :]
+            if loss_mask is not None:
+                loss_mask = loss_mask[self._skip :]
             offsets = np.maximum(offsets - self._skip, 0)
             lengths = np.diff(offsets)
             if self._tokens.size == 0:
@@ -103,6 +117,8 @@ class ConcatPacker:
         self._doc_starts = np.concatenate([self._doc_starts, offsets[documents] + base])
         self._doc_texts = np.concatenate([self._doc_texts, documents + start])
         self._tokens = np.concatenate([self._tokens, np.asarray(ids, dtype=np.int32)])
+        if self._mask is not None:
+            self._mask = np.concatenate([self._mask, np.asarray(loss_mask, dtype=np.uint8)])
         self._fed = start + lengths.size
 
     def take(self) -> Block | None:
@@ -118,6 +134,11 @@ class ConcatPacker:
         block = self._block(rows) if rows else None
         return block, self._tokens.copy()
 
+    @property
+    def leftover_loss_mask(self) -> np.ndarray | None:
+        """The loss mask of the buffered tokens (after ``finish``: of the leftover); None when not ``masked``."""
+        return None if self._mask is None else self._mask.copy()
+
     def _block(self, rows: int) -> Block:
         used = rows * self.seq_len
         starts = self._doc_starts[self._doc_starts < used]
@@ -128,6 +149,8 @@ class ConcatPacker:
             self.seq_len,
             carry=self._tokens[:continued],
             mask_document_start=self.mask_document_start,
+            loss_mask=None if self._mask is None else self._mask[continued:used],
+            carry_loss_mask=None if self._mask is None else self._mask[:continued],
         )
         documents = starts.size + (1 if continued else 0)
         batch = _rows(
@@ -145,6 +168,8 @@ class ConcatPacker:
         self._doc_starts = self._doc_starts[keep] - used
         self._doc_texts = self._doc_texts[keep]
         self._tokens = self._tokens[used:].copy()
+        if self._mask is not None:
+            self._mask = self._mask[used:].copy()
         return batch, after
 
 

@@ -4,18 +4,28 @@
 thread that calls ``next()``. AsyncPrefetcher awaits ``next_window()`` of the reader
 :func:`open_texts` picks: a TextReader for a sync iterable (read on the event loop), an
 :class:`AsyncTextReader` for an async one. Every reader skips the texts a saved state says were
-delivered, and checks that each text is a str.
+delivered, and checks that each text is a str (or, for conversations, a list of messages; for prompt-completion
+records, a dict). :func:`detect_inputs` decides which of the three a stream holds, from its first item.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+import json
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from tokenizer_client._inputs import check_texts
+from tokenizer_client._requests import Inputs
+
+ITEM_TYPES = {"texts": str, "conversations": list, "records": dict}
+ITEM_NAMES = {"texts": "text", "conversations": "conversation", "records": "record"}
+KINDS_HINT = (
+    "conversations are lists of message dicts (prefetch(..., conversations=True)), prompt-completion records "
+    'dicts with "prompt" and "completion" (records=True)'
+)
 
 
 @dataclass(frozen=True)
@@ -30,10 +40,80 @@ class Window:
         return self.start + len(self.texts)
 
 
+def canonical_json(item: object) -> str:
+    """A conversation or record as one canonical JSON text (keys sorted, no spaces): what its fingerprint hashes."""
+    return json.dumps(item, sort_keys=True, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
 def text_fingerprint(text: object) -> str:
-    """A short hash of one text, which a saved state keeps to check that a resumed stream continues there."""
-    data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else repr(text).encode("utf-8", "replace")
-    return hashlib.blake2b(data, digest_size=12).hexdigest()
+    """A short hash of one text (its UTF-8), or of one conversation or record (its canonical JSON), which a saved
+    state keeps to check that a resumed stream continues there."""
+    if not isinstance(text, str):
+        try:
+            text = canonical_json(text)
+        except (TypeError, ValueError):
+            return hashlib.blake2b(repr(text).encode("utf-8", "replace"), digest_size=12).hexdigest()
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
+
+
+def _shown(item: object) -> str:
+    """The start of an item, for an error message."""
+    if not isinstance(item, str):
+        try:
+            item = canonical_json(item)
+        except (TypeError, ValueError):
+            return type(item).__name__
+    return f"{item[:40]!r}{'...' * (len(item) > 40)}"
+
+
+def detected_kind(first: object) -> Inputs:
+    """What a stream whose first item is `first` holds: conversations (a non-empty list of dicts), prompt-completion
+    records (a dict with "prompt" and "completion"), else texts."""
+    if isinstance(first, list) and first and all(isinstance(message, dict) for message in first):
+        return "conversations"
+    if isinstance(first, dict) and "prompt" in first and "completion" in first:
+        return "records"
+    return "texts"
+
+
+def _raising(exc: Exception) -> Iterator[Any]:
+    raise exc
+    yield
+
+
+def detect_inputs(
+    items: Iterable[Any] | AsyncIterable[Any], conversations: bool | None, records: bool | None
+) -> tuple[Inputs, Iterable[Any] | AsyncIterable[Any]]:
+    """Which of texts, conversations and records `items` holds, and the items to read (the same stream).
+
+    ``conversations=True`` or ``records=True`` says so; otherwise a sync iterable's first item decides
+    (``detected_kind``; a kind given False is not detected), read ahead and handed back in front of the rest.
+    An async iterable cannot be looked into before the first batch: it is texts unless a flag says otherwise.
+    """
+    if conversations and records:
+        raise ValueError("conversations=True and records=True: a stream holds one kind of item")
+    if conversations:
+        return "conversations", items
+    if records:
+        return "records", items
+    if isinstance(items, AsyncIterable) or isinstance(items, str | bytes | bytearray | dict):
+        return "texts", items  # a single str or dict is refused, as before, by the reader
+    kind: Inputs
+    if isinstance(items, Sequence):
+        kind = detected_kind(items[0]) if len(items) else "texts"
+    else:
+        iterator = iter(items)
+        try:
+            first = next(iterator)
+        except StopIteration:
+            return "texts", iter(())
+        except Exception as exc:  # raised from next(), after the batches before it (none), as a source's error is
+            return "texts", _raising(exc)
+        kind = detected_kind(first)
+        items = itertools.chain([first], iterator)
+    if (kind == "conversations" and conversations is False) or (kind == "records" and records is False):
+        kind = "texts"
+    return kind, items
 
 
 @dataclass(frozen=True)
@@ -54,20 +134,25 @@ def open_texts(
     start: int,
     inside: bool = False,
     check: TextCheck | None = None,
+    inputs: str = "texts",
 ) -> WindowReader:
     """The reader of `texts` in windows of `batch_size`, from stream index `start` on (the texts before are skipped).
 
     `inside`: the saved state stopped inside text `start`, so the stream must have it. `check`: the text
-    (`start - 1`, or `start` when inside) whose fingerprint the state kept; another text there is a ValueError."""
+    (`start - 1`, or `start` when inside) whose fingerprint the state kept; another text there is a ValueError.
+    `inputs`: what the items are (texts, conversations or records), each checked to be one."""
     if isinstance(texts, AsyncIterable):
-        return AsyncTextReader(texts, batch_size, start, inside, check)
-    return TextReader(texts, batch_size, start, inside, check)
+        return AsyncTextReader(texts, batch_size, start, inside, check, inputs)
+    return TextReader(texts, batch_size, start, inside, check, inputs)
 
 
 class _Windows:
     """Counts the stream position and cuts windows; the readers below add where the texts come from."""
 
-    def __init__(self, batch_size: int, start: int, inside: bool = False, check: TextCheck | None = None) -> None:
+    def __init__(
+        self, batch_size: int, start: int, inside: bool = False, check: TextCheck | None = None, inputs: str = "texts"
+    ) -> None:
+        self._inputs = inputs
         self._batch_size = batch_size
         self._start = start
         self._inside = inside
@@ -87,22 +172,32 @@ class _Windows:
             return
         self._check = None
         if text_fingerprint(text) != check.fingerprint:
-            where = f"inside text {self._start}" if self._inside else f"before text {self._start}"
-            shown = f"{text[:40]!r}{'...' * (len(text) > 40)}" if isinstance(text, str) else type(text).__name__
+            item = ITEM_NAMES[self._inputs]
+            where = f"inside {item} {self._start}" if self._inside else f"before {item} {self._start}"
             raise ValueError(
-                f"the stream given does not continue where the saved state stopped ({where}): its text {index} "
-                f"({shown}) is not the text the saved run read there; resume on the same texts from the start "
+                f"the stream given does not continue where the saved state stopped ({where}): its {item} {index} "
+                f"({_shown(text)}) is not the {item} the saved run read there; resume on the same {self._inputs} "
+                "from the start "
                 "of the stream (not a generator already partly consumed, nor a changed or reordered source)"
             )
+
+    def _refuse(self, index: int, item: object) -> None:
+        """TypeError: item `index` is not of the stream's kind (saying how to pass another kind)."""
+        if self._inputs == "texts":
+            hint = "; " + KINDS_HINT if isinstance(item, list | dict) else ""
+            raise TypeError(f"text {index} is a {type(item).__name__}, not a str{hint}")
+        what = "a list of messages" if self._inputs == "conversations" else 'a {"prompt", "completion"} dict'
+        raise TypeError(f"{ITEM_NAMES[self._inputs]} {index} is a {type(item).__name__}, not {what}")
 
     def _ended_before_start(self) -> ValueError:
         return ValueError(f"the stream ended at text {self._position}, before the saved position {self._start}")
 
     def _window(self, texts: list[str]) -> Window | None:
-        if set(map(type, texts)) - {str}:  # one pass in C; then look closer (str subclasses are fine)
+        kind = ITEM_TYPES[self._inputs]
+        if set(map(type, texts)) - {kind}:  # one pass in C; then look closer (subclasses are fine)
             for i, text in enumerate(texts):
-                if not isinstance(text, str):
-                    raise TypeError(f"text {self._position + i} is a {type(text).__name__}, not a str")
+                if not isinstance(text, kind):
+                    self._refuse(self._position + i, text)
         if not texts:
             if self._inside and self._position == self._start:
                 raise ValueError(
@@ -120,10 +215,16 @@ class TextReader(_Windows):
     """Reads windows from a sync iterable, in the thread that calls ``read()`` (or awaits ``next_window()``)."""
 
     def __init__(
-        self, texts: Iterable[str], batch_size: int, start: int, inside: bool = False, check: TextCheck | None = None
+        self,
+        texts: Iterable[str],
+        batch_size: int,
+        start: int,
+        inside: bool = False,
+        check: TextCheck | None = None,
+        inputs: str = "texts",
     ) -> None:
         check_texts(texts)
-        super().__init__(batch_size, start, inside, check)
+        super().__init__(batch_size, start, inside, check, inputs)
         self._iterator: Iterator[str] = iter(texts)
 
     def read(self) -> Window | None:
@@ -153,8 +254,9 @@ class AsyncTextReader(_Windows):
         start: int,
         inside: bool = False,
         check: TextCheck | None = None,
+        inputs: str = "texts",
     ) -> None:
-        super().__init__(batch_size, start, inside, check)
+        super().__init__(batch_size, start, inside, check, inputs)
         self._iterator: AsyncIterator[str] = texts.__aiter__()
 
     async def _next(self) -> tuple[bool, str]:
