@@ -103,6 +103,19 @@ def _stopped(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command. SIGTERM or Ctrl-C at any moment of start-up is a stop asked for (exit 0): `_stopped`
+    from the first line on, until uvicorn (one server) or the supervisor (`--frontends`) takes them over;
+    the handlers before are restored on the way out (tests call this in-process)."""
+    previous = {signum: signal.signal(signum, _stopped) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _main(argv)
+    finally:
+        for signum, handler in previous.items():
+            if handler is not None:  # None: a handler not installed from Python, which cannot be put back
+                signal.signal(signum, handler)
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         settings = Settings(_cli_settings_source=_source(argv))
@@ -138,8 +151,6 @@ def main(argv: list[str] | None = None) -> int:
         return supervise(settings)
     from tokenizer_service.http.factory import create_app
 
-    signal.signal(signal.SIGTERM, _stopped)
-    signal.signal(signal.SIGINT, _stopped)
     uvicorn.run(create_app(settings, registry), host=settings.host, port=settings.port, **uvicorn_options(settings))
     return 0
 

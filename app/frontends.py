@@ -10,7 +10,10 @@ This process supervises: SIGTERM or SIGINT (Ctrl-C) is passed on to every front-
 each drains as a single server does; a front-end that dies takes the others down and this process
 exits non-zero, for the orchestrator to restart the whole (a half-size server would be a silent
 loss of capacity). Front-ends run in a process group of their own, so a terminal's Ctrl-C reaches
-them once, through here, and they exit when this process is killed outright.
+them once, through here, and they exit when this process is killed outright. A signal that arrives
+while front-ends start reaches every one started, and none starts after it. The metrics directory
+(`tokenizer-metrics-PID-*`) is removed on the way out; one left by a supervisor killed outright is
+removed by the next supervisor's start, once its PID no longer runs.
 """
 
 from __future__ import annotations
@@ -54,6 +57,38 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+METRICS_DIR_PREFIX = "tokenizer-metrics-"  # then the supervisor's pid, then mkdtemp's suffix
+
+
+def remove_stale_metrics_dirs(directory: str | None = None) -> list[str]:
+    """Remove the metrics directories of supervisors that are gone (killed outright, they leave theirs behind).
+
+    Only this user's `tokenizer-metrics-PID-*` directories whose PID no longer runs; one of a live
+    supervisor, of another user, or of a name without a pid is left alone. The paths removed."""
+    directory = directory or tempfile.gettempdir()
+    removed = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    for entry in entries:
+        owner, _, rest = entry.name.removeprefix(METRICS_DIR_PREFIX).partition("-")
+        if not entry.name.startswith(METRICS_DIR_PREFIX) or not owner.isdigit() or not rest:
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            os.kill(int(owner), 0)
+        except ProcessLookupError:  # its supervisor is gone
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+        except OSError:  # alive (another user's: EPERM), or unreadable: not ours to remove
+            continue
+    if removed:
+        logger.info("removed %d metrics directories of supervisors that are gone: %s", len(removed), removed)
+    return removed
+
+
 def _drain() -> None:
     os.kill(os.getpid(), signal.SIGTERM)  # drain as usual: the workers stop with us
 
@@ -78,30 +113,36 @@ def supervise(settings: Settings) -> int:
     if settings.port == 0:
         print("tokenizer-server: --frontends above 1 needs a fixed --port (each front-end binds it)", file=sys.stderr)
         return 2
-    own_dir = None
-    if not os.environ.get(MULTIPROCESS_DIR_ENV):
-        own_dir = tempfile.mkdtemp(prefix="tokenizer-metrics-")
-        os.environ[MULTIPROCESS_DIR_ENV] = own_dir
-    context = multiprocessing.get_context("spawn")
-    dump = settings.model_dump(mode="json")
-    dump["api_keys"] = [key.get_secret_value() for key in settings.api_keys]
-    processes = [
-        context.Process(target=frontend, args=(dump, index, share), name=f"tokenizer-frontend-{index}")
-        for index, share in enumerate(shares(settings.workers, settings.frontends))
-    ]
     stopping = threading.Event()
+    processes: list[multiprocessing.process.BaseProcess] = []  # those started, each appended once its pid is known
 
     def stop(signum: int, frame: object) -> None:
         stopping.set()
         for process in processes:
-            if process.pid is not None and process.exitcode is None:
-                os.kill(process.pid, signal.SIGTERM)
+            if process.exitcode is None:
+                os.kill(process.pid, signal.SIGTERM)  # type: ignore[arg-type]  # started: it has a pid
 
+    # First of all, so that a signal at any moment of start-up is a stop: one that arrives while a front-end
+    # starts (its pid not known yet) is passed on once it is, and no front-end starts after it.
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    own_dir = None
+    if not os.environ.get(MULTIPROCESS_DIR_ENV):
+        remove_stale_metrics_dirs()
+        own_dir = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-")
+        os.environ[MULTIPROCESS_DIR_ENV] = own_dir
+    context = multiprocessing.get_context("spawn")
+    dump = settings.model_dump(mode="json")
+    dump["api_keys"] = [key.get_secret_value() for key in settings.api_keys]
     try:
-        for process in processes:
+        for index, share in enumerate(shares(settings.workers, settings.frontends)):
+            if stopping.is_set():
+                break
+            process = context.Process(target=frontend, args=(dump, index, share), name=f"tokenizer-frontend-{index}")
             process.start()
+            processes.append(process)
+            if stopping.is_set():  # asked to stop while it started: `stop` could not reach it then
+                os.kill(process.pid, signal.SIGTERM)  # type: ignore[arg-type]  # a second one is harmless
         status = 0
         remaining = list(processes)
         while remaining:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,7 +15,7 @@ import pytest
 import sentencepiece as spm
 
 from tokenizer_service.frontends import shares
-from tokenizer_service.tools.launcher import metric_total
+from tokenizer_service.tools.launcher import ServerProcess, metric_total
 from tests.conftest import ROOT, start_server, stop_server
 
 pytestmark = pytest.mark.slow  # several server processes; part of .ci/run's slow stage
@@ -74,3 +76,90 @@ def test_the_flag_is_documented(flag):
         [sys.executable, "-m", "tokenizer_service", "--help"], capture_output=True, text=True, cwd=ROOT, timeout=60
     ).stdout
     assert flag in help_text
+
+
+# -- a stop asked for during start-up, and what a killed supervisor leaves behind (issue 36) ---------------
+
+
+def frontend_children(pid: int) -> list[int]:
+    """The supervisor's children that run a front-end (spawn_main; not multiprocessing's resource tracker),
+    from the moment each has started Python (read from /proc: a few microseconds a look)."""
+    try:
+        children = open(f"/proc/{pid}/task/{pid}/children").read().split()
+    except OSError:
+        return []
+    found = []
+    for child in children:
+        try:
+            command = open(f"/proc/{child}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if b"spawn_main" in command:
+            found.append(int(child))
+    return found
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_sigterm_while_the_first_frontend_starts_stops_every_frontend(tmp_path):
+    """The signal is sent the moment the first front-end process exists: those started after it kept
+    serving (3 of 3 tries), and the supervisor waited for them forever."""
+    args = ["--frontends", "3", "--workers", "3"]
+    server = ServerProcess(args, log=tmp_path / "server.log", env={"TMPDIR": str(tmp_path)})
+    server.start(wait=False)
+    assert server.process is not None
+    try:
+        deadline = time.monotonic() + 60
+        while not frontend_children(server.process.pid):
+            assert server.process.poll() is None and time.monotonic() < deadline, server.log.read_text()[-2000:]
+            time.sleep(0.0005)
+        server.process.send_signal(signal.SIGTERM)
+        first = frontend_children(server.process.pid)
+        assert server.process.wait(timeout=60) == 0, server.log.read_text()[-3000:]
+        # every front-end is gone and nothing serves the port (any started after the signal would, 20 s on)
+        deadline = time.monotonic() + 15
+        while listening(server.port) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not listening(server.port), "a front-end serves after the supervisor stopped"
+        while any(psutil.pid_exists(pid) for pid in first) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(psutil.pid_exists(pid) for pid in first), "a front-end outlived its supervisor"
+        assert "Traceback" not in server.log.read_text()
+        assert not list(tmp_path.glob("tokenizer-metrics-*")), "the supervisor's metrics directory is left behind"
+    finally:
+        server.stop()
+
+
+def test_a_killed_supervisors_metrics_directory_is_removed_by_the_next_one(tmp_path):
+    """kill -9 leaves the supervisor's tokenizer-metrics-* directory in the temp dir; the next start removes
+    those whose supervisor is gone, and only those."""
+    environment = {"TMPDIR": str(tmp_path)}
+    first = ServerProcess(["--frontends", "2", "--workers", "2"], log=tmp_path / "first.log", env=environment).start()
+    assert first.process is not None
+    try:
+        left = list(tmp_path.glob("tokenizer-metrics-*"))
+        assert len(left) == 1
+        frontends = frontend_children(first.process.pid)
+        first.process.kill()  # the supervisor alone: its front-ends exit with it, its directory stays
+        first.process.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while any(psutil.pid_exists(pid) for pid in frontends) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert left[0].is_dir()
+    finally:
+        first.stop()
+    alive = tmp_path / f"tokenizer-metrics-{os.getpid()}-live"  # a running supervisor's (this test's pid)
+    alive.mkdir()
+    unnamed = tmp_path / "tokenizer-metrics-abc123de"  # no pid in the name: whose it is cannot be told
+    unnamed.mkdir()
+    second = ServerProcess(["--frontends", "2", "--workers", "2"], log=tmp_path / "second.log", env=environment).start()
+    try:
+        assert not left[0].exists(), "the killed supervisor's metrics directory was not removed"
+        assert alive.is_dir() and unnamed.is_dir()
+        assert metric_total(second.url, "tokenizer_ready") == 1  # the new one's own directory serves /metrics
+    finally:
+        second.stop()
+    assert sorted(path.name for path in tmp_path.glob("tokenizer-metrics-*")) == [alive.name, unnamed.name]
