@@ -9,7 +9,7 @@ and keeps ``metadata.json``. Everything is little-endian.
 An output directory holds::
 
     metadata.json          what the shards are; rewritten atomically after each complete shard
-    00000.bin  00000.idx   shard 0 (00000.seg too with --seq-len)
+    00000.bin  00000.idx   shard 0 (00000.seg too with --seq-len; 00000.mask too with loss masks)
     00001.bin  ...         shard 1, ...
 
 Only shards listed in ``metadata.json`` are complete: shard files are written under a temporary name and
@@ -36,6 +36,10 @@ Packed output (``--seq-len L``): ``rows x L`` ids in C order.
     ======  ====  =====================================================================
 
 Ragged: document ``i`` is ``bin[offsets[i]:offsets[i + 1]]``.
+
+``NNNNN.mask`` (format version 2, outputs with loss masks: conversations, prompt-completion records): one
+uint8 a stored id, aligned with ``.bin`` (the same count, no header), 1 where the loss is taken (the
+assistant's output), 0 elsewhere; packed, 0 on padding too. Packed rows' ``labels`` are -100 wherever it is 0.
 Packed: the offsets index ``NNNNN.seg`` (int32, no header): row ``r``'s ``seg[offsets[r]:offsets[r + 1]]``
 is ``[0, end of segment 1, ..., end of last segment]``, the ``cu_seqlens`` of ``/v1/pack``. A segment is a
 document, or the piece of one, inside the row. From it: ``position_ids`` count from 0 in each segment;
@@ -47,7 +51,16 @@ are -100 and ``position_ids`` 0; elsewhere ``labels`` equal the ids.
 bos/eos/pad ids), ``options``, ``shards`` (each: name; documents read into it; tokens, the ids in its
 ``.bin``; rows; padding ids), ``documents``, ``tokens`` (of all documents, padding not counted), ``rows``,
 ``bad_records``, ``sources`` (each input file and how far it was read) and ``leftover`` (concat only:
-``ids``, the last ids that did not fill a row, and ``document_starts``, where documents begin in them).
+``ids``, the last ids that did not fill a row, and ``document_starts``, where documents begin in them;
+``loss_mask``, their mask, in a masked output).
+
+Versions: ``metadata.json["version"]`` is 1 for an output without masks (exactly the first format, which
+every reader reads) and 2 for one with them: ``loss_mask`` then says where they come from (``input``:
+``"conversations"`` or ``"prompt_completion"``; ``train_on``; ``parse_special_tokens``; ``chat_template``:
+its ``sha256``, ``source``, ``loss_mask`` and ``text``, the template as given, so that ``tokenizer-shards
+verify --sample`` renders the conversations again), and every shard has its ``.mask``. A reader of version 1
+only refuses a version 2 output instead of reading its ids without their masks. The ``.idx`` header's
+version stays 1: its layout did not change.
 
 Reading shard 0 with plain numpy::
 
@@ -99,6 +112,8 @@ __all__ = [
     "IGNORE_INDEX",
     "LAYOUT_PACKED",
     "LAYOUT_RAGGED",
+    "MASK_DTYPE",
+    "MASK_SUFFIX",
     "METADATA_FILE",
     "OFFSET_DTYPE",
     "SEG_DTYPE",
@@ -110,6 +125,7 @@ __all__ = [
     "TokenDataset",
     "check_metadata",
     "check_shard",
+    "format_version",
     "id_dtype",
     "index_header",
     "read_index_header",
@@ -121,12 +137,16 @@ __all__ = [
 ]
 
 FORMAT_NAME = "tokenizer-shards"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest; an output without masks is written as version 1 (`format_version`)
+FORMAT_VERSIONS = (1, 2)  # what this reader reads
+IDX_VERSION = 1  # the .idx header's own version: unchanged by masks
 METADATA_FILE = "metadata.json"
 BIN_SUFFIX = ".bin"
 IDX_SUFFIX = ".idx"
 SEG_SUFFIX = ".seg"
-SHARD_SUFFIXES = (BIN_SUFFIX, IDX_SUFFIX, SEG_SUFFIX)
+MASK_SUFFIX = ".mask"
+SHARD_SUFFIXES = (BIN_SUFFIX, IDX_SUFFIX, SEG_SUFFIX, MASK_SUFFIX)
+MASK_DTYPE = np.dtype("u1")
 IDX_MAGIC = b"TKSHARD\0"
 IDX_HEADER = struct.Struct("<8sHBBIqq")
 LAYOUT_RAGGED = 0
@@ -167,15 +187,28 @@ class IndexHeader(NamedTuple):
 
 def index_header(header: IndexHeader) -> bytes:
     """The 32 bytes that open an ``.idx`` file."""
-    return IDX_HEADER.pack(IDX_MAGIC, FORMAT_VERSION, *header)
+    return IDX_HEADER.pack(IDX_MAGIC, IDX_VERSION, *header)
+
+
+def format_version(masked: bool) -> int:
+    """metadata.json's version: 2 for an output with loss masks, else 1 (what readers of version 1 read)."""
+    return 2 if masked else 1
+
+
+def is_masked(meta: Mapping[str, Any]) -> bool:
+    """Whether an output's shards carry loss masks (``.mask`` files)."""
+    return bool(meta.get("loss_mask"))
 
 
 def check_metadata(meta: Any, where: str | Path) -> dict[str, Any]:
     """`meta` (a parsed ``metadata.json``) if it is of this format and version; ValueError naming `where` if not."""
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise ValueError(f"{where}: format is not {FORMAT_NAME!r}")
-    if meta.get("version") != FORMAT_VERSION:
-        raise ValueError(f"{where}: format version {meta.get('version')}, this reader knows {FORMAT_VERSION}")
+    if meta.get("version") not in FORMAT_VERSIONS:
+        known = " and ".join(map(str, FORMAT_VERSIONS))
+        raise ValueError(f"{where}: format version {meta.get('version')}, this reader knows {known}")
+    if meta.get("loss_mask") is not None and (meta["version"] < 2 or not isinstance(meta["loss_mask"], dict)):
+        raise ValueError(f"{where}: loss_mask in a version {meta['version']} output (masks are version 2)")
     if meta.get("layout") not in LAYOUTS:
         raise ValueError(f"{where}: unknown layout {meta.get('layout')!r}")
     if meta.get("dtype") not in ID_DTYPES:  # another would read the ids as something else (float16, byte-swapped)
@@ -194,8 +227,8 @@ def read_index_header(raw: bytes, where: str) -> IndexHeader:
     magic, version, *fields = IDX_HEADER.unpack_from(raw)
     if magic != IDX_MAGIC:
         raise ValueError(f"{where}: bad magic {magic!r}, expected {IDX_MAGIC!r}; not a tokenizer shard index")
-    if version != FORMAT_VERSION:
-        raise ValueError(f"{where}: shard format version {version}, this reader knows {FORMAT_VERSION}")
+    if version != IDX_VERSION:
+        raise ValueError(f"{where}: shard format version {version}, this reader knows {IDX_VERSION}")
     return IndexHeader(*fields)
 
 
@@ -209,11 +242,12 @@ def _map(path: Path, dtype: np.dtype, offset: int = 0) -> np.ndarray:
 
 @dataclass(frozen=True, eq=False)
 class Shard:
-    """One shard's arrays, memory-mapped: ``ids`` (flat), ``offsets`` and, packed, ``seg``."""
+    """One shard's arrays, memory-mapped: ``ids`` (flat), ``offsets``, packed ``seg``, masked ``mask``."""
 
     ids: np.ndarray
     offsets: np.ndarray
     seg: np.ndarray | None
+    mask: np.ndarray | None = None  # uint8 0/1 aligned with ids (outputs with loss masks)
 
 
 Opener = Callable[[Path], AbstractContextManager[IO[bytes]]]
@@ -232,8 +266,10 @@ def write_shard(
     dtype: np.dtype,
     seq_len: int = 0,
     opener: Opener = _create,
+    mask: np.ndarray | None = None,
 ) -> list[Path]:
-    """Write one shard's files, `base` plus each suffix; returns their paths (``.bin``, ``.idx``, packed ``.seg``).
+    """Write one shard's files, `base` plus each suffix; returns their paths (``.bin``, ``.idx``, packed ``.seg``,
+    with `mask` ``.mask``: one 0/1 an id).
 
     Ragged: `ids` are the documents end to end, `offsets` where each starts. Packed (`seg` given): `ids`
     are rows of `seq_len`, `offsets` index `seg`, each row's segment boundaries. `opener(path)` opens a
@@ -250,6 +286,8 @@ def write_shard(
         raise ValueError(
             f"packed shard: {ids.size} ids for {count} rows of {seq_len}, offsets end at {end} of {seg.size} boundaries"
         )
+    if mask is not None and (mask.shape != (ids.size,) or (mask.size and int(mask.max()) > 1)):
+        raise ValueError(f"mask: {mask.shape} values (0/1), the shard holds {ids.size} ids")
     layout = LAYOUT_RAGGED if seg is None else LAYOUT_PACKED
     header = IndexHeader(layout, dtype.itemsize, seq_len, count, ids.size)
     files = [base.with_suffix(BIN_SUFFIX), base.with_suffix(IDX_SUFFIX)]
@@ -260,8 +298,12 @@ def write_shard(
         file.write(np.ascontiguousarray(offsets, OFFSET_DTYPE).data)
     if seg is not None:
         files.append(base.with_suffix(SEG_SUFFIX))
-        with opener(files[2]) as file:
+        with opener(files[-1]) as file:
             file.write(np.ascontiguousarray(seg, SEG_DTYPE).data)
+    if mask is not None:
+        files.append(base.with_suffix(MASK_SUFFIX))
+        with opener(files[-1]) as file:
+            file.write(np.ascontiguousarray(mask, MASK_DTYPE).data)
     return files
 
 
@@ -292,6 +334,8 @@ def write_dataset(
     shard_documents: int | None = None,
     shard_tokens: int | None = None,
     dtype: np.dtype | None = None,
+    loss_mask: npt.ArrayLike | None = None,
+    loss_mask_source: Mapping[str, Any] | None = None,
 ) -> TokenDataset:
     """Write documents tokenized elsewhere as a complete output in `path` (new or empty); ``TokenDataset(path)``.
 
@@ -302,6 +346,8 @@ def write_dataset(
     ids after a shard's last full row (the pre-tokenizer carries them into the next shard instead). `model`
     is ``metadata.json``'s (name, sha256, vocab_size, bos_id, eos_id, pad_id); `dtype` defaults to
     ``id_dtype(vocab_size)``. metadata.json has the pre-tokenizer's keys; ``options`` says how shards were cut.
+    `loss_mask` (one 0/1 an id, aligned with `ids`) makes a version 2 output with ``.mask`` files;
+    `loss_mask_source` is what its metadata.json's ``loss_mask`` says of it (default ``{"input": "external"}``).
     """
     path = Path(path)
     ids = np.asarray(ids)
@@ -316,6 +362,12 @@ def write_dataset(
         raise ValueError("shard_documents, shard_tokens and seq_len must be at least 1")
     if seq_len is not None and strategy not in ("concat", "best_fit"):
         raise ValueError(f"strategy must be 'concat' or 'best_fit', got {strategy!r}")
+    mask = None
+    if loss_mask is not None:
+        mask = np.asarray(loss_mask)
+        if mask.shape != ids.shape or (mask.size and (int(mask.min()) < 0 or int(mask.max()) > 1)):
+            raise ValueError(f"loss_mask must hold one 0/1 per id ({ids.size}), got shape {mask.shape}")
+        mask = mask.astype(MASK_DTYPE)
     dtype = id_dtype(int(model["vocab_size"])) if dtype is None else np.dtype(dtype)
     pad_id = next((int(i) for i in (model.get("pad_id"), model.get("eos_id")) if i is not None and i >= 0), 0)
     path.mkdir(parents=True, exist_ok=True)
@@ -327,21 +379,25 @@ def write_dataset(
         name = shard_name(len(shards))
         start = int(offsets[first])
         chunk, chunk_offsets = ids[start : offsets[last]], offsets[first : last + 1] - start
+        chunk_mask = None if mask is None else mask[start : offsets[last]]
         if seq_len is None:
-            write_shard(path / name, chunk, chunk_offsets, dtype=dtype)
+            write_shard(path / name, chunk, chunk_offsets, dtype=dtype, mask=chunk_mask)
             shards.append({"name": name, "tokens": int(chunk.size), "documents": last - first})
             continue
         if strategy == "concat":
-            rows = pack_concat(chunk, chunk_offsets, seq_len)
+            rows = pack_concat(chunk, chunk_offsets, seq_len, loss_mask=chunk_mask)
         else:
-            rows = pack_best_fit(chunk, chunk_offsets, seq_len, pad_id=pad_id)
+            rows = pack_best_fit(chunk, chunk_offsets, seq_len, pad_id=pad_id, loss_mask=chunk_mask)
         flat = rows.input_ids.reshape(-1)
-        write_shard(path / name, flat, rows.cu_seqlens_offsets, rows.cu_seqlens, dtype=dtype, seq_len=seq_len)
+        row_mask = None if chunk_mask is None else (rows.labels.reshape(-1) != IGNORE_INDEX).astype(MASK_DTYPE)
+        write_shard(
+            path / name, flat, rows.cu_seqlens_offsets, rows.cu_seqlens, dtype=dtype, seq_len=seq_len, mask=row_mask
+        )
         record = {"documents": last - first, "rows": rows.num_rows, "padding": rows.stats.padding_tokens}
         shards.append({"name": name, "tokens": int(flat.size), **record})
     meta: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": format_version(mask is not None),
         "complete": True,
         "layout": "ragged" if seq_len is None else "packed",
         "dtype": dtype.str,
@@ -362,12 +418,15 @@ def write_dataset(
     }
     if seq_len is not None:
         meta["rows"] = sum(shard["rows"] for shard in shards)
+    if mask is not None:
+        meta["loss_mask"] = dict(loss_mask_source or {"input": "external"})
     (path / METADATA_FILE).write_text(json.dumps(meta), encoding="utf-8")
     return TokenDataset(path)
 
 
-def read_shard(base: Path, dtype: np.dtype, expected: IndexHeader) -> Shard:
-    """Memory-map one shard's files, ``base`` plus each suffix; ValueError unless they are what `expected` says."""
+def read_shard(base: Path, dtype: np.dtype, expected: IndexHeader, masked: bool = False) -> Shard:
+    """Memory-map one shard's files, ``base`` plus each suffix (`masked`: its ``.mask`` too); ValueError unless
+    they are what `expected` says."""
     idx_path = base.with_suffix(IDX_SUFFIX)
     with idx_path.open("rb") as file:
         header = read_index_header(file.read(IDX_HEADER.size), str(idx_path))
@@ -388,7 +447,15 @@ def read_shard(base: Path, dtype: np.dtype, expected: IndexHeader) -> Shard:
             raise ValueError(f"{base.with_suffix(SEG_SUFFIX)}: {seg.size} entries, the index says {offsets[-1]}")
     elif int(offsets[-1]) != num_ids:
         raise ValueError(f"{idx_path}: offsets end at {offsets[-1]}, the shard holds {num_ids} ids")
-    return Shard(ids=ids, offsets=offsets, seg=seg)
+    mask = None
+    if masked:
+        mask_path = base.with_suffix(MASK_SUFFIX)
+        if not mask_path.exists():
+            raise ValueError(f"{mask_path}: missing; metadata.json says the shards carry loss masks")
+        mask = _map(mask_path, MASK_DTYPE)
+        if mask.size != num_ids:
+            raise ValueError(f"{mask_path}: {mask.size} mask values, the shard holds {num_ids} ids")
+    return Shard(ids=ids, offsets=offsets, seg=seg, mask=mask)
 
 
 def check_shard(shard: Shard, vocab_size: int, seq_len: int, base: Path) -> None:
@@ -418,6 +485,9 @@ def check_shard(shard: Shard, vocab_size: int, seq_len: int, base: Path) -> None
         if top >= vocab_size:
             at = int(np.argmax(shard.ids >= vocab_size))
             raise ValueError(f"{data}: id {top} at position {at} is not below the vocabulary size {vocab_size}")
+    if shard.mask is not None and shard.mask.size and int(shard.mask.max()) > 1:
+        at = int(np.argmax(shard.mask > 1))
+        raise ValueError(f"{base.with_suffix(MASK_SUFFIX)}: value {int(shard.mask[at])} at position {at} is not 0 or 1")
     seg = shard.seg
     if seg is None or not seg.size:
         return
@@ -442,8 +512,9 @@ class PackedRow:
     cu_seqlens: np.ndarray
 
 
-def row_tensors(input_ids: np.ndarray, cu_seqlens: np.ndarray) -> PackedRow:
-    """Labels and position ids of one packed row, rebuilt from its segment boundaries."""
+def row_tensors(input_ids: np.ndarray, cu_seqlens: np.ndarray, mask: np.ndarray | None = None) -> PackedRow:
+    """Labels and position ids of one packed row, rebuilt from its segment boundaries (labels -100 on padding
+    and, with a loss `mask`, wherever it is 0)."""
     seq_len = input_ids.shape[0]
     bounds = cu_seqlens.astype(np.int64)
     used = int(bounds[-1])
@@ -452,6 +523,8 @@ def row_tensors(input_ids: np.ndarray, cu_seqlens: np.ndarray) -> PackedRow:
     positions[:used] = np.arange(used) - np.repeat(starts, np.diff(bounds))
     labels = input_ids.astype(np.int32)
     labels[used:] = IGNORE_INDEX
+    if mask is not None:
+        labels[mask == 0] = IGNORE_INDEX
     return PackedRow(input_ids=input_ids, labels=labels, position_ids=positions, cu_seqlens=cu_seqlens)
 
 
@@ -474,6 +547,7 @@ class TokenDataset:
         self.strategy: str | None = meta["strategy"]
         self.model: dict[str, Any] = meta["model"]
         self.vocab_size: int = int(self.model["vocab_size"])
+        self.masked: bool = is_masked(meta)  # shards carry loss masks (.mask): conversations, prompt-completion
         shards = meta["shards"]
         self._names = [shard["name"] for shard in shards]
         counts = [int(shard["rows"] if self.layout == "packed" else shard["documents"]) for shard in shards]
@@ -571,7 +645,7 @@ class TokenDataset:
         count = int(self._count_starts[index + 1] - self._count_starts[index])
         num_ids = int(self._id_starts[index + 1] - self._id_starts[index])
         expected = IndexHeader(LAYOUTS[self.layout], self.dtype.itemsize, self.seq_len or 0, count, num_ids)
-        return read_shard(self.path / self._names[index], self.dtype, expected)
+        return read_shard(self.path / self._names[index], self.dtype, expected, self.masked)
 
     def _locate(self, index: int) -> tuple[int, int]:
         """(shard, position in shard) of document or row `index`; negative counts from the end."""
@@ -593,6 +667,19 @@ class TokenDataset:
             return shard.ids[local * self._row_len : (local + 1) * self._row_len]
         return shard.ids[shard.offsets[local] : shard.offsets[local + 1]]
 
+    def loss_mask(self, index: int) -> np.ndarray | None:
+        """The loss mask of document `index` (ragged) or row `index` (packed): uint8, one 0/1 an id of ``ds[index]``
+        (1 where the loss is taken: the assistant's output; packed, 0 on padding); None for an output without
+        masks (texts), where every id is trained."""
+        if not self.masked:
+            return None
+        shard_index, local = self._locate(index)
+        shard = self.shard(shard_index)
+        assert shard.mask is not None
+        if self.layout == "packed":
+            return shard.mask[local * self._row_len : (local + 1) * self._row_len]
+        return shard.mask[shard.offsets[local] : shard.offsets[local + 1]]
+
     def document(self, index: int) -> np.ndarray:
         if self.layout != "ragged":
             raise ValueError("packed output keeps rows, not documents; use row(i)")
@@ -606,7 +693,8 @@ class TokenDataset:
         shard = self.shard(shard_index)
         seg = shard.seg if shard.seg is not None else np.zeros(0, SEG_DTYPE)  # packed shards always have one
         input_ids = shard.ids[local * self._row_len : (local + 1) * self._row_len]
-        return row_tensors(input_ids, seg[shard.offsets[local] : shard.offsets[local + 1]])
+        mask = None if shard.mask is None else shard.mask[local * self._row_len : (local + 1) * self._row_len]
+        return row_tensors(input_ids, seg[shard.offsets[local] : shard.offsets[local + 1]], mask)
 
     def sequences(self, seq_len: int) -> Sequences:
         """Fixed-length training sequences: the ids of every document end to end, cut every `seq_len`.
@@ -622,6 +710,13 @@ class TokenDataset:
 
     def ids_range(self, start: int, stop: int) -> np.ndarray:
         """Ids `start` to `stop` of all shards end to end: a view within one shard, a copy across shards."""
+        return self._range(start, stop, "ids")
+
+    def mask_range(self, start: int, stop: int) -> np.ndarray | None:
+        """The loss mask of ids `start` to `stop` (see `ids_range`); None for an output without masks."""
+        return self._range(start, stop, "mask") if self.masked else None
+
+    def _range(self, start: int, stop: int, what: str) -> np.ndarray:
         if not 0 <= start <= stop <= self.num_tokens:
             raise IndexError(f"ids [{start}, {stop}) out of range for {self.num_tokens} ids")
         pieces = []
@@ -629,12 +724,12 @@ class TokenDataset:
         while start < stop:
             base, end = int(self._id_starts[shard]), min(stop, int(self._id_starts[shard + 1]))
             if end > start:
-                pieces.append(self.shard(shard).ids[start - base : end - base])
+                pieces.append(getattr(self.shard(shard), what)[start - base : end - base])
                 start = end
             shard += 1
         if len(pieces) == 1:
             return pieces[0]
-        return np.concatenate(pieces) if pieces else np.zeros(0, self.dtype)
+        return np.concatenate(pieces) if pieces else np.zeros(0, self.dtype if what == "ids" else MASK_DTYPE)
 
     def torch(self, seq_len: int | None = None) -> torch.utils.data.Dataset[Any]:
         """A torch map-style Dataset of int64 tensors (imports torch now); see TorchTokenDataset."""
@@ -668,7 +763,8 @@ def _torch_dataset_class() -> type:
 
     class TorchTokenDataset(Dataset):  # type: ignore[type-arg]
         """Items as int64 tensors: packed rows as {"input_ids", "labels", "position_ids"}; ragged output
-        with `seq_len` as {"input_ids", "labels"} sequences; ragged without it, one document's ids."""
+        with `seq_len` as {"input_ids", "labels"} sequences; ragged without it, one document's ids. Labels are
+        -100 where a masked output's loss mask is 0."""
 
         def __init__(self, dataset: TokenDataset, seq_len: int | None = None) -> None:
             self.dataset = dataset
@@ -689,8 +785,14 @@ def _torch_dataset_class() -> type:
                     "position_ids": torch.from_numpy(row.position_ids.astype(np.int64)),
                 }
             if self._sequences is not None:
-                ids = torch.from_numpy(self._sequences[index].astype(np.int64))
-                return {"input_ids": ids, "labels": ids.clone()}
+                ids = self._sequences[index].astype(np.int64)
+                labels = ids.copy()
+                count = len(self._sequences)
+                place = (index % count) * self.seq_len if count else 0
+                mask = self.dataset.mask_range(place, place + self.seq_len) if count else None
+                if mask is not None:
+                    labels[mask == 0] = IGNORE_INDEX
+                return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels)}
             return torch.from_numpy(self.dataset[index].astype(np.int64))
 
     TorchTokenDataset.__module__ = __name__

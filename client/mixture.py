@@ -27,7 +27,9 @@
   Its fields are those of ``/v1/pack`` concat rows (:func:`cut_rows`): ``labels`` equal to the ids,
   ``position_ids`` restarting at each document start and each row start, ``cu_seqlens`` those starts plus
   ``seq_len``. A packed dataset (whose ``seq_len`` must be the mixture's): its rows in a seeded permutation
-  per epoch, with their stored ``cu_seqlens`` (``labels`` -100 on padding). A source never runs out.
+  per epoch, with their stored ``cu_seqlens`` (``labels`` -100 on padding). A source with loss masks
+  (conversations, prompt-completion records: format version 2) has ``labels`` -100 wherever its mask is 0,
+  rows of other sources as without. A source never runs out.
 * Ranks. Global batch g is rows ``[g * G, (g + 1) * G)``, ``G = batch_size * world_size``; rank r reads
   its contiguous ``batch_size`` rows of it. The state is the global position (rows consumed) and what the
   stream is made of (each source's :func:`fingerprint` and :func:`content_digest`, so a dataset rewritten in
@@ -383,6 +385,8 @@ def fingerprint(dataset: TokenDataset) -> str:
             [shard["name"], shard.get("documents"), shard.get("tokens"), shard.get("rows")] for shard in meta["shards"]
         ],
     }
+    if meta.get("loss_mask"):  # only then: the fingerprints of datasets without masks stay what they were
+        what["loss_mask"] = meta["loss_mask"].get("input")
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -454,6 +458,7 @@ class _Source:
         self.fingerprint = fingerprint(dataset)
         self.contents = content_digest(dataset)
         self.packed = dataset.layout == "packed"
+        self.masked = dataset.masked  # loss masks (.mask): labels -100 where the mask is 0
         shards = dataset.metadata["shards"]
         counts = [int(shard["rows"] if self.packed else shard["documents"]) for shard in shards]
         sizes = [int(shard["rows"]) * seq_len if self.packed else int(shard["tokens"]) for shard in shards]
@@ -482,7 +487,7 @@ class _Source:
         num_ids = self._id_starts[index + 1] - self._id_starts[index]
         layout = LAYOUT_PACKED if self.packed else LAYOUT_RAGGED
         expected = IndexHeader(layout, self.dataset.dtype.itemsize, self.seq_len if self.packed else 0, count, num_ids)
-        shard = read_shard(self.dataset.path / self._names[index], self.dataset.dtype, expected)
+        shard = read_shard(self.dataset.path / self._names[index], self.dataset.dtype, expected, self.masked)
         self._maps[index] = shard
         if len(self._maps) > self._limit:
             self._maps.popitem(last=False)
@@ -544,9 +549,12 @@ class _Source:
 
     # rows
 
-    def ragged_ids(self, firsts: np.ndarray, counts: np.ndarray, out: np.ndarray) -> np.ndarray:
+    def ragged_ids(
+        self, firsts: np.ndarray, counts: np.ndarray, out: np.ndarray, mask_out: np.ndarray | None = None
+    ) -> np.ndarray:
         """Ids of the runs of rows ``firsts[i]`` to ``firsts[i] + counts[i]`` end to end into `out` (int32),
-        and the increasing positions in `out` where documents start (int64). Counts are positive."""
+        and the increasing positions in `out` where documents start (int64). Counts are positive. `mask_out`
+        (a masked source): their loss mask, likewise."""
         length = self.seq_len
         begin = firsts * length  # each run: ids [begin, end) of the endless stream
         end = (firsts + counts) * length
@@ -582,15 +590,19 @@ class _Source:
             takes.append(take)
             inside = (starts >= offset[piece]) & (take > 0)  # documents that start in the piece (not empty ones)
             document_starts.append((starts - offset[piece] + placed[a:b][piece])[inside])
+        all_froms = froms[0] if len(froms) == 1 else np.concatenate(froms)
+        all_takes = takes[0] if len(takes) == 1 else np.concatenate(takes)
+        self._gather(out, all_froms, all_takes)
+        if mask_out is not None:
+            self._gather(mask_out, all_froms, all_takes, "mask")
         if len(froms) == 1:
-            self._gather(out, froms[0], takes[0])
             found: np.ndarray = document_starts[0]
             return found
-        self._gather(out, np.concatenate(froms), np.concatenate(takes))
         return np.concatenate(document_starts)
 
-    def _gather(self, out: np.ndarray, froms: np.ndarray, takes: np.ndarray) -> None:
-        """Fill `out` with the pieces ``ids[froms[i] : froms[i] + takes[i]]`` of all ids, end to end."""
+    def _gather(self, out: np.ndarray, froms: np.ndarray, takes: np.ndarray, field: str = "ids") -> None:
+        """Fill `out` with the pieces ``ids[froms[i] : froms[i] + takes[i]]`` of all ids, end to end (`field`
+        "mask": of the loss mask)."""
         keep = takes > 0  # empty documents (one may start where the last shard ends: no shard holds it)
         if not keep.all():
             froms, takes = froms[keep], takes[keep]
@@ -598,16 +610,16 @@ class _Source:
         shards = np.searchsorted(id_starts, froms, "right") - 1  # a document never spans two shards
         local = froms - id_starts[shards]
         if shards[0] == shards[-1] and (shards == shards[0]).all():  # one shard: most batches of most datasets
-            _copy(out, self.shard(int(shards[0])).ids, local, takes)
+            _copy(out, getattr(self.shard(int(shards[0])), field), local, takes)
             return
         if takes.size * _PIECE_IDS <= out.size:  # long pieces: a slice each
-            self._slices(out, shards, local, takes)
+            self._slices(out, shards, local, takes, field)
             return
         order = np.argsort(shards, kind="stable")
         grouped = shards[order]
         cuts = [0, *(np.flatnonzero(grouped[1:] != grouped[:-1]) + 1).tolist(), order.size]
         if (len(cuts) - 1) * _PIECES_A_SHARD > order.size:  # most pieces from shards of their own: a slice each
-            self._slices(out, shards, local, takes)
+            self._slices(out, shards, local, takes, field)
             return
         # short pieces from a few shards: each shard's pieces end to end into `staged`, then one gather in order
         # (numpy gathers faster than it scatters)
@@ -618,7 +630,7 @@ class _Source:
             begin = int(ends[low]) - int(sizes[low])
             _copy(
                 staged[begin : int(ends[high - 1])],
-                self.shard(int(grouped[low])).ids,
+                getattr(self.shard(int(grouped[low])), field),
                 local[order[low:high]],
                 sizes[low:high],
             )
@@ -626,15 +638,18 @@ class _Source:
         placed[order] = ends - sizes  # where each piece lies in `staged`
         np.take(staged, _runs(placed, takes), out=out)
 
-    def _slices(self, out: np.ndarray, shards: np.ndarray, froms: np.ndarray, takes: np.ndarray) -> None:
+    def _slices(
+        self, out: np.ndarray, shards: np.ndarray, froms: np.ndarray, takes: np.ndarray, field: str = "ids"
+    ) -> None:
         """Fill `out` with the pieces ``shard(shards[i]).ids[froms[i] : froms[i] + takes[i]]`` end to end."""
         targets = np.cumsum(takes) - takes
         pieces = zip(shards.tolist(), froms.tolist(), targets.tolist(), takes.tolist(), strict=True)
         for shard, source, target, take in pieces:
-            out[target : target + take] = self.shard(shard).ids[source : source + take]
+            out[target : target + take] = getattr(self.shard(shard), field)[source : source + take]
 
-    def packed_rows(self, numbers: np.ndarray, out: np.ndarray) -> list[np.ndarray]:
-        """Rows `numbers` of the stream: their ids into `out` ([len(numbers), seq_len] int32), their cu_seqlens."""
+    def packed_rows(self, numbers: np.ndarray, out: np.ndarray, mask_out: np.ndarray | None = None) -> list[np.ndarray]:
+        """Rows `numbers` of the stream: their ids into `out` ([len(numbers), seq_len] int32), their cu_seqlens
+        (and, `mask_out`, their loss masks)."""
         length = self.seq_len
         cu_seqlens = []
         for i, number in enumerate(numbers.tolist()):  # a row is long: a slice each
@@ -645,6 +660,8 @@ class _Source:
             shard = self.shard(shard_index)
             assert shard.seg is not None
             out[i] = shard.ids[local * length : (local + 1) * length]
+            if mask_out is not None and shard.mask is not None:
+                mask_out[i] = shard.mask[local * length : (local + 1) * length]
             cu_seqlens.append(shard.seg[shard.offsets[local] : shard.offsets[local + 1]])
         return cu_seqlens
 
@@ -662,7 +679,7 @@ class MixtureBatch:
     """
 
     input_ids: Any  # [rows, seq_len] int32
-    labels: Any  # [rows, seq_len] int32, -100 where no loss is taken (padding of packed best_fit rows)
+    labels: Any  # [rows, seq_len] int32, -100 where no loss is taken (padding of packed best_fit rows; where a loss mask is 0)
     position_ids: Any  # [rows, seq_len] int32, restarting at each segment
     cu_seqlens: list[Any]  # per row: [0, end of segment 1, ..., end of last segment] int32
     sources: Any  # [rows] int32
@@ -833,18 +850,25 @@ class Mixture:
                     mine = np.flatnonzero(sources == source)
                     groups.append((source, local[mine], mine))
         ids = np.empty((count, length), np.int32)
+        # sources with loss masks: each id's mask (1 for the ids of sources without one), labels -100 where 0
+        masks = np.ones((count, length), np.uint8) if any(self._sources[s].masked for s, _, _ in groups) else None
         used: np.ndarray | None = None
         inside = []  # flat positions in the batch where segments start inside a row (not at its start)
         for source, rows, where in groups:
             reader = self._sources[source]
             together = where is None or where[-1] - where[0] + 1 == where.size
+            out_mask = None
             if together:
                 low = 0 if where is None else int(where[0])
                 out = ids[low : low + rows.size]
+                if reader.masked and masks is not None:
+                    out_mask = masks[low : low + rows.size]
             else:
                 out = np.empty((rows.size, length), np.int32)
+                if reader.masked:
+                    out_mask = np.empty((rows.size, length), np.uint8)
             if reader.packed:
-                bounds = reader.packed_rows(rows, out)
+                bounds = reader.packed_rows(rows, out, out_mask)
                 if used is None:
                     used = np.full(count, length, np.int64)
                 used[slice(None) if where is None else where] = [int(b[-1]) for b in bounds]
@@ -853,13 +877,17 @@ class Mixture:
                 breaks = np.flatnonzero(rows[1:] != rows[:-1] + 1) + 1  # runs of consecutive rows of the source
                 firsts = np.concatenate([[0], breaks])
                 counts = np.diff(np.concatenate([firsts, [rows.size]]))
-                starts = reader.ragged_ids(rows[firsts], counts, out.reshape(-1))
+                starts = reader.ragged_ids(
+                    rows[firsts], counts, out.reshape(-1), None if out_mask is None else out_mask.reshape(-1)
+                )
                 starts = starts[starts % length != 0]
             if where is not None:
                 if together:
                     starts += int(where[0]) * length
                 else:
                     ids[where] = out
+                    if out_mask is not None and masks is not None:
+                        masks[where] = out_mask
                     row = starts // length
                     starts += (where[row] - row) * length
             inside.append(starts)
@@ -867,6 +895,8 @@ class Mixture:
         if any(starts.size for starts in inside):
             flat_starts.sort()
         fields = row_fields(ids, flat_starts, used)
+        if masks is not None:
+            fields.labels[masks == 0] = IGNORE_INDEX
         return MixtureBatch(fields.input_ids, fields.labels, fields.position_ids, fields.cu_seqlens, sources)
 
     def state_dict(self, rows: int = 0, global_batch_size: int = 1) -> dict[str, Any]:

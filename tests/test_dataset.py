@@ -207,8 +207,8 @@ def test_bad_files_raise_value_error(ragged_dir: Path, tmp_path: Path) -> None:
 
     meta_path = corrupt(ragged_dir, tmp_path / "meta") / "metadata.json"
     meta = json.loads(meta_path.read_text())
-    meta_path.write_text(json.dumps({**meta, "version": 2}))
-    with pytest.raises(ValueError, match="version 2"):
+    meta_path.write_text(json.dumps({**meta, "version": 3}))  # 1 (no masks) and 2 (loss masks) are read
+    with pytest.raises(ValueError, match="version 3"):
         TokenDataset(meta_path.parent)
     meta_path.write_text(json.dumps({**meta, "complete": False}))
     with pytest.raises(ValueError, match="incomplete"):

@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import orjson
 
 from tokenizer_service.core import channel, libraries, memory, protocol
@@ -56,6 +57,8 @@ INTERNAL_ERROR = orjson.dumps({"type": "internal_error", "message": "internal se
 Buffer = bytes | bytearray | memoryview
 
 _libraries: dict[str, Library] = {}
+_files: dict[str, Any] = {}  # each model's ModelFiles (its chat template, its special tokens)
+_dialogues: dict[tuple[str, str], Any] = {}  # (model, kind) -> its ChatTemplate or Records, built once a process
 
 
 # -- starting: signals, the parent's life, the models ----------------------------------------------------
@@ -104,6 +107,7 @@ def load_models(models: Sequence[ModelInfo]) -> None:
         encoder = libraries.FAST if info.encoder == libraries.FASTOKENS else libraries.REFERENCE
         # trusted: the announcing process passed the whole gate on these files (sha256 checked above)
         _libraries[info.name] = libraries.load(files, encoder, trusted=True)
+        _files[info.name] = files
 
 
 def ping() -> int:
@@ -129,6 +133,51 @@ def encode_chunk(model: str, texts: list[str], options: EncodeOptions) -> Tokeni
                 f"(shadow verification): {report.mismatch}"
             )
     return TokenizedBatch(ids, ragged_offsets(lengths), model, None)
+
+
+def _dialogue_encoder(model: str, kind: str) -> Any:
+    """The model's ChatTemplate (conversations) or Records (prompt-completion), compiled once a process."""
+    from tokenizer_service.core import chat
+
+    found = _dialogues.get((model, kind))
+    if found is None:
+        files, library = _files[model], _libraries[model]
+        special = chat.special_tokens(files, library)
+        if kind == "conversations":
+            if files.template is None:
+                raise ValueError(f"model {model!r} has no chat template: pass --chat-template FILE")
+            found = chat.ChatTemplate(model, files.template, library, special)
+        else:
+            found = chat.Records(library, special.get("eos"))
+        _dialogues[(model, kind)] = found
+    return found
+
+
+def encode_dialogue_chunk(
+    model: str, kind: str, items: list[Any], options: Any
+) -> tuple[TokenizedBatch, list[tuple[int, str]]]:
+    """Conversations (`kind` "conversations") or prompt-completion records ("records") as the service's /v1/tokenize
+    answers them: a TokenizedBatch with its loss_mask, and the items refused ((index in `items`, the service's
+    message)), which are left out of the batch (the pre-tokenizer's bad records)."""
+    from tokenizer_client.batches import TokenizedBatch
+    from tokenizer_service.core.errors import InvalidField, PayloadTooLarge
+
+    encoder = _dialogue_encoder(model, kind)
+    rejected: list[tuple[int, str]] = []
+    try:
+        ids, lengths, mask = encoder.encode(items, options)
+    except (InvalidField, PayloadTooLarge):  # one item or more: each alone, to leave out only those
+        parts = []
+        for index, item in enumerate(items):
+            try:
+                parts.append(encoder.encode([item], options))
+            except (InvalidField, PayloadTooLarge) as exc:
+                rejected.append((index, exc.message))
+        ids = np.concatenate([part[0] for part in parts]) if parts else np.zeros(0, np.int32)
+        lengths = np.concatenate([part[1] for part in parts]) if parts else np.zeros(0, np.int64)
+        mask = np.concatenate([part[2] for part in parts]) if parts else np.zeros(0, np.uint8)
+    batch = TokenizedBatch(ids.astype(np.int32, copy=False), ragged_offsets(lengths), model, None, loss_mask=mask)
+    return batch, rejected
 
 
 _shadows: dict[str, Shadow] = {}
@@ -192,6 +241,11 @@ def serve(connection: socket.socket, startup: Startup, progress: Any) -> None:
                 continue
             if kind == channel.FALLBACK:  # another worker's shadow check found fastokens wrong on this model
                 libraries_of_models[protocol.read_fallback(payload)].fall_back()
+                continue
+            if kind == channel.PROMOTE:  # the background gate passed this model: fastokens encodes it now
+                position = protocol.read_fallback(payload)
+                if libraries_of_models[position].promote():
+                    shadow.watch(startup.models[position].name, libraries_of_models[position])
                 continue
             try:
                 reply, parts = handler.handle(kind, payload, _sharer(connection, number))

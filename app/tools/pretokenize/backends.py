@@ -2,6 +2,9 @@
 
 Both take a stream of texts and yield TokenizedBatch (the client's ragged type) in order, with a
 bounded number in flight, so reading the next texts and writing shards overlap with tokenizing.
+Conversations and prompt-completion records (`tokenize_dialogue_locally`, `tokenize_dialogue_via_service`)
+come back with their loss mask, and with the items the chat template (or TRL's rule) refused, left out of the
+batch: (index in the chunk, the service's message), which the run reports as bad records.
 """
 
 from __future__ import annotations
@@ -12,13 +15,18 @@ import sys
 import threading
 from collections import deque
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
-from typing import TypeVar
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import numpy as np
 
 from tokenizer_service.core import process
 from tokenizer_service.core.models import SENTENCEPIECE, ModelInfo
 from tokenizer_service.core.requests import EncodeOptions
 from tokenizer_client import TokenizedBatch, TokenizerClient
+from tokenizer_client._requests import TokenizeOptions
+from tokenizer_client.errors import TokenizerServiceError
+from tokenizer_client.wire import ragged_offsets
 
 Result = TypeVar("Result")
 
@@ -127,3 +135,86 @@ def tokenize_via_service(
                     f"but this output is tokenized with {sha256[:12]}…"
                 )
             yield batch
+
+
+Rejected = list[tuple[int, str]]  # items of a chunk refused: (index in the chunk, why)
+DIALOGUE_CHUNK = 128  # conversations a local worker renders at a time
+
+
+def item_chunks(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    chunk: list[Any] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) >= size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def tokenize_dialogue_locally(
+    pool: ProcessPoolExecutor, model: str, kind: str, items: Iterable[Any], options: Any, *, depth: int
+) -> Iterator[tuple[TokenizedBatch, Rejected]]:
+    """Conversations or records (`kind`: "conversations" | "records") on the pool, with their loss masks."""
+    submitted = (
+        pool.submit(process.encode_dialogue_chunk, model, kind, chunk, options)
+        for chunk in item_chunks(items, DIALOGUE_CHUNK)
+    )
+    return in_order(submitted, depth)
+
+
+def _dialogue_request(
+    client: TokenizerClient, items: list[Any], tokenize: TokenizeOptions, model: str, sha256: str
+) -> tuple[TokenizedBatch, Rejected]:
+    """One request's items through /v1/tokenize; an item the service refuses (422 naming its index) is left out
+    and the rest sent again."""
+    rejected: Rejected = []
+    keep = list(range(len(items)))
+    while True:
+        try:
+            batch = client._run(client._tokenize([items[i] for i in keep], tokenize, "binary"))
+        except TokenizerServiceError as exc:
+            if exc.status != 422 or exc.index is None or not 0 <= exc.index < len(keep):
+                raise
+            rejected.append((keep.pop(exc.index), exc.message))
+            if keep:
+                continue
+            empty = np.zeros(0, np.int32)
+            return TokenizedBatch(empty, ragged_offsets(np.zeros(0, np.int64)), model, sha256, None, None, empty.astype(np.uint8)), sorted(rejected)
+        answered = batch.model_sha256
+        if answered is not None and answered != sha256:
+            raise ServedModelChanged(
+                f"the service answered with model {model!r} sha256 {answered[:12]}…, "
+                f"but this output is tokenized with {sha256[:12]}…"
+            )
+        if batch.loss_mask is None:
+            raise ServedModelChanged(f"the service answered model {model!r}'s {tokenize.inputs} without a loss mask")
+        return batch, sorted(rejected)
+
+
+def tokenize_dialogue_via_service(
+    client: TokenizerClient,
+    kind: str,
+    items: Iterable[Any],
+    *,
+    model: str,
+    sha256: str,
+    parse_special_tokens: bool,
+    train_on: str,
+    batch_size: int,
+    depth: int,
+) -> Iterator[tuple[TokenizedBatch, Rejected]]:
+    """Conversations or records through the service, `batch_size` a request, `depth` requests in flight (the
+    client's retries and failover over its URLs); every answer's model sha256 checked."""
+    tokenize = TokenizeOptions(
+        model,
+        parse_special_tokens=parse_special_tokens,
+        inputs=kind,  # type: ignore[arg-type]
+        train_on=train_on if kind == "conversations" else "assistant",  # type: ignore[arg-type]
+    )
+    with ThreadPoolExecutor(max_workers=depth, thread_name_prefix="pretokenize") as threads:
+        submitted = (
+            threads.submit(_dialogue_request, client, chunk, tokenize, model, sha256)
+            for chunk in item_chunks(items, batch_size)
+        )
+        yield from in_order(submitted, depth)

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -22,7 +23,18 @@ from tokenizer_service.settings import usable_cpus
 from tokenizer_service.tools.pretokenize.backends import ServedModelChanged
 from tokenizer_service.tools.pretokenize.ranks import RankError, rank_from_environment
 from tokenizer_service.tools.pretokenize.run import DEFAULT_SHARD_TOKENS, Options, Progress, Summary, run
-from tokenizer_service.tools.pretokenize.sources import KINDS, BadRecordError, InputError, InputRefused, peek
+from tokenizer_service.tools.pretokenize.sources import (
+    CONVERSATIONS,
+    DEFAULT_FIELDS,
+    KINDS,
+    PROMPT_COMPLETION,
+    TEXT,
+    BadRecordError,
+    InputError,
+    InputRefused,
+    peek,
+)
+from tokenizer_service.tools.pretokenize.sources import record_reason as chat_reason
 from tokenizer_service.tools.pretokenize.store import OutputError
 from tokenizer_client.errors import TokenizerError
 
@@ -30,7 +42,11 @@ EPILOG = """\
 Inputs: .jsonl or .json (one JSON object a line; the text in --text-field), .txt (one document per
 block of lines between blank lines), each optionally compressed (.gz, or .zst with the corpora extra),
 .parquet (the text in column --text-field; corpora extra: pip install 'tokenizer-service[corpora]'),
-or a directory (every such file below it, sorted by path). Output: NNNNN.bin/.idx shards and
+or a directory (every such file below it, sorted by path). --conversations: each record holds a conversation
+(OpenAI messages in --text-field, default messages; ShareGPT's conversations of from/value read too), rendered
+with the model's chat template (--chat-template FILE overrides it); --prompt-completion: prompt and completion
+strings, as TRL's SFT trainer tokenizes them; both store a loss mask beside the ids (NNNNN.mask).
+Output: NNNNN.bin/.idx shards and
 metadata.json (see the tokenizer_client.dataset module for the format; read it with tokenizer_client.dataset.TokenDataset).
 Run the same command again after an interruption to resume; a finished output is left as it is.
 """
@@ -60,7 +76,34 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--url", action="append", dest="urls", metavar="URL", help="a tokenizer-service (repeatable)")
     where.add_argument("--local", action="store_true", help="tokenize in-process on a pool of the server's workers")
     parser.add_argument(
-        "--text-field", default="text", help="JSON field or Parquet column holding the text (default: text)"
+        "--text-field",
+        help="JSON field or Parquet column holding the text (default: text), or with --conversations the messages "
+        "(default: messages, else ShareGPT's conversations)",
+    )
+    what = parser.add_mutually_exclusive_group()
+    what.add_argument(
+        "--conversations",
+        action="store_true",
+        help="records hold conversations (OpenAI messages, or ShareGPT from/value): the model's chat template "
+        "renders them, and a loss mask (the assistant's output) is stored beside the ids",
+    )
+    what.add_argument(
+        "--prompt-completion",
+        action="store_true",
+        help='records are {"prompt": ..., "completion": ...}: tokenized as TRL\'s SFT trainer does, the completion '
+        "(and the EOS appended to it) in the loss mask",
+    )
+    parser.add_argument(
+        "--chat-template",
+        type=Path,
+        metavar="FILE",
+        help="--conversations: render with this Jinja template instead of the model's own (with {% generation %} "
+        "marks, or a stock template TRL's catalogue knows)",
+    )
+    parser.add_argument(
+        "--train-on",
+        choices=["assistant", "last"],
+        help="--conversations: train on every assistant turn (default) or the last one only",
     )
     parser.add_argument("--seq-len", type=int, metavar="L", help="pack into rows of exactly L ids, as /v1/pack does")
     parser.add_argument("--strategy", choices=["concat", "best_fit"], help="packing with --seq-len (default: concat)")
@@ -246,10 +289,53 @@ def run_ranks_on_ray(options: Options, address: str, world_size: int, *, quiet: 
     return 0
 
 
-def peek_inputs(inputs: list[str], text_field: str) -> int:
+def render_first(document: Any, kind: str, args: argparse.Namespace) -> list[str]:
+    """--peek of conversations or records: the first one as the model renders it, and its trainable share
+    (with the model --model names, or the server's options' default, and --chat-template)."""
+    from tokenizer_service.core import chat, libraries
+    from tokenizer_service.core.errors import InvalidField, PayloadTooLarge
+    from tokenizer_service.core.models import find_model_files
+    from tokenizer_service.tools.pretokenize.run import resolve_local_model
+
+    try:
+        info = resolve_local_model(args.model, args.chat_template)
+        files = find_model_files(info.name, info.path, info.chat_template_path)
+        library = libraries.load(files, libraries.REFERENCE)
+        special = chat.special_tokens(files, library)
+        options = chat.ChatOptions(parse_special_tokens=args.parse_special_tokens, train_on=args.train_on or "assistant")
+        if kind == CONVERSATIONS:
+            if files.template is None:
+                return [f"  model {info.name!r} has no chat template: pass --chat-template FILE to see the rendering"]
+            template = chat.ChatTemplate(info.name, files.template, library, special)
+            rendered, _ = template.render(document, 0)
+            ids, _, mask = template.encode([document], options)
+            source = template.resolved.loss_mask
+        else:
+            ids, _, mask = chat.Records(library, special.get("eos")).encode([document], options)
+            rendered, source = document["prompt"] + document["completion"], "TRL's prompt-completion rule"
+    except (InvalidField, PayloadTooLarge) as exc:
+        return [f"  the first record is refused: {chat_reason(exc.message)}"]
+    except (ModelLoadError, OSError, ValueError) as exc:
+        return [f"  (not rendered: {exc}; pass --model and --chat-template to see it)"]
+    shown = rendered if len(rendered) <= PEEK_RENDERED else rendered[:PEEK_RENDERED] + "…"
+    trained = int(mask.sum())
+    return [
+        f"  rendered by model {info.name!r} (loss mask from {source}):",
+        *(f"    {line}" for line in shown.splitlines()),
+        f"  {len(ids):,} tokens, {trained:,} trained ({trained / max(1, len(ids)):.1%})",
+    ]
+
+
+PEEK_RENDERED = 1200
+
+
+def peek_inputs(inputs: list[str], text_field: str, kind: str = TEXT, args: argparse.Namespace | None = None) -> int:
     try:
         for path in inputs:
-            print("\n".join(peek(path, text_field)))
+            found: list[Any] = []
+            print("\n".join(peek(path, text_field, kind, found)))
+            if found and args is not None:
+                print("\n".join(render_first(found[0], kind, args)))
     except InputRefused as exc:
         print(f"tokenizer-pretokenize: {exc}", file=sys.stderr)
         return 2
@@ -262,8 +348,13 @@ def peek_inputs(inputs: list[str], text_field: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    kind = CONVERSATIONS if args.conversations else PROMPT_COMPLETION if args.prompt_completion else TEXT
+    if args.text_field is None:
+        args.text_field = DEFAULT_FIELDS[kind] or "text"
+    if kind != CONVERSATIONS and (args.chat_template is not None or args.train_on is not None):
+        parser.error("--chat-template and --train-on need --conversations")
     if args.peek:
-        return peek_inputs(args.inputs, args.text_field)
+        return peek_inputs(args.inputs, args.text_field, kind, args)
     if args.output is None:
         parser.error("the following arguments are required: --output/-o")
     if not args.urls and not args.local:
@@ -297,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
             parse_special_tokens=args.parse_special_tokens,
             rank=rank,
             world_size=world_size,
+            kind=kind,
+            chat_template=args.chat_template,
+            train_on=args.train_on or "assistant",
         )
     except ValueError as exc:
         parser.error(str(exc))

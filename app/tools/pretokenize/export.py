@@ -48,6 +48,12 @@ itself: the pre-tokenizer writes complete shards read-only so that editing an ex
 instead of changing the dataset. Every shard is checked first (``TokenDataset.check``: offsets, ids
 below the vocabulary, row boundaries); an export of a corrupt shard is refused before anything is written.
 
+Loss masks (outputs of conversations or prompt-completion records, format version 2) have no place in any of these
+formats: Megatron's ``.bin/.idx``, nanoGPT's and llm.c's files hold ids only, and litdata's ``TokensLoader`` reads a
+chunk as one array of ids (a second array per item would need litdata's per-item layout, which ``TokensLoader``
+cannot read). Such an output is refused in one line, before anything is read, unless ``--drop-mask`` (export the
+ids only, every token then trained on by these readers); train on the masks with ``TokenDataset``/``Mixture``.
+
 An export owns its output (``check_destination``, ``earlier_files``): it never writes at a path that is, or lies
 inside, the dataset it reads (paths resolved, symlinks followed); it removes the files of an earlier export of
 the same format at the same place before writing (megatron: ``OUT.bin/.idx``, ``OUT_val.bin/.idx`` and the
@@ -71,7 +77,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenizer_client.dataset import BIN_SUFFIX, SHARD_SUFFIXES, TokenDataset
+from tokenizer_client.dataset import BIN_SUFFIX, SHARD_SUFFIXES, TokenDataset, is_masked
 
 FORMATS = ("megatron", "litdata", "nanogpt", "llmc")
 
@@ -117,10 +123,17 @@ class Exported:
     val_files: list[Path] = field(default_factory=list)
 
 
-def check_exportable(metadata: dict[str, Any], to: str, val_documents: int = 0) -> None:
-    """Refuse (ExportError) an output a format cannot represent."""
+def check_exportable(metadata: dict[str, Any], to: str, val_documents: int = 0, drop_mask: bool = False) -> None:
+    """Refuse (ExportError) an output a format cannot represent (a masked one unless `drop_mask`)."""
     if not metadata.get("complete"):
         raise ExportError("the output is incomplete: finish it first (run the same tokenizer-pretokenize again)")
+    if is_masked(metadata) and not drop_mask:
+        where = "a chunk is one array of ids for TokensLoader" if to == "litdata" else "it stores ids only"
+        raise ExportError(
+            f"this output has loss masks ({metadata['loss_mask'].get('input')}) and {to} has no place for them "
+            f"({where}): pass --drop-mask to export the ids only (every token trained), or train from the shards "
+            "with TokenDataset or Mixture, which apply the masks"
+        )
     if metadata.get("layout") == "packed" and metadata.get("strategy") == "best_fit":
         raise ExportError(
             f"best_fit rows carry padding that {to} readers cannot mask: export a ragged or --strategy concat output"
@@ -551,6 +564,7 @@ def export(
     val_documents: int = 0,
     progress: Progress | None = None,
     stage: Stage | None = None,
+    drop_mask: bool = False,
 ) -> Exported:
     """Export `dataset` to format `to` at `output` (the first `val_documents` documents to `val_output`), replacing
     the files of an earlier export of that format there (`earlier_files`); refused (ExportError) before anything is
@@ -560,7 +574,7 @@ def export(
         raise ExportError(f"unknown format {to!r}; one of {', '.join(FORMATS)}")
     if shard_tokens < 1:
         raise ExportError(f"--shard-tokens must be at least 1, got {shard_tokens}")
-    check_exportable(dataset.metadata, to, val_documents)
+    check_exportable(dataset.metadata, to, val_documents, drop_mask)
     check_destination(dataset, to, output, val_documents)
     report = progress or (lambda count: None)
     announce = stage or (lambda what, total: None)

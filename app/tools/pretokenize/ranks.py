@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenizer_service.tools.pretokenize.store import identity
-from tokenizer_client.dataset import FORMAT_NAME, FORMAT_VERSION, METADATA_FILE, TokenDataset, check_metadata
+from tokenizer_client.dataset import FORMAT_NAME, METADATA_FILE, TokenDataset, check_metadata
 
 RANK_DIRECTORY = "rank-{:05d}"
 RANK_NAME = re.compile(r"rank-([0-9]{5})")
@@ -158,7 +158,7 @@ def merge(directory: Path) -> dict[str, Any]:
             raise RankError(f"cannot merge: {RANK_DIRECTORY.format(rank)} was made with other inputs, model or options")
     merged = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": first["version"],  # 2 with loss masks (the ranks agree: the options say so)
         "complete": True,
         "layout": first["layout"],
         "dtype": first["dtype"],
@@ -179,6 +179,8 @@ def merge(directory: Path) -> dict[str, Any]:
     }
     if first["layout"] == "packed":
         merged["rows"] = sum(meta["rows"] for meta in ordered)
+    if first.get("loss_mask") is not None:
+        merged["loss_mask"] = first["loss_mask"]
     if any("leftover" in meta for meta in ordered):
         merged["leftovers"] = [meta.get("leftover") for meta in ordered]
     for rank in range(world_size):  # every shard the merged metadata.json names opens as a TokenDataset opens it

@@ -1,11 +1,17 @@
-"""One pre-tokenization run: resolve the model, open or resume the output, stream documents into shards."""
+"""One pre-tokenization run: resolve the model, open or resume the output, stream documents into shards.
+
+Documents are texts, or (`Options.kind`) conversations rendered with the model's chat template (`--chat-template
+FILE` overrides it) or prompt-completion records, tokenized as the service's /v1/tokenize does them, each with its
+loss mask, into an output of format version 2 (``.mask`` beside each ``.bin``). A conversation the template
+refuses (its raise_exception, nothing to train on) is a bad record, named by file:line, like any other.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,21 +25,34 @@ from tokenizer_service.core.registry import inspect_model
 from tokenizer_service.core.requests import EncodeOptions
 from tokenizer_service.core.shadow import ShadowMismatch
 from tokenizer_service.settings import ConfigError, Settings, describe_error, usable_cpus
-from tokenizer_service.tools.pretokenize.backends import local_pool, tokenize_locally, tokenize_via_service
+from tokenizer_service.tools.pretokenize.backends import (
+    local_pool,
+    tokenize_dialogue_locally,
+    tokenize_dialogue_via_service,
+    tokenize_locally,
+    tokenize_via_service,
+)
 from tokenizer_service.tools.pretokenize.ranks import blocks, rank_directory
 from tokenizer_service.tools.pretokenize.shards import BestFitShards, ConcatShards, RaggedShards, ShardSink
 from tokenizer_service.tools.pretokenize.sources import (
+    CONVERSATIONS,
+    DEFAULT_FIELDS,
+    DOCUMENT_KINDS,
+    PROMPT_COMPLETION,
+    TEXT,
     BadRecordError,
+    InputRefused,
     DocumentReader,
     NoTextError,
     Position,
     Source,
     expand_inputs,
     holds_text,
+    record_reason,
 )
 from tokenizer_service.tools.pretokenize.store import OutputDir, OutputError, differences
-from tokenizer_client import TokenizerClient
-from tokenizer_client.dataset import FORMAT_NAME, FORMAT_VERSION, id_dtype
+from tokenizer_client import TokenizedBatch, TokenizerClient
+from tokenizer_client.dataset import FORMAT_NAME, format_version, id_dtype
 from tokenizer_client.urls import parse_urls
 
 DEFAULT_SHARD_TOKENS = 1 << 24
@@ -50,7 +69,7 @@ class Options:
     output: Path
     model: str | None = None
     urls: list[str] = field(default_factory=list)  # empty: tokenize in-process (--local)
-    text_field: str = "text"
+    text_field: str | None = None  # default: "text", or "messages" for conversations
     seq_len: int | None = None
     strategy: str = "concat"
     workers: int = field(default_factory=usable_cpus)
@@ -61,8 +80,30 @@ class Options:
     parse_special_tokens: bool = False
     rank: int | None = None  # with world_size: this run is rank `rank` of `world_size` (tokenizer_service.tools.pretokenize.ranks)
     world_size: int | None = None
+    kind: str = TEXT  # what a record holds: text, conversations (--conversations), prompt_completion
+    chat_template: Path | None = None  # --chat-template FILE: overrides the model's own template
+    train_on: str = "assistant"  # conversations: every assistant turn, or the last
+
+    @property
+    def dialogue(self) -> bool:
+        """Conversations or prompt-completion records: ids with loss masks."""
+        return self.kind != TEXT
 
     def __post_init__(self) -> None:
+        if self.kind not in DOCUMENT_KINDS:
+            raise ValueError(f"kind must be one of {', '.join(DOCUMENT_KINDS)}, got {self.kind!r}")
+        if self.text_field is None:
+            object.__setattr__(self, "text_field", DEFAULT_FIELDS[self.kind] or "text")
+        if self.train_on not in ("assistant", "last"):
+            raise ValueError(f"--train-on must be assistant or last, got {self.train_on!r}")
+        if self.kind != CONVERSATIONS and (self.chat_template is not None or self.train_on != "assistant"):
+            raise ValueError("--chat-template and --train-on need --conversations")
+        if self.dialogue and (self.add_bos or self.add_eos):
+            flag = "--conversations" if self.kind == CONVERSATIONS else "--prompt-completion"
+            raise ValueError(
+                f"--add-bos/--add-eos cannot be used with {flag}: the chat template (for records, TRL's rule) decides "
+                "the special tokens"
+            )
         if not self.inputs:
             raise ValueError("no input files")
         if self.seq_len is not None and self.seq_len < 2:
@@ -97,11 +138,13 @@ class Summary:
     already_complete: bool = False
 
 
-def resolve_local_model(name_or_path: str | None) -> ModelInfo:
-    """A model file's path, or a model name as the server's options (TOKENIZER_* / bundled) resolve it."""
+def resolve_local_model(name_or_path: str | None, chat_template: Path | None = None) -> ModelInfo:
+    """A model file's path, or a model name as the server's options (TOKENIZER_* / bundled) resolve it;
+    `chat_template` (--chat-template FILE) overrides its own template."""
     if name_or_path is not None and Path(name_or_path).expanduser().exists():
         path = Path(name_or_path).expanduser()
-        return inspect_model(path.name if path.is_dir() else path.stem, path)  # as --models-dir names them
+        name = path.name if path.is_dir() else path.stem  # as --models-dir names them
+        return inspect_model(name, path, chat_template=chat_template)
     try:
         settings = Settings()  # type: ignore[call-arg]  # every field has a default or comes from TOKENIZER_*
     except ValidationError as exc:
@@ -116,7 +159,9 @@ def resolve_local_model(name_or_path: str | None) -> ModelInfo:
         raise ModelLoadError(
             f"--model {name!r} is neither a model file nor a model the server's options know ({', '.join(paths)})"
         )
-    return inspect_model(name, paths[name])
+    if chat_template is None:
+        return inspect_model(name, paths[name])
+    return inspect_model(name, paths[name], chat_template=chat_template)
 
 
 def resolve_service_model(urls: list[str], name: str | None) -> ModelInfo:
@@ -137,11 +182,13 @@ def resolve_service_model(urls: list[str], name: str | None) -> ModelInfo:
     return infos[0]
 
 
-def new_metadata(model: ModelInfo, sources: list[Source], options: Options) -> dict[str, Any]:
+def new_metadata(
+    model: ModelInfo, sources: list[Source], options: Options, loss_mask: dict[str, Any] | None = None
+) -> dict[str, Any]:
     strategy = options.strategy if options.seq_len else None
     metadata: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": format_version(loss_mask is not None),
         "complete": False,
         "layout": "packed" if options.seq_len else "ragged",
         "dtype": id_dtype(model.vocab_size).str,
@@ -158,6 +205,8 @@ def new_metadata(model: ModelInfo, sources: list[Source], options: Options) -> d
             "shard_tokens": options.shard_tokens,
             # only when set: outputs from before the option resume with the same options
             **({"parse_special_tokens": True} if options.parse_special_tokens else {}),
+            **({"input": options.kind} if options.dialogue else {}),
+            **({"train_on": options.train_on} if options.kind == CONVERSATIONS else {}),
         },
         "documents": 0,
         "tokens": 0,
@@ -167,7 +216,52 @@ def new_metadata(model: ModelInfo, sources: list[Source], options: Options) -> d
     }
     if options.seq_len:
         metadata["rows"] = 0
+    if loss_mask is not None:
+        metadata["loss_mask"] = loss_mask
     return metadata
+
+
+def dialogue_model(options: Options, model: ModelInfo) -> dict[str, Any]:
+    """metadata.json's `loss_mask` for conversations or records (what `tokenizer-shards verify` needs to render
+    them again), refusing in one line a model that cannot make them: no chat template, one whose loss mask is
+    unknown, a --chat-template other than the service's, records without an EOS."""
+    described: dict[str, Any] = {"input": options.kind, "parse_special_tokens": options.parse_special_tokens}
+    if options.kind == PROMPT_COMPLETION:
+        if model.eos_id < 0:
+            raise ModelLoadError(f"model {model.name!r} has no EOS token: prompt-completion records end with it (TRL)")
+        return described
+    from tokenizer_service.core import chat
+    from tokenizer_service.core.models import find_model_files
+
+    announced = model.chat_template
+    if announced is None:
+        raise ModelLoadError(
+            f"model {model.name!r} has no chat template: pass --chat-template FILE (a Jinja template; with "
+            "{% generation %} marks unless it is a stock template TRL's catalogue knows)"
+        )
+    if announced["loss_mask"] is None:
+        raise ModelLoadError(
+            chat.no_mask_message(model.name).replace(f"--chat-template {model.name}=FILE", "--chat-template FILE")
+        )
+    text = None
+    if options.chat_template is not None:
+        try:
+            text = Path(options.chat_template).expanduser().read_bytes().decode("utf-8", "replace")
+        except OSError as exc:
+            raise ModelLoadError(f"cannot read the chat template {options.chat_template}: {exc.strerror}") from None
+        import hashlib
+
+        if options.urls and hashlib.sha256(text.encode("utf-8")).hexdigest() != announced["sha256"]:
+            raise ModelLoadError(
+                f"--chat-template {options.chat_template} is not the template the service renders model "
+                f"{model.name!r} with (sha256 {announced['sha256'][:12]}…): a service's template is set where it "
+                f"starts (--chat-template {model.name}=FILE); leave the flag out to use it"
+            )
+    elif not options.urls:
+        files = find_model_files(model.name, model.path, model.chat_template_path)
+        text = files.template.text if files.template is not None else None
+    described.update(train_on=options.train_on, chat_template={**announced, "text": text})
+    return described
 
 
 def resume_position(sources: list[Source]) -> Position | None:
@@ -214,6 +308,8 @@ def open_output(out: OutputDir, wanted: dict[str, Any]) -> tuple[dict[str, Any],
 
 def special_tokens(options: Options, model: ModelInfo) -> Options:
     """Options with `add_eos` decided (EOS when the model has one), refusing what the model cannot do."""
+    if options.dialogue:  # the template (or TRL's rule) decides
+        return dataclasses.replace(options, add_bos=False, add_eos=False)
     add_eos = model.eos_id >= 0 if options.add_eos is None else options.add_eos
     if add_eos and model.eos_id < 0:
         raise ModelLoadError(f"model {model.name!r} has no EOS piece: leave out --add-eos (or pass --no-add-eos)")
@@ -248,6 +344,9 @@ def run(
     started = time.monotonic()
     warn = warn or report_bad
     sources = [Source.from_path(path) for path in expand_inputs(options.inputs, warn)]
+    if options.dialogue and any(source.format == "txt" for source in sources):
+        plain = next(source.path for source in sources if source.format == "txt")
+        raise InputRefused(f"{plain}: plain text holds no {options.kind.replace('_', '-')} records; give JSON Lines or Parquet")
     corpus = [source.path for source in sources]  # the whole input list, also of a rank
     output, rank = options.output, None
     if options.rank is not None and options.world_size is not None:
@@ -260,11 +359,14 @@ def run(
         sources, output = sources[start:end], rank_directory(options.output, options.rank)
     with ExitStack() as stack:
         urls = options.urls
-        model = resolve_service_model(urls, options.model) if urls else resolve_local_model(options.model)
+        model = (
+            resolve_service_model(urls, options.model) if urls else resolve_local_model(options.model, options.chat_template)
+        )
         options = special_tokens(options, model)
+        loss_mask = dialogue_model(options, model) if options.dialogue else None
         out = OutputDir(output)
         created = not out.path.exists()
-        wanted = new_metadata(model, sources, options)
+        wanted = new_metadata(model, sources, options, loss_mask)
         if rank is not None:
             wanted["rank"] = rank
         metadata, complete = open_output(out, wanted)
@@ -290,6 +392,46 @@ def run(
             return _tokenize(
                 options, model, out, metadata, sources, stack, rank, report_bad, progress, warn, started, corpus
             )
+
+
+def _take_refused(
+    batches: Iterable[tuple[TokenizedBatch, list[tuple[int, str]]]],
+    positions: deque[Position],
+    sources: list[Source],
+    refused: dict[int, int],
+    on_bad: Callable[[str], None],
+) -> Iterator[TokenizedBatch]:
+    """The batches of conversations or records, with the positions of the items the tokenizer refused taken out
+    of `positions` (each reported as a bad record, file:line, and counted in `refused` by source) and the
+    positions after them corrected: those documents were counted good when read."""
+    for batch, rejected in batches:
+        reasons = dict(rejected)
+        if not reasons:
+            if refused:
+                for _ in range(len(batch)):
+                    positions.append(_corrected(positions.popleft(), refused))
+                positions.rotate(len(batch))
+            yield batch
+            continue
+        taken = [positions.popleft() for _ in range(len(batch) + len(reasons))]
+        kept = []
+        for index, position in enumerate(taken):
+            if index in reasons:
+                refused[position.source] = refused.get(position.source, 0) + 1
+                on_bad(f"{sources[position.source].path}:{position.lines}: {record_reason(reasons[index])}")
+            else:
+                kept.append(_corrected(position, refused))
+        positions.extendleft(reversed(kept))
+        if len(batch):
+            yield batch
+
+
+def _corrected(position: Position, refused: dict[int, int]) -> Position:
+    """`position` with the documents of its source refused before it moved to its bad records."""
+    count = refused.get(position.source, 0)
+    if not count:
+        return position
+    return position._replace(documents=position.documents - count, bad_records=position.bad_records + count)
 
 
 def _tokenize(
@@ -326,12 +468,14 @@ def _tokenize(
         (bad records first, then good ones: read on)."""
         current = reader.current.path if reader.current is not None else None
         after = corpus.index(current) + 1 if current in corpus else 0
-        return any(holds_text(path, options.text_field) for path in corpus[after : after + LOOK_AHEAD_FILES])
+        return any(
+            holds_text(path, str(options.text_field), options.kind) for path in corpus[after : after + LOOK_AHEAD_FILES]
+        )
 
-    reader = DocumentReader(sources, options.text_field, on_bad, warn)
+    reader = DocumentReader(sources, str(options.text_field), on_bad, warn, options.kind)
     positions: deque[Position] = deque()
 
-    def texts() -> Iterator[str]:
+    def texts() -> Iterator[Any]:
         nonlocal good
         for text, position in reader:
             good += 1
@@ -341,7 +485,27 @@ def _tokenize(
     encode = EncodeOptions(
         add_bos=options.add_bos, add_eos=bool(options.add_eos), parse_special_tokens=options.parse_special_tokens
     )
-    if urls:
+    kind = {CONVERSATIONS: "conversations", PROMPT_COMPLETION: "records"}.get(options.kind)
+    if kind is not None and urls:
+        masked_batches = tokenize_dialogue_via_service(
+            stack.enter_context(TokenizerClient(urls, timeout=300)),
+            kind,
+            texts(),
+            model=model.name,
+            sha256=model.sha256,
+            parse_special_tokens=options.parse_special_tokens,
+            train_on=options.train_on,
+            batch_size=SERVICE_BATCH,
+            depth=SERVICE_DEPTH * len(urls),
+        )
+    elif kind is not None:
+        from tokenizer_service.core.chat import ChatOptions
+
+        pool = stack.enter_context(local_pool(model, options.workers))
+        stack.callback(pool.shutdown, wait=True, cancel_futures=True)
+        chat_options = ChatOptions(parse_special_tokens=options.parse_special_tokens, train_on=options.train_on)
+        masked_batches = tokenize_dialogue_locally(pool, model.name, kind, texts(), chat_options, depth=2 * options.workers)
+    elif urls:
         batches = tokenize_via_service(
             stack.enter_context(TokenizerClient(urls, timeout=300)),
             texts(),
@@ -366,6 +530,8 @@ def _tokenize(
         )
 
     sink = make_sink(out, metadata, sources, model)
+    if kind is not None:
+        batches = _take_refused(masked_batches, positions, sources, sink.refused, on_bad)
     total_bytes = sum(source.size for source in sources)
     initial_bytes = sum(
         source.size if source.done else 0 if source.compressed else source.read_bytes for source in sources
@@ -373,7 +539,7 @@ def _tokenize(
     documents = tokens = 0
     for batch in batches:
         count = len(batch)
-        sink.add(batch.ids, batch.offsets, [positions.popleft() for _ in range(count)])
+        sink.add(batch.ids, batch.offsets, [positions.popleft() for _ in range(count)], batch.loss_mask)
         documents += count
         tokens += batch.num_tokens
         if progress is not None:

@@ -52,7 +52,9 @@ packed best_fit outputs to none, their padding cannot be masked by these readers
   nanogpt   OUT (or OUT/train.bin for a directory), every id as uint16 (nanoGPT's train.bin);
             hard-linked for one shard; vocabularies up to 65,536 pieces
   llmc      OUT/train_NNNNNN.bin shards of --shard-tokens ids with llm.c's header; uint16 only
-Hard links are the shards' own read-only files: copy one before editing it. --val-documents N puts the
+Outputs with loss masks (--conversations, --prompt-completion) are refused by every format, which has no place
+for a mask, unless --drop-mask (the ids only). Hard links are the shards' own read-only files: copy one before
+editing it. --val-documents N puts the
 first N documents in a validation set: nanogpt val.bin beside train.bin, llmc OUT/val_NNNNNN.bin,
 megatron OUT_val.bin/.idx, litdata OUT_val/. Every shard is checked before anything is written.
 An export owns its output: it replaces the files of an earlier export of the same format there (a
@@ -76,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--sample", type=int, default=0, metavar="N", help="re-tokenize N documents and compare")
     verify.add_argument("--model", help="the model file (default: the output's model, resolved as the server does)")
     verify.add_argument("--seed", type=int, default=0, help="which documents --sample picks")
+    verify.add_argument(
+        "--chat-template",
+        type=Path,
+        metavar="FILE",
+        help="conversations made through a service started with --chat-template: that template (a --local run, or "
+        "one given --chat-template, records its text in metadata.json)",
+    )
     merger = commands.add_parser("merge", help="one dataset over the rank-RRRRR outputs of a ranked run")
     merger.add_argument("directory", type=Path)
     exporter = commands.add_parser(
@@ -104,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_LLMC_SHARD_TOKENS,
         help=f"llmc: ids a shard file (default {DEFAULT_LLMC_SHARD_TOKENS:,})",
+    )
+    exporter.add_argument(
+        "--drop-mask",
+        action="store_true",
+        help="an output with loss masks (conversations, prompt-completion): export its ids only (these formats have "
+        "no place for a mask, so it is refused without this flag)",
     )
     exporter.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     return parser
@@ -180,6 +195,32 @@ def packing_lines(dataset: TokenDataset) -> list[str]:
     ]
 
 
+def trainable_lines(dataset: TokenDataset) -> list[str]:
+    """An output with loss masks: the trainable share (masked-in tokens over tokens, padding not counted) and
+    where the masks come from."""
+    described = dataset.metadata["loss_mask"]
+    trained = 0
+    for shard in range(dataset.num_shards):
+        mask = dataset.shard(shard).mask
+        trained += int(np.count_nonzero(mask)) if mask is not None else 0
+    padding = sum(int(shard.get("padding", 0)) for shard in dataset.metadata["shards"])
+    tokens = dataset.num_tokens - padding
+    what = {"conversations": "conversations", "prompt_completion": "prompt-completion records"}.get(
+        described.get("input"), str(described.get("input"))
+    )
+    source = ""
+    template = described.get("chat_template")
+    if template:
+        source = (
+            f", chat template {template.get('source')} (sha256 {str(template.get('sha256'))[:12]}…, loss mask from "
+            f"{template.get('loss_mask')}), train_on={described.get('train_on')}"
+        )
+    return [
+        f"  loss mask: {trained:,} of {tokens:,} tokens stored are trained ({trained / max(1, tokens):.1%}, the "
+        f"trainable share); {what}{source}"
+    ]
+
+
 def describe(dataset: TokenDataset) -> str:
     meta = dataset.metadata
     model = meta["model"]
@@ -209,6 +250,8 @@ def describe(dataset: TokenDataset) -> str:
         f"  inputs: {len(meta['sources'])} files",
     ]
     try:
+        if dataset.masked:
+            lines += trainable_lines(dataset)
         lines += length_histogram(dataset)
         if dataset.layout == "packed":
             lines += packing_lines(dataset)
@@ -217,20 +260,37 @@ def describe(dataset: TokenDataset) -> str:
     return "\n".join(lines)
 
 
-def model_of(dataset: TokenDataset, given: str | None) -> ModelInfo:
+def recorded_template(dataset: TokenDataset) -> Path | None:
+    """A conversations output made with --chat-template FILE (or a service's): the template metadata.json
+    records, written to a temporary file (its bytes join the model's sha256), else None."""
+    template = (dataset.metadata.get("loss_mask") or {}).get("chat_template")
+    if not template or template.get("source") != "flag" or template.get("text") is None:
+        return None
+    import tempfile
+
+    file = tempfile.NamedTemporaryFile("wb", suffix=".jinja", prefix="chat-template-", delete=False)
+    with file:
+        file.write(template["text"].encode("utf-8"))
+    return Path(file.name)
+
+
+def model_of(dataset: TokenDataset, given: str | None, chat_template: Path | None = None) -> ModelInfo:
     """The model the output was made with: --model when given, else the file metadata.json records (a local
-    run), else the model of that name in the server's options; each checked by sha256."""
+    run), else the model of that name in the server's options; each checked by sha256 (with `chat_template`,
+    the --chat-template the output records, whose bytes join it)."""
     wanted = dataset.model["sha256"]
     if given is not None:
-        info = resolve_local_model(given)
+        info = resolve_local_model(given, chat_template)
         if info.sha256 != wanted:
             raise ValueError(f"model {info.path} has sha256 {info.sha256}, the output was made with {wanted}")
         return info
     recorded = dataset.model.get("path")
     candidates = []
     if recorded and Path(recorded).exists():
-        candidates.append(lambda: inspect_model(dataset.model["name"], Path(recorded), libraries.REFERENCE))
-    candidates.append(lambda: resolve_local_model(dataset.model["name"]))
+        candidates.append(
+            lambda: inspect_model(dataset.model["name"], Path(recorded), libraries.REFERENCE, chat_template)
+        )
+    candidates.append(lambda: resolve_local_model(dataset.model["name"], chat_template))
     for candidate in candidates:
         try:
             info = candidate()
@@ -264,10 +324,12 @@ def verify(dataset: TokenDataset, sample: int, model: str | None, seed: int, inf
         return checked
     if dataset.layout != "ragged":
         raise ValueError("--sample re-tokenizes documents: it needs a ragged output")
-    info = info or model_of(dataset, model)
+    info = info or model_of(dataset, model, recorded_template(dataset) if dataset.masked else None)
     # always the reference library, never the fast encoder whose ids are being checked
-    library = libraries.load(find_model_files(info.name, info.path), libraries.REFERENCE)
+    library = libraries.load(find_model_files(info.name, info.path, info.chat_template_path), libraries.REFERENCE)
     options: dict[str, Any] = dataset.metadata["options"]
+    if dataset.masked:
+        return f"{checked}; {verify_masked(dataset, sample, seed, info, library)}"
     encode_options = EncodeOptions(
         add_bos=options["add_bos"],
         add_eos=options["add_eos"],
@@ -289,6 +351,61 @@ def verify(dataset: TokenDataset, sample: int, model: str | None, seed: int, inf
             if found == len(picks):
                 break
     return f"{checked}; {found} sampled documents re-tokenized to the same ids"
+
+
+def verify_masked(dataset: TokenDataset, sample: int, seed: int, info: ModelInfo, library: Any) -> str:
+    """`sample` conversations (or prompt-completion records) read from the inputs again, rendered with the template
+    metadata.json records and the reference library, their ids AND loss masks compared with the shards'."""
+    from tokenizer_service.core import chat
+    from tokenizer_service.core.errors import InvalidField, PayloadTooLarge
+
+    described = dataset.metadata["loss_mask"]
+    kind = described.get("input")
+    if kind not in ("conversations", "prompt_completion"):
+        raise ValueError(f"--sample cannot re-make loss masks of input {kind!r} (made elsewhere, not by the pre-tokenizer)")
+    files = find_model_files(info.name, info.path, info.chat_template_path)
+    special = chat.special_tokens(files, library)
+    options = chat.ChatOptions(
+        parse_special_tokens=bool(described.get("parse_special_tokens")), train_on=described.get("train_on") or "assistant"
+    )
+    if kind == "conversations":
+        wanted = (described.get("chat_template") or {}).get("sha256")
+        if files.template is None or chat.announce(files.template)["sha256"] != wanted:
+            raise ValueError(
+                f"the model found ({info.path}) does not render with the chat template this output was made with "
+                f"(sha256 {str(wanted)[:12]}…)"
+            )
+        encoder: Any = chat.ChatTemplate(info.name, files.template, library, special)
+    else:
+        encoder = chat.Records(library, special.get("eos"))
+    meta_options: dict[str, Any] = dataset.metadata["options"]
+    picks = set(random.Random(seed).sample(range(len(dataset)), min(sample, len(dataset))))
+    sources = [
+        Source(**{**source, "read_bytes": 0, "lines": 0, "documents": 0, "bad_records": 0, "done": False})
+        for source in dataset.metadata["sources"]
+    ]
+    reader = DocumentReader(sources, meta_options["text_field"], on_bad=lambda message: None, kind=kind)
+    found = number = 0
+    for item, _ in reader:
+        try:
+            ids, _, mask = encoder.encode([item], options)
+        except (InvalidField, PayloadTooLarge):
+            continue  # refused when pre-tokenized too: a bad record, not a document
+        if number in picks:
+            if dataset[number].tolist() != ids.tolist():
+                raise ValueError(f"document {number} differs from what {info.name} makes of its conversation now")
+            stored = dataset.loss_mask(number)
+            if stored is None or stored.tolist() != mask.tolist():
+                raise ValueError(
+                    f"document {number}: its loss mask differs from what {info.name}'s chat template marks now "
+                    f"({int(mask.sum())} trained tokens; the shard has {int(stored.sum()) if stored is not None else 0})"
+                )
+            found += 1
+            if found == len(picks):
+                break
+        number += 1
+    what = "conversations" if kind == "conversations" else "prompt-completion records"
+    return f"{found} sampled {what} tokenized again to the same ids and loss masks"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -320,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.sample and dataset.layout != "ragged":
                 raise ValueError("--sample re-tokenizes documents: it needs a ragged output, this one is packed")
             if args.sample:
-                info = model_of(dataset, args.model)
+                template = args.chat_template or (recorded_template(dataset) if dataset.masked else None)
+                info = model_of(dataset, args.model, template)
         except (ValueError, OSError, ModelLoadError) as exc:
             print(f"tokenizer-shards: cannot verify {args.directory}: {exc}", file=sys.stderr)
             return 2
@@ -338,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:  # every refusal that needs no shard read comes before the progress bar
         output = export_output(args.to, args.output)
-        check_exportable(dataset.metadata, args.to, args.val_documents)
+        check_exportable(dataset.metadata, args.to, args.val_documents, args.drop_mask)
         check_destination(dataset, args.to, output, args.val_documents)
     except ExportError as exc:
         print(f"tokenizer-shards: cannot export to {args.to}: {exc}", file=sys.stderr)
@@ -362,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
                 val_documents=args.val_documents,
                 progress=bar.update,
                 stage=stage,
+                drop_mask=args.drop_mask,
             )
     except ExportError as exc:
         print(f"tokenizer-shards: cannot export to {args.to}: {exc}", file=sys.stderr)

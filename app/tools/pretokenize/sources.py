@@ -5,6 +5,12 @@ text (`.txt`), either compressed with gzip (`.gz`) or zstandard (`.zst`), and Pa
 streamed by row group; FineWeb and WikiText publish it). A directory stands for every such file below
 it, sorted by path.
 
+What a document is (`DocumentReader`'s `kind`): a text (the string in --text-field), a conversation (--conversations:
+the list of OpenAI messages in --text-field, default ``messages``; ShareGPT's ``conversations`` of ``from``/``value``
+messages mapped to ``role``/``content``), or a prompt-completion record (--prompt-completion: ``prompt`` and
+``completion`` strings). A record whose conversation is malformed (no role, content of the wrong type, a ShareGPT
+``from`` that names no role) is a bad record like a text field that is not a string.
+
 Every document comes with the Position just after it, which is what a resumed run seeks back to; bad
 records are reported with file:line (file:row for Parquet) and counted in the position, so a resume
 counts each one once. For Parquet the position's `lines` counts rows (where a resumed run goes on) and
@@ -56,6 +62,99 @@ class NoTextError(InputError):
 
 class BadRecordError(Exception):
     """A bad record under --strict; the message is `file:line: reason`."""
+
+
+TEXT, CONVERSATIONS, PROMPT_COMPLETION = "text", "conversations", "prompt_completion"
+DOCUMENT_KINDS = (TEXT, CONVERSATIONS, PROMPT_COMPLETION)
+DEFAULT_FIELDS = {TEXT: "text", CONVERSATIONS: "messages", PROMPT_COMPLETION: None}
+SHAREGPT_FIELD = "conversations"  # ShareGPT's field, read when the default field (messages) is absent
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "model": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+}
+
+
+def from_sharegpt(message: Any, position: int) -> Any:
+    """A ShareGPT message (``from``/``value``) as an OpenAI one (``role``/``content``); others as they are. A
+    ``weight`` (axolotl's 0/1 on a turn) becomes ``train`` on an assistant turn and is dropped on the others."""
+    if type(message) is not dict or "role" in message or "from" not in message:
+        return message
+    speaker = message["from"]
+    role = SHAREGPT_ROLES.get(speaker) if type(speaker) is str else None
+    if role is None:
+        known = ", ".join(sorted(SHAREGPT_ROLES))
+        raise ValueError(f"messages[{position}]: 'from' {speaker!r} is not a ShareGPT role ({known})")
+    mapped = {key: value for key, value in message.items() if key not in ("from", "value", "weight")}
+    mapped["role"], mapped["content"] = role, message.get("value")
+    weight = message.get("weight")
+    if role == "assistant" and weight in (0, 1) and type(weight) is not bool:
+        mapped["train"] = bool(weight)
+    return mapped
+
+
+def check_messages(messages: list[Any]) -> list[Any]:
+    """The conversation as the service takes it (ShareGPT mapped), or ValueError saying what is wrong with it."""
+    from tokenizer_service.core.chat import check_conversation
+    from tokenizer_service.core.errors import InvalidField, PayloadTooLarge
+
+    mapped = [from_sharegpt(message, position) for position, message in enumerate(messages)]
+    try:
+        check_conversation(mapped, 0)
+    except (InvalidField, PayloadTooLarge) as exc:
+        raise ValueError(record_reason(exc.message)) from None
+    return mapped
+
+
+def record_reason(message: str) -> str:
+    """A refusal that names `conversations[i]` or `records[i]` (the service's words), as said of one record."""
+    for prefix in ("conversations[", "records["):
+        if message.startswith(prefix):
+            rest = message[message.index("]") + 1 :]
+            return rest.removeprefix(".").removeprefix(": ").lstrip() or message
+    return message
+
+
+def document_of(record: Any, kind: str, field: str, default_field: bool) -> Any:
+    """What one record holds for `kind` (a text, a conversation, a prompt-completion record), or ValueError with
+    the reason it is a bad record. `default_field`: --text-field was not given (ShareGPT's field is read when
+    the default one is absent)."""
+    if type(record) is not dict:
+        raise ValueError(f"{JSON_TYPES.get(type(record), 'a string')}, not a JSON object")
+    if kind == PROMPT_COMPLETION:
+        values = {name: record.get(name) for name in ("prompt", "completion")}
+        for name, value in values.items():
+            if type(value) is not str:
+                what = "missing" if name not in record else JSON_TYPES.get(type(value), type(value).__name__)
+                fields = ", ".join(repr(key) for key in list(record)[:8]) or "none"
+                raise ValueError(
+                    f"field {name!r} is {what}, not a string (a prompt-completion record has prompt and completion "
+                    f"strings; its fields: {fields})"
+                )
+        return values
+    if field not in record and default_field and kind == CONVERSATIONS and SHAREGPT_FIELD in record:
+        field = SHAREGPT_FIELD
+    if field not in record:
+        fields = ", ".join(repr(key) for key in list(record)[:8]) or "none"
+        raise ValueError(f"no field {field!r} (its fields: {fields}; choose one with --text-field)")
+    value = record.get(field)
+    if kind == TEXT:
+        if type(value) is not str:
+            raise ValueError(f"field {field!r} is {JSON_TYPES.get(type(value), type(value).__name__)}, not a string")
+        return value
+    if type(value) is not list:
+        what = JSON_TYPES.get(type(value), type(value).__name__) if type(value) is not str else "a string"
+        raise ValueError(f"field {field!r} is {what}, not an array of messages (a conversation)")
+    return check_messages(value)
 
 
 @dataclass
@@ -276,9 +375,12 @@ class DocumentReader:
         text_field: str,
         on_bad: Callable[[str], None],
         warn: Callable[[str], None] | None = None,
+        kind: str = TEXT,
     ) -> None:
         self.sources = sources
         self.text_field = text_field
+        self.kind = kind
+        self.default_field = text_field == DEFAULT_FIELDS[kind]
         self.on_bad = on_bad
         self.warn = warn
         self.fields: Counter[str] = Counter()  # fields of the records that lacked the text field
@@ -297,7 +399,7 @@ class DocumentReader:
             current = 0
         return self._done_bytes + current
 
-    def __iter__(self) -> Iterator[tuple[str, Position]]:
+    def __iter__(self) -> Iterator[tuple[Any, Position]]:
         for index, source in enumerate(self.sources):
             if source.done:
                 continue
@@ -335,9 +437,18 @@ class DocumentReader:
         except Exception as exc:  # pyarrow raises ArrowInvalid and others for a file that is not Parquet
             raise InputError(f"{source.path}: not a Parquet file ({exc})") from exc
         field = self.text_field
-        if field not in file.schema_arrow.names:
-            names = ", ".join(file.schema_arrow.names)
-            raise NoTextError(f"{source.path}: no column {field!r} (columns: {names}); name it with --text-field")
+        names = file.schema_arrow.names
+        if self.kind == PROMPT_COMPLETION:
+            columns = ["prompt", "completion"]
+        elif field not in names and self.default_field and self.kind == CONVERSATIONS and SHAREGPT_FIELD in names:
+            columns = [SHAREGPT_FIELD]
+        else:
+            columns = [field]
+        if any(column not in names for column in columns):
+            missing = next(column for column in columns if column not in names)
+            listed = ", ".join(names)
+            fix = "" if self.kind == PROMPT_COMPLETION else "; name it with --text-field"
+            raise NoTextError(f"{source.path}: no column {missing!r} (columns: {listed}){fix}")
         row = first_row = 0
         groups = []
         group_ends = []  # (last row, bytes of the file up to the end of the row group)
@@ -355,8 +466,13 @@ class DocumentReader:
         row = first_row
         ends = iter(group_ends)
         group_end, group_bytes = next(ends, (0, 0))
-        for batch in file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[field], row_groups=groups):
-            for value in batch.column(0).to_pylist():
+        for batch in file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns, row_groups=groups):
+            values = (
+                batch.column(0).to_pylist()
+                if self.kind == TEXT
+                else [dict(zip(columns, row, strict=True)) for row in zip(*(c.to_pylist() for c in batch.columns), strict=True)]
+            )
+            for value in values:
                 row += 1
                 if row > group_end:
                     group_end, group_bytes = next(ends, (row, group_bytes))
@@ -365,7 +481,13 @@ class DocumentReader:
                 # read_bytes: bytes of the file up to the end of the row group being read (for progress);
                 # the position is the row, in `lines`
                 source.read_bytes, source.lines = group_bytes, row
-                if type(value) is not str:
+                if self.kind != TEXT:
+                    try:
+                        value = document_of(value, self.kind, columns[0], False)
+                    except ValueError as exc:
+                        self._bad(source, row, str(exc))
+                        continue
+                elif type(value) is not str:
                     described = JSON_TYPES.get(type(value), type(value).__name__)
                     self._bad(source, row, f"column {field!r} is {described}, not a string")
                     continue
@@ -376,7 +498,7 @@ class DocumentReader:
         source.bad_records += 1
         self.on_bad(f"{source.path}:{line}: {reason}")
 
-    def _jsonl(self, index: int, source: Source, stream: BinaryIO) -> Iterator[tuple[str, Position]]:
+    def _jsonl(self, index: int, source: Source, stream: BinaryIO) -> Iterator[tuple[Any, Position]]:
         field = self.text_field
         loads = orjson.loads
         offset, line_number = source.read_bytes, source.lines
@@ -389,6 +511,19 @@ class DocumentReader:
                 record = loads(line)
             except orjson.JSONDecodeError as exc:
                 self._bad(source, line_number, describe_bad_json(line, exc))
+                continue
+            if self.kind != TEXT:
+                try:
+                    text = document_of(record, self.kind, field, self.default_field)
+                except ValueError as exc:
+                    if type(record) is dict and self.kind == CONVERSATIONS and field not in record:
+                        self.records_without_field += 1
+                        self.fields.update(list(record)[:32])
+                    self._bad(source, line_number, str(exc))
+                    continue
+                source.documents += 1
+                source.read_bytes, source.lines = offset, line_number
+                yield text, Position(index, offset, line_number, source.documents, source.bad_records)
                 continue
             text = record.get(field) if type(record) is dict else None
             if type(text) is not str:
@@ -507,19 +642,46 @@ def first_record(source: Source) -> dict[str, Any] | str | None:
     return None
 
 
-def holds_text(path: str | Path, text_field: str) -> bool:
-    """Whether an input's first record has `text_field` as a string (a plain-text input always does); False for
-    an input that cannot be read."""
+def holds_text(path: str | Path, text_field: str, kind: str = TEXT) -> bool:
+    """Whether an input's first record has `text_field` as a string (a plain-text input always does; with
+    another `kind`, a good conversation or prompt-completion record); False for an input that cannot be read."""
     try:
         record = first_record(Source.from_path(path))
     except Exception:  # any unreadable input: it is no evidence that the text field is right
         return False
+    if kind != TEXT:
+        try:
+            document_of(record, kind, text_field, text_field == DEFAULT_FIELDS[kind])
+        except ValueError:
+            return False
+        return True
     return isinstance(record, str) or (isinstance(record, dict) and type(record.get(text_field)) is str)
 
 
-def peek(path: str | Path, text_field: str) -> list[str]:
+def describe_document(record: Any, kind: str, text_field: str) -> tuple[str, Any]:
+    """A line on what the first record holds for --conversations or --prompt-completion, and that document
+    (None where the record is bad for it)."""
+    flag = "--conversations" if kind == CONVERSATIONS else "--prompt-completion"
+    try:
+        document = document_of(record, kind, text_field, text_field == DEFAULT_FIELDS[kind])
+    except ValueError as exc:
+        return f"{flag}: the first record is a bad record: {exc}", None
+    if kind == PROMPT_COMPLETION:
+        return (
+            f"{flag}: a prompt of {len(document['prompt']):,} and a completion of {len(document['completion']):,} "
+            "characters (ready to pre-tokenize)",
+            document,
+        )
+    sharegpt = isinstance(record, dict) and text_field not in record
+    where = f"{SHAREGPT_FIELD!r} (ShareGPT: from/value mapped to role/content)" if sharegpt else repr(text_field)
+    roles = ", ".join(message["role"] for message in document[:12]) + (", ..." if len(document) > 12 else "")
+    return f"{flag}: {where} holds a conversation of {len(document)} messages ({roles}); ready to pre-tokenize", document
+
+
+def peek(path: str | Path, text_field: str, kind: str = TEXT, found: list[Any] | None = None) -> list[str]:
     """Lines that describe an input without reading it all: the kind detected and the first record's fields and
-    types (Parquet: the columns), and which --text-field to pass."""
+    types (Parquet: the columns), and which --text-field to pass. With another `kind`, what the first record holds
+    for it (the document is appended to `found` for the caller to render)."""
     files = expand_inputs([path])
     lines = []
     if Path(path).expanduser().is_dir():
@@ -547,5 +709,11 @@ def peek(path: str | Path, text_field: str) -> list[str]:
     else:
         lines.append("  first record:")
         lines += [f"    {name!r}: {_describe_value(value)}" for name, value in record.items()]
-        lines.append(f"  {_suggest(record, text_field)}")
+        if kind == TEXT:
+            lines.append(f"  {_suggest(record, text_field)}")
+        else:
+            line, document = describe_document(record, kind, text_field)
+            lines.append(f"  {line}")
+            if document is not None and found is not None:
+                found.append(document)
     return lines
