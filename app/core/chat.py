@@ -36,6 +36,7 @@ Nothing here knows HTTP: refusals are InvalidField / PayloadTooLarge naming the 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import re
 from collections.abc import Sequence
@@ -53,7 +54,6 @@ CATALOGUE = Path(__file__).resolve().parent / "catalogue"
 GENERATION_TAG = re.compile(r"\{\%-?\s*generation\s*-?\%\}")  # transformers' own test for the marks
 TRAIN_ON = ("assistant", "last")
 MAX_MESSAGES = 8192  # per conversation
-MESSAGE_KEYS_CONTROL = ("train",)  # ours: taken off a message before the template sees it
 
 
 # -- which tokens are trained -------------------------------------------------------------------------------
@@ -93,8 +93,6 @@ def announce(template: TemplateFile | None) -> dict[str, Any] | None:
     """`/v1/models`' `chat_template`: null, or its sha256, source and where its loss mask comes from."""
     if template is None:
         return None
-    import hashlib
-
     return {
         "sha256": hashlib.sha256(template.text.encode("utf-8")).hexdigest(),
         "source": template.source,
@@ -127,15 +125,9 @@ def no_mask_message(model: str) -> str:
 
 def _bytes_to_unicode() -> dict[str, int]:
     """GPT-2's byte-level alphabet, character -> byte (what byte-level BPE vocabularies are written in)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    codes = printable[:]
-    extra = 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            codes.append(256 + extra)
-            extra += 1
-    return {chr(code): byte for byte, code in zip(printable, codes, strict=True)}
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 def _uses(component: Any, kind: str) -> bool:
