@@ -119,8 +119,14 @@ from tests.conftest import read_documents, read_multilingual
 from tests.tokenizer_models import write_bpe_snapshot, write_tiktoken
 
 texts = read_documents() + read_multilingual()
-write_bpe_snapshot(Path(sys.argv[1]) / "hfbpe", texts)
+snapshot = write_bpe_snapshot(Path(sys.argv[1]) / "hfbpe", texts)
 write_tiktoken(Path(sys.argv[1]) / "ranks.tiktoken", texts)
+# a chat template beside the tokenizer.json, as recent Hub snapshots ship it: conversations with loss masks
+(snapshot / "chat_template.jinja").write_text(
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+    "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}<|end_of_text|>{% endgeneration %}"
+    "{% else %}{{ m.content }}<|end_of_text|>{% endif %}{% endfor %}"
+)
 PY
 chmod -R a+rX "$TOKENIZER_MODELS"
 docker compose up --detach --wait --wait-timeout 180 --force-recreate tokenizer

@@ -97,6 +97,33 @@ def check_library_models(url: str, models: list[str], api_key: str | None) -> No
             got = [row.tolist() for row in client.tokenize(texts, model=name)]
             assert got == [reference.encode(text) for text in texts], f"{name}: ids differ from {files.library}"
             print(f"  {len(texts)} multilingual documents through {name!r} ({files.library}): identical to the library")
+            if files.template is not None:
+                check_conversations(client, name, Path(path), texts)
+
+
+def check_conversations(client: TokenizerClient, name: str, snapshot: Path, texts: list[str]) -> None:
+    """A snapshot's chat_template.jinja served from the models folder: ids and loss masks as transformers gives them."""
+    import transformers
+
+    from tokenizer_service.core.models import find_model_files, hf_special_tokens
+
+    files = find_model_files(name, snapshot)
+    special = hf_special_tokens(files)
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(snapshot / "tokenizer.json"), bos_token=special["bos"], eos_token=special["eos"]
+    )
+    conversations = [
+        [{"role": "user", "content": texts[i][:300]}, {"role": "assistant", "content": texts[i + 1][:300]}]
+        for i in range(0, 40, 2)
+    ]
+    got = client.tokenize_conversations(conversations, model=name)
+    for conversation, (ids, mask) in zip(conversations, got, strict=True):
+        want = tokenizer.apply_chat_template(
+            conversation, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+            chat_template=files.template.text,
+        )
+        assert ids.tolist() == list(want["input_ids"]) and mask.tolist() == list(want["assistant_masks"]), name
+    print(f"  {len(conversations)} conversations through {name!r}'s chat_template.jinja: identical to transformers")
 
 
 def docker(*args: str) -> subprocess.CompletedProcess[str]:
