@@ -194,8 +194,8 @@ class PackOptions:
             del payload["train_on"]
         if self.inputs != "texts":  # the chat template (or TRL's rule for records) decides the special tokens
             del payload["add_bos"], payload["add_eos"]
-        carried = (("carry", carry), ("carry_document_starts", carry_document_starts), ("carry_loss_mask", carry_loss_mask))
-        for name, ids in carried:
+        carried = {"carry": carry, "carry_document_starts": carry_document_starts, "carry_loss_mask": carry_loss_mask}
+        for name, ids in carried.items():
             if ids is not None:
                 payload[name] = id_list(ids, name)
         return payload

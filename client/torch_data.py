@@ -24,6 +24,10 @@ pinned memory made in a worker process does not survive the trip to the main pro
 (the same ``num_workers``) a run resumed from its ``state_dict()`` hands out exactly the batches an
 uninterrupted run would have. Each worker's state is its prefetcher's (see ``client.prefetch``), so
 ``texts`` must give the same stream again, which the resumed prefetcher checks.
+
+``texts`` may give conversations (lists of OpenAI messages) or ``{"prompt", "completion"}`` records instead, as
+``client.prefetch`` takes them (detected from the first item, or ``conversations=True``/``records=True``; ``train_on``
+passes through): ragged batches then carry ``loss_mask``, packed rows' ``labels`` are -100 wherever it is 0.
 """
 
 from __future__ import annotations

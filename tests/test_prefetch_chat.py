@@ -16,7 +16,7 @@ import pytest
 
 from tests.chat_models import conversations, write_chat_snapshot
 from tests.conftest import start_server, stop_server
-from tokenizer_client import AsyncTokenizerClient, PackSpec, TokenizerClient
+from tokenizer_client import AsyncTokenizerClient, PackSpec, PrefetchError, TokenizerClient
 from tokenizer_client.packing import IGNORE_INDEX, pack_best_fit, pack_concat
 
 pytest.importorskip("transformers")
@@ -48,13 +48,11 @@ def convs(multilingual: list[str]) -> list[list[dict[str, Any]]]:
 
 @pytest.fixture(scope="module")
 def records(multilingual: list[str]) -> list[dict[str, str]]:
-    return [
-        {"prompt": multilingual[i % len(multilingual)][:200], "completion": multilingual[(i + 7) % len(multilingual)][:300]}
-        for i in range(210)
-    ]
+    n = len(multilingual)
+    return [{"prompt": multilingual[i % n][:200], "completion": multilingual[(i + 7) % n][:300]} for i in range(210)]
 
 
-def one_by_one(client: TokenizerClient, items: list[Any], kind: str, **options: Any) -> list[tuple[np.ndarray, np.ndarray]]:
+def one_by_one(client: TokenizerClient, items: list[Any], kind: str, **options: Any) -> list[tuple[Any, Any]]:
     """Each conversation (record) in a request of its own: the reference the streams must equal."""
     call = client.tokenize_conversations if kind == "conversations" else client.tokenize_records
     return [call([item], **options)[0] for item in items]
@@ -283,6 +281,14 @@ def test_options_that_conversations_cannot_take_are_refused_at_the_call(client, 
         next(iter(client.prefetch([convs[0], "a text"], batch_size=4)))
 
 
+def test_a_texts_state_keeps_the_options_states_had_before_conversations(client, multilingual):
+    """States saved before conversations came have no inputs or train_on: a texts prefetch still resumes them."""
+    texts = multilingual[:60]
+    whole, states = states_and_batches(client.prefetch(texts, batch_size=8, pack=PackSpec(64, 2)))
+    assert not {"inputs", "train_on"} & set(states[3]["options"])
+    assert_same_batches(list(client.prefetch(texts, batch_size=8, pack=PackSpec(64, 2), state=states[3])), whole[4:])
+
+
 def test_the_torch_adapter_packs_conversations_and_resumes(chat_server, convs, expected):
     torch = pytest.importorskip("torch")
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
@@ -309,3 +315,13 @@ def test_the_torch_adapter_packs_conversations_and_resumes(chat_server, convs, e
     rest = list(resumed)
     assert [b.index for b in rest] == [b.index for b in whole[cut + 1 :]]
     assert all(torch.equal(a.labels, b.labels) for a, b in zip(rest, whole[cut + 1 :], strict=True))
+
+
+def test_a_refused_conversation_is_named_by_its_stream_index(client, convs):
+    broken = [list(conv) for conv in convs[:60]]
+    broken[37] = [{"content": "no role"}, *broken[37]]
+    with pytest.raises(PrefetchError) as raised:
+        list(client.prefetch(broken, batch_size=16, pack=PackSpec(128, 2)))
+    error = raised.value
+    assert (error.text_start, error.text_stop, error.text_index) == (32, 48, 37)
+    assert "conversations 32 to 47" in str(error) and "role" in str(error)

@@ -20,8 +20,8 @@ class PackSpec:
     ``add_eos``/``add_bos`` mark document boundaries in the ids (``add_eos`` unset: True for texts; conversations
     and records leave both unset, their chat template decides the special tokens); ``mask_document_start`` sets the
     label of each document's first token to -100. Conversations' and records' labels are also -100 wherever their
-    loss mask is 0 (the user's turns, the template's headers, the prompt). The last batch may have fewer than ``rows`` rows
-    (as DataLoader's ``drop_last=False``); ``drop_last=True`` drops it. Concat rows are never padded:
+    loss mask is 0 (the user's turns, the template's headers, the prompt). The last batch may have fewer than
+    ``rows`` rows (as DataLoader's ``drop_last=False``); ``drop_last=True`` drops it. Concat rows are never padded:
     the stream's last tokens that fill no row are the prefetcher's ``leftover``. A stream that packs
     into no batch at all warns (``UserWarning``) saying why.
     """
