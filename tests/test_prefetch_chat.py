@@ -325,3 +325,14 @@ def test_a_refused_conversation_is_named_by_its_stream_index(client, convs):
     error = raised.value
     assert (error.text_start, error.text_stop, error.text_index) == (32, 48, 37)
     assert "conversations 32 to 47" in str(error) and "role" in str(error)
+
+
+def test_the_torch_adapters_ragged_batches_carry_the_mask_as_a_tensor(chat_server, convs, expected):
+    torch = pytest.importorskip("torch")
+    from tokenizer_client.torch_data import TokenizedIterableDataset
+
+    dataset = TokenizedIterableDataset(lambda: convs[:48], chat_server, batch_size=16, train_on="assistant")
+    batches = list(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=0))
+    assert all(batch.loss_mask.dtype == torch.uint8 for batch in batches)
+    got = [(np.asarray(ids), np.asarray(mask)) for b in batches for ids, mask in b.masked_list()]
+    assert_pairs_equal(got, expected[:48])
