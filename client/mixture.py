@@ -679,7 +679,7 @@ class MixtureBatch:
     """
 
     input_ids: Any  # [rows, seq_len] int32
-    labels: Any  # [rows, seq_len] int32, -100 where no loss is taken (padding of packed best_fit rows; where a loss mask is 0)
+    labels: Any  # [rows, seq_len] int32, -100 where no loss is taken (best_fit padding; where a loss mask is 0)
     position_ids: Any  # [rows, seq_len] int32, restarting at each segment
     cu_seqlens: list[Any]  # per row: [0, end of segment 1, ..., end of last segment] int32
     sources: Any  # [rows] int32

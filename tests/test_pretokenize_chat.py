@@ -47,7 +47,8 @@ def setup(tmp_path_factory, documents, multilingual):
     lines.insert(7, BAD_NOTHING_TO_TRAIN)
     (directory / "chats.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
     (directory / "sharegpt.jsonl").write_text(
-        "".join(json.dumps({"id": i, "conversations": sharegpt(c)}) + "\n" for i, c in enumerate(chats)), encoding="utf-8"
+        "".join(json.dumps({"id": i, "conversations": sharegpt(c)}) + "\n" for i, c in enumerate(chats)),
+        encoding="utf-8",
     )
     records = [{"prompt": multilingual[i][:200], "completion": " " + multilingual[i + 1][:200]} for i in range(20)]
     (directory / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
@@ -94,12 +95,14 @@ def test_local_conversations_equal_transformers_and_bad_ones_are_bad_records(set
     assert described["input"] == "conversations" and described["train_on"] == "assistant"
     assert described["chat_template"]["text"] == STOCK.read_text(encoding="utf-8")
     assert described["chat_template"]["loss_mask"] == "catalogue:qwen3"
-    assert sorted(path.name for path in local_output.iterdir()) == ["00000.bin", "00000.idx", "00000.mask", "metadata.json"]
+    names = sorted(path.name for path in local_output.iterdir())
+    assert names == ["00000.bin", "00000.idx", "00000.mask", "metadata.json"]
 
 
 def test_bad_conversations_are_named_by_file_and_line(setup, tmp_path, capsys):
     directory, snapshot, *_ = setup
-    args = [str(directory / "chats.jsonl"), "--conversations", "--local", "--model", str(snapshot), "--chat-template", str(STOCK)]
+    args = [str(directory / "chats.jsonl"), "--conversations", "--local", "--model", str(snapshot)]
+    args += ["--chat-template", str(STOCK)]
     assert pretokenize(directory, *args, "--output", str(tmp_path / "a")) == 0
     err = capsys.readouterr().err
     chats = directory / "chats.jsonl"
@@ -108,7 +111,9 @@ def test_bad_conversations_are_named_by_file_and_line(setup, tmp_path, capsys):
     assert pretokenize(directory, *args, "--strict", "--output", str(tmp_path / "b")) == 1
     assert f"bad record (--strict): {chats}:4: messages[0] has no role" in capsys.readouterr().err
     # texts where a conversation is: the field is an array, and only --conversations reads it
-    assert pretokenize(directory, str(chats), "--text-field", "messages", "--local", "--model", str(snapshot), "--output", str(tmp_path / "c")) == 1
+    texts = [str(chats), "--text-field", "messages", "--local", "--model", str(snapshot)]
+    texts += ["--output", str(tmp_path / "c")]
+    assert pretokenize(directory, *texts) == 1
     assert "field 'messages' is an array, not a string" in capsys.readouterr().err
 
 
@@ -133,13 +138,15 @@ def test_url_writes_the_same_shards_as_local(setup, local_output, tmp_path):
     assert remote["loss_mask"]["chat_template"]["sha256"] == local["loss_mask"]["chat_template"]["sha256"]
     assert remote["bad_records"] == local["bad_records"] == 2
     # verify --sample renders them again with the template given (a service's is not recorded)
-    assert shards_cli.main(["verify", str(out), "--sample", "5", "--model", str(snapshot), "--chat-template", str(STOCK)]) == 0
+    verify = ["verify", str(out), "--sample", "5", "--model", str(snapshot), "--chat-template", str(STOCK)]
+    assert shards_cli.main(verify) == 0
 
 
 def test_sharegpt_and_packed_rows(setup, local_output, tmp_path):
     directory, snapshot, chats, _, _, expected = setup
     out = tmp_path / "sharegpt"
-    args = [str(directory / "sharegpt.jsonl"), "--conversations", "--local", "--model", str(snapshot), "--chat-template", str(STOCK)]
+    args = [str(directory / "sharegpt.jsonl"), "--conversations", "--local", "--model", str(snapshot)]
+    args += ["--chat-template", str(STOCK)]
     assert pretokenize(directory, *args, "--output", str(out)) == 0
     assert contents(TokenDataset(out)) == expected
     # packed with concat over several shards: the rows' masks are the documents' masks end to end, cut the same way
@@ -161,7 +168,8 @@ def test_sharegpt_and_packed_rows(setup, local_output, tmp_path):
 def test_prompt_completion_records_as_trl_tokenizes_them(setup, tmp_path):
     directory, snapshot, _, records, tokenizer, _ = setup
     out = tmp_path / "records"
-    code = pretokenize(directory, str(directory / "records.jsonl"), "--prompt-completion", "--local", "--model", str(snapshot), "--output", str(out))
+    args = [str(directory / "records.jsonl"), "--prompt-completion", "--local", "--model", str(snapshot)]
+    code = pretokenize(directory, *args, "--output", str(out))
     assert code == 0
     dataset = TokenDataset(out)
     assert dataset.metadata["loss_mask"]["input"] == "prompt_completion"
@@ -179,7 +187,8 @@ def test_info_prints_the_trainable_share_and_verify_catches_a_corrupt_mask(setup
     trained = sum(sum(mask) for _, mask in expected)
     tokens = sum(len(ids) for ids, _ in expected)
     assert shards_cli.main(["info", str(local_output)]) == 0
-    assert f"loss mask: {trained:,} of {tokens:,} tokens stored are trained ({trained / tokens:.1%}" in capsys.readouterr().out
+    share = f"loss mask: {trained:,} of {tokens:,} tokens stored are trained ({trained / tokens:.1%}"
+    assert share in capsys.readouterr().out
     assert shards_cli.main(["verify", str(local_output), "--sample", "30"]) == 0
     assert "24 sampled conversations tokenized again to the same ids and loss masks" in capsys.readouterr().out
     corrupt = tmp_path / "corrupt"
@@ -232,7 +241,8 @@ def test_exports_refuse_a_masked_dataset_unless_drop_mask(local_output, tmp_path
         assert err.count("\n") == 1 and "has loss masks" in err and "--drop-mask" in err, err
         assert not (tmp_path / to).exists() or not any((tmp_path / to).iterdir())
     prefix = tmp_path / "megatron" / "chat"
-    assert shards_cli.main(["export", str(local_output), "--to", "megatron", "--output", str(prefix), "--drop-mask", "-q"]) == 0
+    dropped = ["export", str(local_output), "--to", "megatron", "--output", str(prefix), "--drop-mask", "-q"]
+    assert shards_cli.main(dropped) == 0
     assert (tmp_path / "megatron" / "chat.bin").read_bytes() == (local_output / "00000.bin").read_bytes()
 
 
@@ -248,7 +258,9 @@ def test_outputs_without_masks_are_version_1_and_masked_write_dataset_rows(tmp_p
     meta = json.loads((tmp_path / "plain" / "metadata.json").read_text())
     assert meta["version"] == 1 and TokenDataset(tmp_path / "plain")[1].tolist() == ids[10:25].tolist()
     mask = (np.arange(40) % 3 == 0).astype(np.uint8)
-    packed = write_dataset(tmp_path / "packed", ids, offsets, model=model, seq_len=16, strategy="best_fit", loss_mask=mask)
+    packed = write_dataset(
+        tmp_path / "packed", ids, offsets, model=model, seq_len=16, strategy="best_fit", loss_mask=mask
+    )
     assert packed.metadata["version"] == 2
     seen = 0
     for row in range(len(packed)):

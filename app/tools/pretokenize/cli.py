@@ -302,7 +302,8 @@ def render_first(document: Any, kind: str, args: argparse.Namespace) -> list[str
         files = find_model_files(info.name, info.path, info.chat_template_path)
         library = libraries.load(files, libraries.REFERENCE)
         special = chat.special_tokens(files, library)
-        options = chat.ChatOptions(parse_special_tokens=args.parse_special_tokens, train_on=args.train_on or "assistant")
+        train_on = args.train_on or "assistant"
+        options = chat.ChatOptions(parse_special_tokens=args.parse_special_tokens, train_on=train_on)
         if kind == CONVERSATIONS:
             if files.template is None:
                 return [f"  model {info.name!r} has no chat template: pass --chat-template FILE to see the rendering"]

@@ -147,7 +147,8 @@ class _DocumentGroups(ShardSink):
             last = int(np.searchsorted(ends, base + room, side="left"))
             if last >= len(lengths):
                 break
-            self._take(ids[base : ends[last]], lengths[first : last + 1], None if mask is None else mask[base : ends[last]])
+            piece_mask = None if mask is None else mask[base : ends[last]]
+            self._take(ids[base : ends[last]], lengths[first : last + 1], piece_mask)
             self._close_group(positions[last])
             first, base = last + 1, int(ends[last])
         if first < len(lengths):

@@ -362,11 +362,12 @@ def verify_masked(dataset: TokenDataset, sample: int, seed: int, info: ModelInfo
     described = dataset.metadata["loss_mask"]
     kind = described.get("input")
     if kind not in ("conversations", "prompt_completion"):
-        raise ValueError(f"--sample cannot re-make loss masks of input {kind!r} (made elsewhere, not by the pre-tokenizer)")
+        raise ValueError(f"--sample cannot make again loss masks of input {kind!r} (not made by the pre-tokenizer)")
     files = find_model_files(info.name, info.path, info.chat_template_path)
     special = chat.special_tokens(files, library)
     options = chat.ChatOptions(
-        parse_special_tokens=bool(described.get("parse_special_tokens")), train_on=described.get("train_on") or "assistant"
+        parse_special_tokens=bool(described.get("parse_special_tokens")),
+        train_on=described.get("train_on") or "assistant",
     )
     if kind == "conversations":
         wanted = (described.get("chat_template") or {}).get("sha256")
@@ -398,7 +399,7 @@ def verify_masked(dataset: TokenDataset, sample: int, seed: int, info: ModelInfo
             if stored is None or stored.tolist() != mask.tolist():
                 raise ValueError(
                     f"document {number}: its loss mask differs from what {info.name}'s chat template marks now "
-                    f"({int(mask.sum())} trained tokens; the shard has {int(stored.sum()) if stored is not None else 0})"
+                    f"({int(mask.sum())} trained tokens; the shard has {0 if stored is None else int(stored.sum())})"
                 )
             found += 1
             if found == len(picks):

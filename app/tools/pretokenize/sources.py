@@ -467,11 +467,11 @@ class DocumentReader:
         ends = iter(group_ends)
         group_end, group_bytes = next(ends, (0, 0))
         for batch in file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns, row_groups=groups):
-            values = (
-                batch.column(0).to_pylist()
-                if self.kind == TEXT
-                else [dict(zip(columns, row, strict=True)) for row in zip(*(c.to_pylist() for c in batch.columns), strict=True)]
-            )
+            if self.kind == TEXT:
+                values = batch.column(0).to_pylist()
+            else:  # a record of the columns, read as a JSON record is
+                rows = zip(*(column.to_pylist() for column in batch.columns), strict=True)
+                values = [dict(zip(columns, row, strict=True)) for row in rows]
             for value in values:
                 row += 1
                 if row > group_end:
@@ -675,7 +675,8 @@ def describe_document(record: Any, kind: str, text_field: str) -> tuple[str, Any
     sharegpt = isinstance(record, dict) and text_field not in record
     where = f"{SHAREGPT_FIELD!r} (ShareGPT: from/value mapped to role/content)" if sharegpt else repr(text_field)
     roles = ", ".join(message["role"] for message in document[:12]) + (", ..." if len(document) > 12 else "")
-    return f"{flag}: {where} holds a conversation of {len(document)} messages ({roles}); ready to pre-tokenize", document
+    line = f"{flag}: {where} holds a conversation of {len(document)} messages ({roles}); ready to pre-tokenize"
+    return line, document
 
 
 def peek(path: str | Path, text_field: str, kind: str = TEXT, found: list[Any] | None = None) -> list[str]:
