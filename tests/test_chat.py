@@ -316,3 +316,48 @@ def test_reasoning_and_tool_calls_reach_the_template_as_transformers_passes_them
             assert got == want
             compared += 1
     assert compared >= 1  # every family here renders reasoning at least
+
+
+def test_any_model_kind_takes_a_template_through_the_flag(library_models, model_files, multilingual):
+    """tiktoken and SentencePiece models ship their templates separately: given one, conversations work on them.
+    tiktoken: ids are enc.encode(rendered, allowed_special="all") and the mask follows transformers' rule over the
+    tokens' own bytes; SentencePiece: the template's control pieces are control tokens, the rest its encode."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    text = (
+        "{% for m in messages %}<|fim_prefix|>{{ m.role }}\n"
+        "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}<|endoftext|>{% endgeneration %}"
+        "{% else %}{{ m.content }}<|endoftext|>{% endif %}{% endfor %}"
+    )
+    conversation = [
+        {"role": "user", "content": multilingual[0][:200]},
+        {"role": "assistant", "content": multilingual[1][:200]},
+    ]
+    library = libraries.load(find_model_files("tt", library_models["tt"]))
+    template = chat.ChatTemplate("tt", TemplateFile(text, "flag", Path("t"), b""), library, {})
+    ids, mask = ours(template, conversation)
+    (rendered,), (spans,) = render_jinja_template([conversation], chat_template=text, return_assistant_tokens_mask=True)
+    encoding = library.reference
+    assert ids == encoding.encode(rendered, allowed_special="all")
+    position, want = 0, []
+    for token in ids:
+        start = len(rendered.encode()[:position].decode("utf-8", "ignore"))
+        position += len(encoding.decode_single_token_bytes(token))
+        end = len(rendered.encode()[:position].decode("utf-8", "replace"))
+        want.append(int(any(end > s and start < e for s, e in spans)))
+    assert mask == want and sum(mask) > 0
+
+    sp_text = (
+        "{% for m in messages %}{{ m.role }}: "
+        "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}</s>{% endgeneration %}"
+        "{% else %}{{ m.content }}</s>{% endif %}{% endfor %}"
+    )
+    sentencepiece = libraries.load(find_model_files("uni", model_files["uni"]))
+    sp_template = chat.ChatTemplate("uni", TemplateFile(sp_text, "flag", Path("t"), b""), sentencepiece, {})
+    plain = [{"role": "user", "content": "I am a cat."}, {"role": "assistant", "content": "As yet I have no name."}]
+    ids, mask = ours(sp_template, plain)
+    eos = sentencepiece.eos_id
+    assert ids.count(eos) == 2 and ids[-1] == eos  # the template's </s> are control tokens
+    trained = [token for token, bit in zip(ids, mask, strict=True) if bit]
+    assert sentencepiece.processor.decode(trained).strip() == "As yet I have no name."
+    assert trained[-1] == eos
