@@ -189,7 +189,7 @@ def test_what_each_model_says_of_itself(models):
     assert info.sha256 == hashlib.sha256(b"".join(path.read_bytes() for path in files)).hexdigest()
     assert set(info.as_dict()) == {
         "name", "library", "encoder", "type", "vocab_size", "bos_id", "eos_id", "pad_id", "unk_id", "sha256",
-        "chat_template",
+        "chat_template", "user_defined_pieces",
     }  # fmt: skip
     unigram = inspect_model("u", models["hfuni"])
     assert (unigram.type, unigram.bos_id, unigram.eos_id) == ("unigram", -1, -1)  # no tokenizer_config.json

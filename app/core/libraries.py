@@ -128,6 +128,8 @@ class Library(ABC):
         """Load the model from its files' bytes; `encoder` fast puts fastokens in front where it passes its gate."""
 
     max_text_chars: int | None = None  # a longer text is refused (413): what the encoder's memory allows
+    # pieces the library matches in any text whatever parse_special_tokens says (SentencePiece's USER_DEFINED)
+    user_defined_pieces: tuple[str, ...] = ()
     fast: Any | None = None  # fastokens' tokenizer, when it encodes this model
     shadow: Any | None = None  # a tokenizer_service.core.shadow.Shadow sampling what fastokens encodes
 
@@ -199,6 +201,7 @@ class SentencePiece(Library):
             raise ModelLoadError(f"{files.path} is not a model file; a model is {KINDS}") from exc
         self.encoder = SENTENCEPIECE
         self.type = _sentencepiece_type(files.contents[0])
+        self.user_defined_pieces = _user_defined_pieces(files.contents[0])
         processor = self.processor
         self.vocab_size = processor.vocab_size()
         self.bos_id, self.eos_id = processor.bos_id(), processor.eos_id()
@@ -264,6 +267,17 @@ def sample_in_fresh_thread(processor: Any, text: str, seed: int, options: dict[s
     thread.start()
     thread.join()
     return result[0]
+
+
+def _user_defined_pieces(serialized: bytes) -> tuple[str, ...]:
+    """The model's USER_DEFINED pieces, in id order: sentencepiece encodes each of them, wherever it occurs in a
+    text, as its own id (Mistral v7's `[INST]`, `[REF]`); it never matches CONTROL pieces (`<s>`) in text."""
+    from sentencepiece import sentencepiece_model_pb2 as pb2
+
+    proto = pb2.ModelProto()  # type: ignore[attr-defined]  # generated code
+    proto.ParseFromString(serialized)
+    user_defined = pb2.ModelProto.SentencePiece.Type.Value("USER_DEFINED")  # type: ignore[attr-defined]
+    return tuple(piece.piece for piece in proto.pieces if piece.type == user_defined)
 
 
 def _sentencepiece_type(serialized: bytes) -> str:

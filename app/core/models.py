@@ -78,6 +78,9 @@ class ModelInfo:
     # null, or {"sha256", "source", "loss_mask"} (tokenizer_service.core.chat.announce)
     chat_template: dict[str, Any] | None = None
     chat_template_path: Path | None = field(default=None, compare=False)  # --chat-template's file, for workers
+    # what sentencepiece matches in any text whatever parse_special_tokens says: its USER_DEFINED pieces
+    # (read from the model file, which sha256 covers; () for the other libraries)
+    user_defined_pieces: tuple[str, ...] = field(default=(), compare=False)
 
     @property
     def padding_id(self) -> int:
@@ -99,6 +102,7 @@ class ModelInfo:
             **described,
         }
         described.setdefault("chat_template", None)  # described before conversations were served
+        described["user_defined_pieces"] = tuple(described.get("user_defined_pieces") or ())  # JSON: a list
         kept = {f.name: described[f.name] for f in fields(cls) if f.name not in SERVER_ONLY}
         return cls(path=path, **kept)
 

@@ -60,6 +60,7 @@ def model_info(name: str, files: ModelFiles, library: libraries.Library) -> Mode
         eos_id=library.eos_id,
         pad_id=library.pad_id,
         unk_id=library.unk_id,
+        user_defined_pieces=library.user_defined_pieces,
         sha256=files.sha256,
         files=files.files,
         chat_template=chat.announce(files.template),
