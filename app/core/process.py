@@ -242,11 +242,6 @@ def serve(connection: socket.socket, startup: Startup, progress: Any) -> None:
             if kind == channel.FALLBACK:  # another worker's shadow check found fastokens wrong on this model
                 libraries_of_models[protocol.read_fallback(payload)].fall_back()
                 continue
-            if kind == channel.PROMOTE:  # the background gate passed this model: fastokens encodes it now
-                position = protocol.read_fallback(payload)
-                if libraries_of_models[position].promote():
-                    shadow.watch(startup.models[position].name, libraries_of_models[position])
-                continue
             try:
                 reply, parts = handler.handle(kind, payload, _sharer(connection, number))
             except Exception:
