@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -82,6 +83,26 @@ def stop_server(process: subprocess.Popen[bytes]) -> None:
     stop(process)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def gate_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One gate cache (TOKENIZER_CACHE_DIR) for every test and every server the tests start, beside pytest's
+    own temporary directories (/tmp/pytest-of-USER/tokenizer-service-cache): each distinct model is scanned
+    once, not once per server, and the user's own cache (~/.cache/tokenizer-service) is never written. It
+    outlives the run (verdicts are keyed by both libraries' versions, the files' bytes and the check set, so
+    a later run reuses only what still holds). Tests of the scan itself use caches of their own."""
+    from tokenizer_service.core.libraries import CACHE_DIR_ENV
+
+    directory = tmp_path_factory.getbasetemp().parent / "tokenizer-service-cache"
+    directory.mkdir(exist_ok=True)
+    previous = os.environ.get(CACHE_DIR_ENV)
+    os.environ[CACHE_DIR_ENV] = str(directory)
+    yield directory
+    if previous is None:
+        os.environ.pop(CACHE_DIR_ENV, None)
+    else:
+        os.environ[CACHE_DIR_ENV] = previous
+
+
 @pytest.fixture(scope="session")
 def model_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     directory = tmp_path_factory.mktemp("models")
@@ -110,7 +131,19 @@ def library_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """tokenizer.json (a BPE snapshot, unigram, WordPiece) and tiktoken models trained here (tokenizer_models.py)."""
     from tests.tokenizer_models import write_all
 
-    return write_all(tmp_path_factory.mktemp("library-models"), read_documents(), read_multilingual())
+    models = write_all(tmp_path_factory.mktemp("library-models"), read_documents(), read_multilingual())
+    settle_gates(models)  # servers of these models then encode with fastokens from their first request
+    return models
+
+
+def settle_gates(models: dict[str, Path]) -> None:
+    """Each model's fast-encoder gate verdict in the session's cache (`gate_cache`), scanned here where it is
+    not there yet: what tests that expect fastokens from a server's start need (a server with no verdict
+    serves with the reference library until its background scan passes)."""
+    from tokenizer_service.core.registry import inspect_model
+
+    for name, path in models.items():
+        inspect_model(name, path, wait=True)
 
 
 @pytest.fixture(scope="session")

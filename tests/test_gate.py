@@ -14,7 +14,7 @@ import pytest
 
 from tokenizer_service.core import checkset, libraries
 from tokenizer_service.core.errors import InvalidField
-from tokenizer_service.core.models import find_model_files
+from tokenizer_service.core.models import files_sha256, find_model_files
 from tests.test_libraries import cl100k_file
 
 
@@ -97,7 +97,7 @@ def test_a_verdict_is_remembered_and_an_unwritable_cache_is_no_cache(
     assert libraries.load(files).encoder == "fastokens"
     assert calls == [1]  # the second load read the verdict
     (verdict,) = [json.loads(file.read_text()) for file in (tmp_path / "gate").glob("*.json")]
-    assert verdict["passed"] and verdict["key"]["model_sha256"] == files.sha256
+    assert verdict["passed"] and verdict["key"]["files_sha256"] == files_sha256(files.contents)
     assert verdict["key"]["fast"].startswith("fastokens ") and verdict["key"]["checkset"] == checkset.VERSION
     blocked = tmp_path / "file"
     blocked.write_text("not a directory")

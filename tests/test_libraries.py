@@ -117,7 +117,7 @@ def test_ids_are_the_librarys_on_real_and_edge_text(models, documents, multiling
 
 
 def test_fast_encoders_pass_their_check_where_fastokens_supports_the_model(models):
-    encoders = {name: inspect_model(name, path).encoder for name, path in models.items()}
+    encoders = {name: inspect_model(name, path, wait=True).encoder for name, path in models.items()}
     # fastokens serves byte-level BPE (tokenizer.json and tiktoken); NFKC unigram and BERT's normalizer it
     # cannot load, so those are served by tokenizers itself, and say so
     assert encoders["hfbpe"] == "fastokens" and encoders["tt"] == "fastokens"

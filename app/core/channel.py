@@ -31,6 +31,7 @@ FINISH = 3  # the parts of a split /v1/pack request, to pack and answer
 PING = 4  # a round trip: the worker has loaded its models
 POISON = 5  # remember a text that killed workers (no reply)
 FALLBACK = 6  # encode this model with its reference library from now on (no reply)
+PROMOTE = 7  # encode this model with fastokens from now on: its gate passed in the background (no reply)
 
 # Worker to server
 DONE = 11  # the whole answer: meta + body bytes

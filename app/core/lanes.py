@@ -164,9 +164,10 @@ class Worker:
             self._start_clock(job)
         self._transport.writelines(channel.frame_parts(job.number, job.kind, job.parts))
 
-    def fall_back(self, payload: bytes) -> None:
+    def fall_back(self, payload: bytes, kind: int = channel.FALLBACK) -> None:
+        """A FALLBACK (or a PROMOTE): the encoder of one model changes."""
         if self._transport is not None and self.state is not WorkerState.GONE:
-            self._transport.writelines(channel.frame(0, channel.FALLBACK, payload))
+            self._transport.writelines(channel.frame(0, kind, payload))
 
     def poison(self, payload: bytes) -> None:
         if self._transport is not None and self.state is not WorkerState.GONE:  # a starting one too (Lane._ready)
@@ -275,7 +276,8 @@ class Lane:
         self._on_change = on_change
         self._restarts: dict[int, asyncio.Task[None]] = {}
         self._poison: list[bytes] = []
-        self._fallbacks: list[bytes] = []  # models encoded by the reference library since a shadow mismatch
+        # models whose encoder changed since the workers were announced them, in order: (PROMOTE or FALLBACK, payload)
+        self._fallbacks: list[tuple[int, bytes]] = []
         self.on_verified: Callable[[Buffer], None] | None = None  # takes a worker's VERIFIED
         self._loop: asyncio.AbstractEventLoop | None = None
         self.cores = usable_cpus()
@@ -316,8 +318,8 @@ class Lane:
             raise RuntimeError(f"{self.name} worker {worker.pid} answered its first ping with kind {kind}")
         for payload in self._poison:
             worker.poison(payload)
-        for payload in self._fallbacks:
-            worker.fall_back(payload)
+        for kind, payload in self._fallbacks:
+            worker.fall_back(payload, kind)
         worker.state = WorkerState.SERVING
         self.failing = False
         self._changed()
@@ -498,9 +500,10 @@ class Lane:
             if worker is not None and worker.serving:
                 worker.poison(payload)
 
-    def broadcast_fallback(self, payload: bytes) -> None:
-        """Every worker, and every one started later, encodes the model with its reference library."""
-        self._fallbacks.append(payload)
+    def broadcast_fallback(self, payload: bytes, kind: int = channel.FALLBACK) -> None:
+        """Every worker, and every one started later, encodes the model with its reference library (FALLBACK),
+        or with fastokens (PROMOTE: its gate passed in the background)."""
+        self._fallbacks.append((kind, payload))
         for worker in self.workers:
             if worker is not None and worker.state is not WorkerState.GONE:
-                worker.fall_back(payload)
+                worker.fall_back(payload, kind)

@@ -27,8 +27,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import logging
+import multiprocessing
 import os
 import random
 import tempfile
@@ -50,6 +52,7 @@ from tokenizer_service.core.models import (
     TOKENIZERS,
     ModelFiles,
     ModelLoadError,
+    files_sha256,
     hf_model_type,
     tiktoken_ranks,
     tiktoken_spec,
@@ -172,10 +175,23 @@ class Library(ABC):
         """The reference library's own ids of each text (what a fast encoder is checked against)."""
         return [list(row) for row in flatten_rows(*self.encode_plain(texts, parse_special))]
 
+    fallen = False  # fell back after a shadow mismatch: never promoted again
+
     def fall_back(self) -> None:
         """Encode with the reference library from now on (fastokens differed from it)."""
         self.fast = None
         self.encoder = self.library
+        self.fallen = True
+
+    def promote(self) -> bool:
+        """Encode with fastokens from now on: its gate passed in another process (the background scan) on these
+        very files; the check set runs here again. Nothing for a model that fell back, or has no fast encoder."""
+        if self.fast is not None or self.fallen or not hasattr(self, "_build_fast"):
+            return self.fast is not None
+        return _adopt_fast(self, trusted=True)
+
+    def _fast_adopted(self) -> None:
+        """fastokens now encodes this model."""
 
     def special_ids(self) -> dict[str, int]:
         return {"bos": self.bos_id, "eos": self.eos_id, "pad": self.pad_id, "unk": self.unk_id}
@@ -353,14 +369,19 @@ def _touching(texts: list[str], firsts: set[str]) -> list[int]:
     return [index for index, text in enumerate(texts) if not firsts.isdisjoint(text)]
 
 
-def scan(reference: Rows, fast: Rows, special: Sequence[str]) -> str | None:
+def scan(reference: Rows, fast: Rows, special: Sequence[str], separator: tuple[str, int] | None = None) -> str | None:
     """None when `fast` gives `reference`'s ids for every code point and every special-token string, else
     what differs, naming the code points (U+XXXX) or the special-token strings.
 
     Every code point (`checkset.code_point_blocks`: after a space, between letters, three in a row;
-    `checkset.edge_text`: at the start and the end of a text) with special tokens as text, and where a
-    text holds the first character of a special-token string, parsing them too; every special-token
-    string (`checkset.token_groups`) in both modes. A text that differs is bisected to what differs."""
+    `checkset.edge_text`: at the start and the end of a text) with special tokens as text, and
+    where a text holds the first character of a special-token string, parsing them too; every special-token
+    string (`checkset.token_groups`) in both modes. A text that differs is bisected to what differs.
+
+    `separator` (`edge_separator`: a special-token string and its id, for a model whose library encodes the
+    text between two special tokens exactly as a text of its own): the reference library encodes the edge
+    texts joined by it, parsing special tokens, and its ids are cut at the separator's; fastokens still
+    encodes every edge text as a text of its own. Without it, the reference encodes them one by one."""
     tokens = [token for token in special if token]
     firsts = {token[0] for token in tokens}
     try:
@@ -376,16 +397,26 @@ def scan(reference: Rows, fast: Rows, special: Sequence[str]) -> str | None:
                     f"code point {checkset.describe(points)} (after a space, between letters, repeated; "
                     f"{_mode(parse_special)})"
                 )
+        del block_texts
         points = checkset.code_points()
+        where = "at the start and the end of a text"
         for first in range(0, len(points), GATE_BATCH_TEXTS):  # built a batch at a time: bounded memory
             some = points[first : first + GATE_BATCH_TEXTS]
             edges = [checkset.edge_text(point) for point in some]
+            touched = _touching(edges, firsts)
+            alone: Sequence[int] = range(len(some))
+            if separator is not None:  # the reference's ids of every untouched edge text from joined texts
+                untouched = sorted(set(range(len(some))) - set(touched))
+                bad = _differing_joined(reference, fast, [edges[index] for index in untouched], separator)
+                if bad:
+                    culprits = [some[untouched[index]] for index in bad]
+                    return f"code point {checkset.describe(culprits)} ({where}; {_mode(False)})"
+                alone = touched
             for parse_special in (False, True):
-                chosen = range(len(some)) if not parse_special else _touching(edges, firsts)
+                chosen = alone if not parse_special else touched
                 bad = _differing(reference, fast, [edges[index] for index in chosen], parse_special)
                 if bad:
                     culprits = [some[chosen[index]] for index in bad]
-                    where = "at the start and the end of a text"
                     return f"code point {checkset.describe(culprits)} ({where}; {_mode(parse_special)})"
         groups = checkset.token_groups(tokens)
         for parse_special in (False, True):
@@ -400,6 +431,67 @@ def scan(reference: Rows, fast: Rows, special: Sequence[str]) -> str | None:
     except Exception as exc:  # a fast encoder that cannot encode a text is not used
         return f"fastokens failed on the code-point scan: {exc!r}"
     return None
+
+
+EDGES_PER_TEXT = 1024  # edge texts the reference encodes joined into one text (with a separator)
+
+
+def _differing_joined(reference: Rows, fast: Rows, texts: list[str], separator: tuple[str, int]) -> list[int]:
+    """Indexes of the texts (none holding a special-token string) that `fast`, encoding each alone, encodes
+    otherwise than `reference` encodes them joined by the separator (its ids cut at the separator's id;
+    a joined text whose cut does not give one row a text is encoded again text by text)."""
+    token, token_id = separator
+    joined = [token.join(texts[start : start + EDGES_PER_TEXT]) for start in range(0, len(texts), EDGES_PER_TEXT)]
+    want: list[list[int]] = []
+    for start in range(0, len(joined), max(1, GATE_BATCH_CHARS // (16 * EDGES_PER_TEXT))):
+        batch = joined[start : start + max(1, GATE_BATCH_CHARS // (16 * EDGES_PER_TEXT))]
+        for offset, row in enumerate(reference(batch, True)):
+            first = (start + offset) * EDGES_PER_TEXT
+            group = texts[first : first + EDGES_PER_TEXT]
+            rows = _cut(list(row), token_id)
+            want += rows if len(rows) == len(group) else reference(group, False)
+    have = fast(texts, False)
+    return [index for index, (a, b) in enumerate(zip(want, have, strict=True)) if list(a) != list(b)]
+
+
+def _cut(row: list[int], token_id: int) -> list[list[int]]:
+    rows: list[list[int]] = [[]]
+    for token in row:
+        if token == token_id:
+            rows.append([])
+        else:
+            rows[-1].append(token)
+    return rows
+
+
+def edge_separator(library: Any) -> tuple[str, int] | None:
+    """A special-token string (the shortest) between whose occurrences the reference library encodes a text
+    exactly as a text of its own, with its id; None where that is not known to hold.
+
+    tiktoken encodes the pieces between special tokens one by one (its `encode`). tokenizers pre-tokenizes
+    each piece between added tokens on its own, unless the model prepends something to the first piece only
+    (Metaspace's prepend_scheme "first", a Prepend normalizer: start-of-text behaviour, so edge texts are
+    encoded one by one) or the token strips the whitespace beside it (lstrip/rstrip)."""
+    if library.library == TIKTOKEN:
+        tokens = library.spec.special_tokens
+        if not tokens:
+            return None
+        shortest = min(tokens, key=lambda token: (len(token), token))
+        return shortest, tokens[shortest]
+    if library.library != TOKENIZERS:
+        return None
+    document = json.loads(library.files.contents[0])
+    shaped = json.dumps([document.get("normalizer"), document.get("pre_tokenizer")])
+    if '"Metaspace"' in shaped or '"Prepend"' in shaped:
+        return None
+    candidates = [
+        (added.content, token_id)
+        for token_id, added in library.reference.get_added_tokens_decoder().items()
+        if added.special and added.content and not (added.lstrip or added.rstrip or added.single_word)
+    ]
+    if not candidates:
+        return None
+    return min(candidates, key=lambda found: (len(found[0]), found[0]))
 
 
 def cache_dir() -> Path:
@@ -418,12 +510,13 @@ def _version(package: str) -> str:
         return "unknown"
 
 
-def gate_key(library: Any) -> dict[str, Any]:
-    """What a gate verdict depends on: both encoders and their versions, the model's bytes, the check set."""
+def gate_key(files: ModelFiles) -> dict[str, Any]:
+    """What a gate verdict depends on: both encoders and their versions, the tokenizer files' bytes (not a chat
+    template's, which the model's sha256 also covers: a new template is no reason to scan again), the check set."""
     return {
         "fast": f"{FASTOKENS} {_version(FASTOKENS)}",
-        "reference": f"{library.library} {_version(library.library)}",
-        "model_sha256": library.files.sha256,
+        "reference": f"{files.library} {_version(files.library)}",
+        "files_sha256": files_sha256(files.contents),
         "checkset": checkset.VERSION,
     }
 
@@ -471,40 +564,129 @@ def _fastokens() -> Any | None:
     return fastokens
 
 
-def _adopt_fast(library: Any, build: Callable[[Any], Any], special: list[str], trusted: bool = False) -> bool:
-    """Put fastokens in front of `library` if it loads the model and passes the gate; else log why not, once.
+PENDING, PASSED, REFUSED = "pending", "passed", "refused"  # a model's gate, as the announcing process sees it
+NOT_INSTALLED = "fastokens is not installed"
 
-    The gate: the check set (both modes), then the scan of every code point and special-token string
-    (`scan`), whose verdict is remembered in the cache (`cache_dir`) by `gate_key`. `trusted`: the process
-    that announced the model passed the whole gate on these very files (a worker): the check set only.
-    On success the reference library's copy is dropped (loaded again only to decode or verify)."""
-    where, name = library.files.path, library.library
+
+def announced_gate(files: ModelFiles, encoder: str = FAST) -> tuple[str | None, str | None]:
+    """(the gate's state, what differs) for a process that announces a model without encoding it: PASSED or
+    REFUSED from the cached verdict, PENDING where there is none (to be scanned beside the work), None where
+    no gate applies (SentencePiece, `encoder` reference). Loads nothing: fastokens is not even imported."""
+    if encoder != FAST or files.library not in (TOKENIZERS, TIKTOKEN):
+        return None, None
+    if importlib.util.find_spec(FASTOKENS) is None:
+        return REFUSED, NOT_INSTALLED
+    verdict = cached_verdict(gate_key(files))
+    if verdict is None:
+        return PENDING, None
+    return (PASSED, None) if verdict["passed"] else (REFUSED, verdict["differs"])
+
+
+def refusal_line(path: Path, library: str, differs: str) -> str:
+    """The warning, logged once, of a model the gate refused (its `library` encodes it)."""
+    if differs == NOT_INSTALLED or differs.startswith("fastokens cannot load it"):
+        return f"{path}: {differs}; encoding with {library}"
+    return f"{path}: fastokens differs from {library} ({differs}); encoding with {library}"
+
+
+# Tests only (tests/test_gate_background.py): a directory where each process notes every model it loads and every
+# fast encoder it builds, one line each ("PID PROCESS-NAME load|fast FILE"): what counts loads per process.
+COUNT_ENV = "TOKENIZER_TEST_COUNT_LOADS"
+
+
+def _count(kind: str, files: ModelFiles) -> None:
+    directory = os.environ.get(COUNT_ENV)
+    if directory:
+        with open(Path(directory) / "loads.txt", "a") as file:
+            name = multiprocessing.current_process().name
+            file.write(f"{os.getpid()} {name} {kind} {files.main.name}\n")
+
+
+def _build_fast(library: Any) -> tuple[Any | None, str | None]:
+    """fastokens' tokenizer of `library`'s model, else (None, why not)."""
     fastokens = _fastokens()
     if fastokens is None:
-        logger.warning("%s: fastokens is not installed; encoding with %s", where, name)
-        return False
+        return None, NOT_INSTALLED
+    _count("fast", library.files)
     try:
-        fast = build(fastokens)
-    except Exception as exc:  # a model fastokens does not support (a normalizer, a pattern): the library serves it
-        logger.warning("%s: fastokens cannot load it (%s); encoding with %s", where, exc, name)
-        return False
-    fast_rows = _fast_rows(fast)
-    differs = gate(str(where), library._reference_rows, fast_rows, checkset.texts(special))
-    if differs is None and not trusted:
-        key = gate_key(library)
-        verdict = cached_verdict(key)
-        if verdict is not None:
-            differs = verdict["differs"] if not verdict["passed"] else None
-        else:
-            started = time.monotonic()
-            differs = scan(library._reference_rows, fast_rows, special)
-            seconds = time.monotonic() - started
-            logger.info("%s: the fast encoder's gate took %.1fs (%s)", where, seconds, "passed" if differs is None else "refused")
-            remember_verdict(key, differs, seconds)
-    if differs is not None:
-        logger.warning("%s: fastokens differs from %s (%s); encoding with %s", where, name, differs, name)
+        return library._build_fast(fastokens), None
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as exc:  # a model fastokens does not support (a normalizer, a pattern), pyo3's panics
+        return None, f"fastokens cannot load it ({exc})".splitlines()[0]
+
+
+def gate_verdict(
+    library: Any, trusted: bool = False, report: Callable[[str | None, float], None] | None = None
+) -> tuple[Any | None, str | None]:
+    """(fastokens' tokenizer, None) when it passes the gate for `library`'s model, else (None, what differs).
+
+    The gate: fastokens loads the model, gives the reference ids on the check set (both modes), then on
+    every code point and special-token string (`scan`), whose verdict (a refusal too) is remembered in the
+    cache (`cache_dir`) by `gate_key`: a cached refusal builds nothing, a cached pass runs the check set
+    only. One process scans a key at a time (a lock file beside the verdict): another one that wants the
+    same verdict waits for it. `trusted`: the process that announced the model passed the whole gate on
+    these very files (a worker): the check set only, nothing cached. `report(differs, seconds)` hears a
+    verdict as it is settled (scanned or read), before it is remembered. Logs nothing."""
+    key = None if trusted else gate_key(library.files)
+    verdict = None if key is None else cached_verdict(key)
+    if verdict is not None and not verdict["passed"]:
+        if report is not None:
+            report(verdict["differs"], 0.0)
+        return None, verdict["differs"]
+    started = time.monotonic()
+    fast, differs = _build_fast(library)
+    if fast is None and differs == NOT_INSTALLED:
+        return None, differs  # not a verdict on the model: never remembered
+    if fast is not None:
+        differs = gate(str(library.files.path), library._reference_rows, _fast_rows(fast), checkset.texts(library.special))
+    if key is not None and verdict is None:
+        with _scan_lock(key):
+            verdict = cached_verdict(key)  # another process may have scanned it while this one waited
+            if verdict is None:
+                if differs is None:
+                    differs = scan(library._reference_rows, _fast_rows(fast), library.special, edge_separator(library))
+                seconds = time.monotonic() - started
+                if report is not None:
+                    report(differs, seconds)
+                remember_verdict(key, differs, seconds)
+                return (fast if differs is None else None), differs
+            if not verdict["passed"]:
+                differs = verdict["differs"]
+    if report is not None:
+        report(differs, 0.0)
+    return (fast if differs is None else None), differs
+
+
+@contextlib.contextmanager
+def _scan_lock(key: dict[str, Any]) -> Any:
+    """Held while a key is scanned (an exclusive lock on a file beside its verdict); no cache, no lock."""
+    try:
+        import fcntl
+
+        path = _cache_file(key).with_suffix(".lock")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a+b")  # noqa: SIM115  # closed below, after the lock
+    except (ImportError, OSError):
+        yield
+        return
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+
+
+def _adopt_fast(library: Any, trusted: bool = False) -> bool:
+    """Put fastokens in front of `library` if it passes the gate (`gate_verdict`); else log why not, once.
+    On success the reference library's copy is dropped (loaded again only to decode or verify)."""
+    fast, differs = gate_verdict(library, trusted)
+    if fast is None:
+        logger.warning("%s", refusal_line(library.files.path, library.library, differs or "?"))
         return False
     library.fast, library.encoder, library._reference = fast, FASTOKENS, None
+    library._fast_adopted()
     return True
 
 
@@ -572,7 +754,7 @@ class HuggingFace(Library):
         self.encoder = TOKENIZERS
         self.max_text_chars = REFERENCE_MAX_TEXT_CHARS
         if encoder == FAST:
-            self._try_fast(files, trusted)
+            _adopt_fast(self, trusted)
 
     def _load_reference(self) -> Any:
         import tokenizers
@@ -591,15 +773,14 @@ class HuggingFace(Library):
             self._reference = self._load_reference()
         return self._reference
 
-    def _try_fast(self, files: ModelFiles, trusted: bool) -> None:
-        def build(fastokens: Any) -> Any:
-            fast = fastokens.Tokenizer.from_json_str(files.contents[0].decode("utf-8"))
-            fast.no_truncation()
-            fast.no_padding()
-            return fast
+    def _build_fast(self, fastokens: Any) -> Any:
+        fast = fastokens.Tokenizer.from_json_str(self.files.contents[0].decode("utf-8"))
+        fast.no_truncation()
+        fast.no_padding()
+        return fast
 
-        if _adopt_fast(self, build, self.special, trusted):
-            self.max_text_chars = None
+    def _fast_adopted(self) -> None:
+        self.max_text_chars = None
 
     def fall_back(self) -> None:
         super().fall_back()
@@ -611,7 +792,9 @@ class HuggingFace(Library):
     def _reference_rows(self, texts: list[str], parse_special: bool) -> list[list[int]]:
         reference = self.reference
         reference.encode_special_tokens = not parse_special
-        return [encoding.ids for encoding in reference.encode_batch(texts, add_special_tokens=False)]
+        # encode_batch_fast (tokenizers 0.21+): the same ids, without the offsets nobody reads here
+        encode = getattr(reference, "encode_batch_fast", reference.encode_batch)
+        return [encoding.ids for encoding in encode(texts, add_special_tokens=False)]
 
     def encode_plain(self, texts: list[str], parse_special: bool) -> Encoded:
         if self.fast is not None:
@@ -699,7 +882,7 @@ class Tiktoken(Library):
         self.fast: Any | None = None
         self.encoder = TIKTOKEN
         if encoder == FAST:
-            self._try_fast(files, trusted)
+            _adopt_fast(self, trusted)
 
     def _load_reference(self) -> Any:
         import tiktoken
@@ -728,13 +911,14 @@ class Tiktoken(Library):
             self._reference = self._load_reference()
         return self._reference
 
-    def _try_fast(self, files: ModelFiles, trusted: bool) -> None:
-        def build(fastokens: Any) -> Any:
-            return fastokens.Tokenizer.from_tiktoken(
-                str(files.main), pattern=self.spec.pat_str, special_tokens=self.spec.special_tokens
-            )
+    @property
+    def special(self) -> list[str]:
+        return list(self.spec.special_tokens)
 
-        _adopt_fast(self, build, list(self.spec.special_tokens), trusted)
+    def _build_fast(self, fastokens: Any) -> Any:
+        return fastokens.Tokenizer.from_tiktoken(
+            str(self.files.main), pattern=self.spec.pat_str, special_tokens=self.spec.special_tokens
+        )
 
     def reference_rows(self, texts: list[str], parse_special: bool) -> list[list[int]]:
         return self._reference_rows(texts, parse_special)
@@ -777,7 +961,10 @@ LIBRARIES: dict[str, type[Library]] = {SENTENCEPIECE: SentencePiece, TOKENIZERS:
 
 def load(files: ModelFiles, encoder: str = FAST, trusted: bool = False) -> Library:
     """The model in its library, with fastokens in front when `encoder` is fast and it passes the gate
-    (`trusted`: the announcing process passed the whole gate on these files; the check set only)."""
+    (`trusted`: the announcing process passed the whole gate on these files; the check set only). Untrusted,
+    a gate with no cached verdict scans here, blocking (the server and the pre-tokenizer scan beside their
+    work instead: tokenizer_service.core.gatescan)."""
+    _count("load", files)
     library = LIBRARIES[files.library](files, encoder, trusted)
     planted = os.environ.get(PLANT_ENV)
     if planted and trusted:  # tests only: a worker whose fast encoder differs after its gate

@@ -56,7 +56,7 @@ class ModelLoadError(RuntimeError):
     """A configured model file is missing, unreadable, or none of the kinds this service serves."""
 
 
-SERVER_ONLY = frozenset({"path", "files", "chat_template_path"})  # ModelInfo's fields that /v1/models and metadata.json leave out
+SERVER_ONLY = frozenset({"path", "files", "chat_template_path", "gate"})  # ModelInfo's fields that /v1/models and metadata.json leave out
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,9 @@ class ModelInfo:
     # null, or {"sha256", "source", "loss_mask"} (tokenizer_service.core.chat.announce)
     chat_template: dict[str, Any] | None = None
     chat_template_path: Path | None = field(default=None, compare=False)  # --chat-template's file, for workers
+    # the fast encoder's gate as announced (tokenizer_service.core.libraries.announced_gate): "pending" is
+    # scanned beside the work (tokenizer_service.core.gatescan) while `encoder` names the library
+    gate: str | None = field(default=None, compare=False)
     # what sentencepiece matches in any text whatever parse_special_tokens says: its USER_DEFINED pieces
     # (read from the model file, which sha256 covers; () for the other libraries)
     user_defined_pieces: tuple[str, ...] = field(default=(), compare=False)

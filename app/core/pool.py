@@ -29,7 +29,7 @@ from tokenizer_service.core.errors import PoisonInput, ServiceError, Unavailable
 from tokenizer_service.core.handler import Limits
 from tokenizer_service.core.join import Answer, ChunkResult, join_detokenize, join_tokenize, read_chunk_result, read_done
 from tokenizer_service.core.lanes import Lane, WorkerCrashed
-from tokenizer_service.core.libraries import FASTOKENS
+from tokenizer_service.core.libraries import FASTOKENS, refusal_line
 from tokenizer_service.core.models import SENTENCEPIECE, ModelInfo
 from tokenizer_service.core.poison import text_digest
 from tokenizer_service.core.process import Startup
@@ -42,6 +42,7 @@ from tokenizer_service.core.protocol import (
     finish_payload,
     load_chunk,
     poison_payload,
+    promotion_payload,
     read_split,
     read_verified,
     request_head,
@@ -85,7 +86,8 @@ class WorkerPool:
         if any(info.library == SENTENCEPIECE for info in models):
             self.sampler = Lane("seeded-sampler", 1, startup, metrics, on_change=self._changed, **common)
         self.lanes = [lane for lane in (self.tokenizers, self.sampler) if lane is not None]
-        # shadow verification: a mismatch falls the model back to its reference library in every worker
+        # shadow verification: a mismatch falls the model back to its reference library in every worker; the
+        # background gate (tokenizer_service.core.gatescan): a pass promotes it to fastokens in every worker
         self.on_fallback: Callable[[ModelInfo], None] = _ignore  # called with the model's new announcement
         self.fallen: set[int] = set()
         for lane in self.lanes:
@@ -141,6 +143,29 @@ class WorkerPool:
         for lane in self.lanes:
             lane.broadcast_fallback(fallback_payload(model))
         self.models[model] = dataclasses.replace(info, encoder=info.library)
+        self.on_fallback(self.models[model])
+
+    def gate_verdict(self, model: int, differs: str | None, seconds: float) -> None:
+        """The background scan's verdict on a model announced with its reference library: a pass promotes it to
+        fastokens in every worker, now and after any restart (PROMOTE), and the announcement says so; a refusal
+        is logged once and changes nothing."""
+        info = self.models[model]
+        if differs is not None:
+            logger.warning("%s", refusal_line(info.path, info.library, differs))
+            self.models[model] = dataclasses.replace(info, gate="refused")
+            return
+        if model in self.fallen or info.encoder == FASTOKENS:
+            return
+        logger.info(
+            "model %r: the fast encoder's gate passed (%.1fs of scan); every worker now encodes it with fastokens",
+            info.name,
+            seconds,
+        )
+        for lane in self.lanes:
+            lane.broadcast_fallback(promotion_payload(model), channel.PROMOTE)
+        self.metrics.shadow_checks.labels(info.name)  # exported at 0 from now on, as for a model fast from the start
+        self.metrics.shadow_mismatches.labels(info.name)
+        self.models[model] = dataclasses.replace(info, encoder=FASTOKENS, gate="passed")
         self.on_fallback(self.models[model])
 
     def pids(self) -> list[int]:

@@ -119,12 +119,18 @@ def library(name: str) -> Library:
     return _libraries[name]
 
 
-def encode_chunk(model: str, texts: list[str], options: EncodeOptions) -> TokenizedBatch:
-    """Tokenize texts[i] exactly as the model's library would in-process (the pre-tokenizer's pool)."""
+def encode_chunk(
+    model: str, texts: list[str], options: EncodeOptions, encoder: str | None = None
+) -> tuple[TokenizedBatch, str]:
+    """Tokenize texts[i] exactly as the model's library would in-process (the pre-tokenizer's pool): the ids,
+    and what encoded them. `encoder` fastokens: the model's gate passed in the background since the pool
+    started; this worker promotes it first (the ids are the same either way)."""
     from tokenizer_client.batches import TokenizedBatch  # here, not at import: the server's workers never need it
 
     library = _libraries[model]
     shadow = _pretokenize_shadow(model, library)
+    if encoder == libraries.FASTOKENS and library.fast is None and library.promote():
+        shadow.watch(model, library)
     ids, lengths = library.encode(texts, options)
     for report in shadow.run():  # before the chunk is handed back: a wrong chunk never reaches a shard
         if report.mismatch is not None:
@@ -132,7 +138,7 @@ def encode_chunk(model: str, texts: list[str], options: EncodeOptions) -> Tokeni
                 f"model {model!r}: fastokens encoded a text otherwise than {library.library} "
                 f"(shadow verification): {report.mismatch}"
             )
-    return TokenizedBatch(ids, ragged_offsets(lengths), model, None)
+    return TokenizedBatch(ids, ragged_offsets(lengths), model, None), library.encoder
 
 
 def _dialogue_encoder(model: str, kind: str) -> Any:
@@ -241,6 +247,11 @@ def serve(connection: socket.socket, startup: Startup, progress: Any) -> None:
                 continue
             if kind == channel.FALLBACK:  # another worker's shadow check found fastokens wrong on this model
                 libraries_of_models[protocol.read_fallback(payload)].fall_back()
+                continue
+            if kind == channel.PROMOTE:  # the background gate passed this model: fastokens encodes it now
+                position = protocol.read_fallback(payload)
+                if libraries_of_models[position].promote():
+                    shadow.watch(startup.models[position].name, libraries_of_models[position])
                 continue
             try:
                 reply, parts = handler.handle(kind, payload, _sharer(connection, number))

@@ -10,6 +10,7 @@ CHUNK      to worker    CHUNK_HEAD (careful), a pickled `Chunk`
 FINISH     to worker    blobs: the pickled `PackContext`, then each PART payload (a split /v1/pack)
 POISON     to worker    POISON_HEAD (model index, text length), then the text's digest
 FALLBACK   to worker    FALLBACK_HEAD (model index): encode it with the reference library from now on
+PROMOTE    to worker    FALLBACK_HEAD (model index): encode it with fastokens from now on (its gate passed)
 VERIFIED   to server    job 0, between replies: VERIFIED_HEAD (model index, texts checked, mismatch), then
                         the mismatch's log line (UTF-8; empty when none): shadow verification
 DONE       to server    RESULT_HEAD, then the answer's bytes (JSON, or the binary frame)
@@ -238,6 +239,11 @@ def fallback_payload(model: int) -> bytes:
     return FALLBACK_HEAD.pack(model)
 
 
+def promotion_payload(model: int) -> bytes:
+    return FALLBACK_HEAD.pack(model)
+
+
 def read_fallback(payload: Buffer) -> int:
+    """The model index of a FALLBACK or a PROMOTE."""
     (model,) = FALLBACK_HEAD.unpack_from(payload)
     return int(model)

@@ -19,13 +19,18 @@ __all__ = ["ModelRegistry", "inspect_model", "model_info"]
 
 
 def inspect_model(
-    name: str, path: Path, encoder: str = libraries.FAST, chat_template: Path | None = None
+    name: str, path: Path, encoder: str = libraries.FAST, chat_template: Path | None = None, wait: bool = False
 ) -> ModelInfo:
     """What the model at `path` is (any of the three kinds); ModelLoadError in one line when it is none.
-    `chat_template`: a --chat-template file, which overrides the model's own template."""
+    `chat_template`: a --chat-template file, which overrides the model's own template.
+
+    The announcing process loads the reference library only, to describe the model, and never builds the
+    fast encoder: `encoder` fastokens where the gate's cached verdict passed it, else the library, with
+    `gate` "pending" where no verdict is cached (scanned beside the work: tokenizer_service.core.gatescan).
+    A cached refusal is logged once. `wait`: a pending gate is run here instead, blocking (seconds to a minute)."""
     files = find_model_files(name, path, chat_template)
     try:
-        library = libraries.load(files, encoder)
+        library = libraries.load(files, libraries.REFERENCE)
     except ModelLoadError as exc:
         raise ModelLoadError(f"model {name!r}: {exc}") from None
     except (KeyboardInterrupt, SystemExit, GeneratorExit):
@@ -41,19 +46,29 @@ def inspect_model(
         )
     if files.template is not None and (problem := chat.check_syntax(files.template)) is not None:
         raise ModelLoadError(f"model {name!r}: {problem}")
-    info = model_info(name, files, library)
+    gate, differs = libraries.announced_gate(files, encoder)
+    if gate == libraries.PENDING and wait:
+        fast, differs = libraries.gate_verdict(library)
+        gate = libraries.PASSED if fast is not None else libraries.REFUSED
+    if gate == libraries.REFUSED:
+        logger.warning("%s", libraries.refusal_line(files.path, files.library, differs or "?"))
+    info = model_info(name, files, library, libraries.FASTOKENS if gate == libraries.PASSED else library.encoder, gate)
     if info.chat_template is not None and info.chat_template["loss_mask"] is None:
         logger.warning("%s", chat.no_mask_message(name) + "; its texts are served, its conversations refused")
     return info
 
 
-def model_info(name: str, files: ModelFiles, library: libraries.Library) -> ModelInfo:
-    """The announcement of a model whose files are loaded in `library`."""
+def model_info(
+    name: str, files: ModelFiles, library: libraries.Library, encoder: str | None = None, gate: str | None = None
+) -> ModelInfo:
+    """The announcement of a model whose files are loaded in `library` (`encoder`: what will encode it, when
+    not the one `library` encodes with)."""
     return ModelInfo(
         name=name,
         path=files.path,
         library=files.library,
-        encoder=library.encoder,
+        encoder=encoder or library.encoder,
+        gate=gate,
         type=library.type,
         vocab_size=library.vocab_size,
         bos_id=library.bos_id,
@@ -93,6 +108,12 @@ class ModelRegistry:
 
     def get(self, name: str | None) -> ModelInfo | None:
         return self.models.get(self.default if name is None else name)
+
+    def pending(self) -> list[tuple[int, ModelInfo]]:
+        """The models (position, announcement) whose fast encoder's gate is still to run."""
+        return [
+            (position, info) for position, info in enumerate(self.models.values()) if info.gate == libraries.PENDING
+        ]
 
     def paths(self) -> dict[str, str]:
         return {name: str(info.path) for name, info in self.models.items()}

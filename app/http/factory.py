@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -14,6 +16,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from tokenizer_service import __version__
 from tokenizer_service.core import memory
+from tokenizer_service.core.gatescan import GateScan
 from tokenizer_service.core.handler import Limits
 from tokenizer_service.core.models import ModelInfo
 from tokenizer_service.core.pool import WorkerPool
@@ -66,7 +69,7 @@ def create_app(settings: Settings | None = None, registry: ModelRegistry | None 
         )
         service = Service(settings=settings, registry=models, metrics=metrics, state=state)
 
-        def fallen_back(info: ModelInfo) -> None:  # shadow verification found fastokens wrong: /v1/models says so
+        def fallen_back(info: ModelInfo) -> None:  # fastokens found wrong (shadow) or promoted (gate): /v1/models says so
             before = models.models[info.name]
             metrics.model_info.remove(before.name, before.sha256, str(before.vocab_size), before.library, before.encoder)
             metrics.model_info.labels(info.name, info.sha256, str(info.vocab_size), info.library, info.encoder).set(1)
@@ -77,6 +80,16 @@ def create_app(settings: Settings | None = None, registry: ModelRegistry | None 
         await pool.start()
         edge.open(served)
         state.serving(pool)
+        scan = None
+        if pending := models.pending():  # no cached gate verdict: the reference library serves while it runs
+            loop = asyncio.get_running_loop()
+            scan = GateScan(pending).start()
+
+            def arrived(verdict: tuple[int, str | None, float]) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: the server stopped
+                    loop.call_soon_threadsafe(pool.gate_verdict, *verdict)
+
+            scan.follow(arrived)
         logger.info(
             "serving models %s (default %r) on %d workers, ready in %.2fs",
             sorted(models.models),
@@ -88,6 +101,8 @@ def create_app(settings: Settings | None = None, registry: ModelRegistry | None 
             yield {"service": service}
         finally:
             state.stopping()
+            if scan is not None:
+                scan.close()
             pool.close()
 
     app = FastAPI(

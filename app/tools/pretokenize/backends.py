@@ -13,8 +13,8 @@ import multiprocessing
 import signal
 import sys
 import threading
-from collections import deque
-from collections.abc import Iterable, Iterator
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -100,12 +100,21 @@ def tokenize_locally(
     *,
     chunk_chars: int,
     depth: int,
+    encoder: Callable[[], str | None] = lambda: None,
+    encoded_by: Counter[str] | None = None,
 ) -> Iterator[TokenizedBatch]:
-    """Tokenize on the pool in chunks of about `chunk_chars` characters, `depth` chunks in flight."""
+    """Tokenize on the pool in chunks of about `chunk_chars` characters, `depth` chunks in flight.
+
+    `encoder()`, asked as each chunk is sent: fastokens once the model's gate passed in the background (the
+    worker promotes the model before it encodes that chunk). `encoded_by` counts texts by what encoded them."""
     submitted = (
-        pool.submit(process.encode_chunk, model, chunk, options) for chunk in chunks(texts, chunk_chars, 1 << 16)
+        pool.submit(process.encode_chunk, model, chunk, options, encoder())
+        for chunk in chunks(texts, chunk_chars, 1 << 16)
     )
-    return in_order(submitted, depth)
+    for batch, used in in_order(submitted, depth):
+        if encoded_by is not None:
+            encoded_by[used] += len(batch)
+        yield batch
 
 
 def tokenize_via_service(

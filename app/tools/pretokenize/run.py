@@ -8,7 +8,9 @@ refuses (its raise_exception, nothing to train on) is a bad record, named by fil
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -20,6 +22,8 @@ from typing import Any
 import numpy as np
 from pydantic import ValidationError
 
+from tokenizer_service.core import libraries
+from tokenizer_service.core.gatescan import GateScan
 from tokenizer_service.core.models import ModelInfo, ModelLoadError
 from tokenizer_service.core.registry import inspect_model
 from tokenizer_service.core.requests import EncodeOptions
@@ -61,6 +65,7 @@ SERVICE_DEPTH = 4  # requests in flight per URL
 LOCAL_CHUNK_CHARS = (1 << 16, 1 << 20)  # a chunk for one worker: at least 64 KiB, at most 1 MiB of text
 EARLY_BAD_RECORDS = 1000  # a run whose first this many records are all bad stops then (see text_ahead)
 LOOK_AHEAD_FILES = 8
+GATE_SCAN_MIN_BYTES = 8 << 20  # a smaller --local input is pre-tokenized before the gate's scan could pass
 
 
 @dataclass(frozen=True)
@@ -136,6 +141,7 @@ class Summary:
     tokens: int
     seconds: float
     already_complete: bool = False
+    encoded_by: dict[str, int] = field(default_factory=dict)  # documents by what encoded them (library, fastokens)
 
 
 def resolve_local_model(name_or_path: str | None, chat_template: Path | None = None) -> ModelInfo:
@@ -389,7 +395,7 @@ def run(
             # dropped, and the run goes on from the last shard written, with the reference library.
             warn(f"{mismatch}; restarting the shard being written, encoding with {model.library}")
             stack.close()  # the pool of fast workers
-            model = dataclasses.replace(model, encoder=model.library)
+            model = dataclasses.replace(model, encoder=model.library, gate=None)  # and never promoted again
             metadata, _ = open_output(out, wanted)
             sources = [Source(**source) for source in metadata["sources"]]
             return _tokenize(
@@ -489,6 +495,7 @@ def _tokenize(
         add_bos=options.add_bos, add_eos=bool(options.add_eos), parse_special_tokens=options.parse_special_tokens
     )
     kind = {CONVERSATIONS: "conversations", PROMPT_COMPLETION: "records"}.get(options.kind)
+    encoded_by: collections.Counter[str] = collections.Counter()
     if kind is not None and urls:
         masked_batches = tokenize_dialogue_via_service(
             stack.enter_context(TokenizerClient(urls, timeout=300)),
@@ -532,6 +539,8 @@ def _tokenize(
             encode,
             chunk_chars=chunk_chars,
             depth=2 * options.workers,
+            encoder=_gate_beside(model, remaining, stack, warn),
+            encoded_by=encoded_by,
         )
 
     sink = make_sink(out, metadata, sources, model)
@@ -556,4 +565,34 @@ def _tokenize(
         # removes it on this error).
         raise all_bad(bad, last_bad, reader, options, early=False)
     sink.finish()
-    return Summary(out.path, metadata, shards_before, documents, tokens, time.monotonic() - started)
+    if kind is not None or urls:
+        encoded_by = collections.Counter({model.encoder: documents})
+    return Summary(
+        out.path, metadata, shards_before, documents, tokens, time.monotonic() - started, encoded_by=dict(encoded_by)
+    )
+
+
+def _gate_beside(model: ModelInfo, remaining: int, stack: ExitStack, warn: Callable[[str], None]) -> Callable[[], str | None]:
+    """What the next chunk is to be encoded with: with no cached gate verdict (the model announced with its
+    library, gate pending), the gate runs beside the workers (tokenizer_service.core.gatescan) and, once it
+    passes, fastokens encodes every later chunk (ids are the same either way). An input under
+    `TOKENIZER_GATE_SCAN_MIN_BYTES` (default 8 MiB) is done before the scan would be: not scanned."""
+    if model.gate != libraries.PENDING or remaining < int(
+        os.environ.get("TOKENIZER_GATE_SCAN_MIN_BYTES") or GATE_SCAN_MIN_BYTES
+    ):
+        return lambda: None
+    scan = GateScan([(0, model)]).start()
+    stack.callback(scan.close)  # a run that ends first stops it (nothing cached)
+    encoder: str | None = None
+
+    def current() -> str | None:
+        nonlocal encoder
+        for _, differs, seconds in scan.poll():
+            if differs is None:
+                encoder = libraries.FASTOKENS
+                warn(f"model {model.name!r}: the fast encoder's gate passed ({seconds:.1f}s of scan); later chunks are encoded by fastokens")
+            else:
+                warn(libraries.refusal_line(model.path, model.library, differs))
+        return encoder
+
+    return current

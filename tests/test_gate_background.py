@@ -1,0 +1,167 @@
+"""The fast encoder's gate beside the work: a model with no cached verdict is served (and pre-tokenized) by
+its reference library at once, scanned by one low-priority process meanwhile, and promoted to fastokens in
+every worker when the scan passes; and each process loads a model once (issue 33).
+
+The scan is held back (TOKENIZER_TEST_GATE_HOLD, the test-only hook in tokenizer_service.core.gatescan)
+until the test has seen the reference library serve: the order is observed, never slept for.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from tokenizer_service.core import gatescan, libraries
+from tests.conftest import DATA, read_multilingual, start_server, stop_server
+from tests.test_libraries import Reference
+
+pytestmark = pytest.mark.slow  # a cold scan of a real model each (tens of CPU-seconds on 2 cores)
+
+SCAN_SECONDS = 600.0  # how long a held scan may take once released, at most, on a busy machine
+
+
+def encoder_of(url: str, name: str) -> str:
+    models = httpx.get(f"{url}/v1/models", timeout=10).json()["models"]
+    return next(model["encoder"] for model in models if model["name"] == name)
+
+
+def wait_for_encoder(url: str, name: str, encoder: str) -> None:
+    deadline = time.monotonic() + SCAN_SECONDS
+    while encoder_of(url, name) != encoder:
+        assert time.monotonic() < deadline, f"{name} not promoted to {encoder} in {SCAN_SECONDS}s"
+        time.sleep(0.2)
+
+
+def loads(directory: Path) -> dict[tuple[int, str], collections.Counter[str]]:
+    """(pid, process name) -> how many model loads and fast-encoder builds it made."""
+    counts: dict[tuple[int, str], collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for line in (directory / "loads.txt").read_text().splitlines():
+        pid, name, kind, _file = line.split(" ", 3)
+        counts[int(pid), name][kind] += 1
+    return counts
+
+
+@pytest.fixture(scope="module")
+def held_server(library_models, tmp_path_factory) -> Iterator[tuple[str, object, Path, Path]]:
+    """A server of the tokenizer.json model with an empty gate cache, its scan held until `hold` exists."""
+    base = tmp_path_factory.mktemp("gate-background")
+    hold, counts = base / "release", base / "counts"
+    counts.mkdir()
+    env = {
+        libraries.CACHE_DIR_ENV: str(base / "cache"),
+        gatescan.HOLD_ENV: str(hold),
+        libraries.COUNT_ENV: str(counts),
+    }
+    args = ["--workers", "2", "--model", f"hfbpe={library_models['hfbpe']}", "--shadow-rate", "1"]
+    url, process = start_server(args, base / "server.log", env=env)
+    yield url, process, hold, counts
+    stop_server(process)
+
+
+def test_the_server_is_ready_before_the_scan_and_promotes_when_it_passes(held_server, library_models, documents):
+    url, process, hold, _ = held_server
+    assert not hold.exists()  # ready (start_server waited for /readyz) while the scan cannot have reported
+    assert encoder_of(url, "hfbpe") == "tokenizers"
+    assert 'encoder="tokenizers"' in httpx.get(f"{url}/metrics", timeout=10).text
+    reference = Reference(library_models["hfbpe"])
+    texts = documents[:200] + read_multilingual()
+    for _ in range(2):  # both workers
+        ids = httpx.post(f"{url}/v1/tokenize", json={"texts": texts}, timeout=60).json()["ids"]
+        assert ids == [reference.encode(text) for text in texts]
+    hold.touch()
+    wait_for_encoder(url, "hfbpe", "fastokens")
+    metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    assert 'encoder="fastokens"' in metrics and 'encoder="tokenizers"' not in metrics
+    for _ in range(4):  # every worker promoted: fast ids, checked by shadow verification at rate 1
+        ids = httpx.post(f"{url}/v1/tokenize", json={"texts": texts}, timeout=60).json()["ids"]
+        assert ids == [reference.encode(text) for text in texts]
+    (verdict,) = [json.loads(path.read_text()) for path in (hold.parent / "cache" / "gate").glob("*.json")]
+    assert verdict["passed"] and "files_sha256" in verdict["key"]
+
+
+def test_each_process_loads_the_model_once(held_server):
+    """The server process describes the model with its library (one load, no fast encoder); each worker
+    loads it once and builds fastokens once, when promoted; the scan process loads it once."""
+    url, process, hold, counts = held_server
+    hold.touch()
+    wait_for_encoder(url, "hfbpe", "fastokens")
+    httpx.post(f"{url}/v1/tokenize", json={"texts": ["once more"] * 64}, timeout=60).raise_for_status()
+    found = loads(counts)
+    server = {key: count for key, count in found.items() if key[0] == process.pid}
+    workers = {key: count for key, count in found.items() if key[1].startswith("tokenizer-tokenizer-")}
+    scans = {key: count for key, count in found.items() if key[1] == "tokenizer-gate-scan"}
+    assert list(server.values()) == [collections.Counter(load=1)], found
+    assert len(workers) == 2, found
+    assert all(count == collections.Counter(load=1, fast=1) for count in workers.values()), found
+    assert [count["load"] for count in scans.values()] == [1], found
+    assert set(found) == set(server) | set(workers) | set(scans), found
+
+
+def test_a_cached_pass_is_fast_from_the_first_request(library_models, tmp_path, monkeypatch):
+    """With the verdict settled ahead (in the foreground), a new server announces fastokens at once and
+    starts no scan."""
+    cache = tmp_path / "cache"
+    env = {libraries.CACHE_DIR_ENV: str(cache)}
+    monkeypatch.setenv(libraries.CACHE_DIR_ENV, str(cache))
+    assert gatescan.main([str(library_models["tt"])]) == 0
+    log = tmp_path / "server.log"
+    url, process = start_server(["--workers", "1", "--model", f"tt={library_models['tt']}"], log, env=env)
+    try:
+        assert encoder_of(url, "tt") == "fastokens"
+        reference = Reference(library_models["tt"])
+        ids = httpx.post(f"{url}/v1/tokenize", json={"texts": ["a snow\u2603man"]}, timeout=30).json()["ids"]
+        assert ids == [reference.encode("a snow\u2603man")]
+    finally:
+        stop_server(process)
+    assert "in the background" not in log.read_text()
+
+
+def test_the_pretokenizer_switches_to_the_fast_encoder_between_chunks_with_exact_ids(
+    library_models, tmp_path, monkeypatch, documents
+):
+    from tokenizer_service.tools.pretokenize.run import Options, run
+    from tokenizer_client.dataset import TokenDataset
+
+    hold, counts = tmp_path / "release", tmp_path / "counts"
+    counts.mkdir()
+    monkeypatch.setenv(libraries.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(gatescan.HOLD_ENV, str(hold))
+    monkeypatch.setenv(libraries.COUNT_ENV, str(counts))
+    monkeypatch.setenv("TOKENIZER_GATE_SCAN_MIN_BYTES", "0")  # scan even for this small corpus
+    texts = [*documents, *read_multilingual()] * 6
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    verdicts = tmp_path / "cache" / "gate"
+
+    def progress(done) -> None:
+        if not hold.exists():  # after the first chunk, encoded by the reference library: let the scan report
+            hold.touch()
+            deadline = time.monotonic() + SCAN_SECONDS
+            while not list(verdicts.glob("*.json")):  # the verdict is cached after it was sent to the run
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+
+    warnings: list[str] = []
+    options = Options(inputs=[str(source)], output=tmp_path / "out", model=str(library_models["tt"]), workers=2)
+    summary = run(options, report_bad=warnings.append, warn=warnings.append, progress=progress)
+    assert summary.encoded_by.get("tiktoken", 0) > 0 and summary.encoded_by.get("fastokens", 0) > 0, summary
+    assert sum(summary.encoded_by.values()) == len(texts)
+    assert any("gate passed" in line for line in warnings), warnings
+    reference = Reference(library_models["tt"])
+    eos = summary.metadata["model"]["eos_id"]
+    dataset = TokenDataset(summary.output)
+    assert len(dataset) == len(texts)
+    for index, text in enumerate(texts):
+        assert np.asarray(dataset[index]).tolist() == [*reference.encode(text), eos], index
+    found = loads(counts)
+    parent = [count for (_, name), count in found.items() if name == "MainProcess"]
+    workers = [count for (_, name), count in found.items() if name.startswith("SpawnProcess")]
+    assert parent == [collections.Counter(load=1)], found  # described only: no fast encoder, no check set
+    assert len(workers) == 2 and all(count["load"] == 1 and count["fast"] <= 1 for count in workers), found
