@@ -130,3 +130,50 @@ def test_detokenize_refuses_an_id_no_token_of_a_tokenizer_json_has(tmp_path):
     with pytest.raises(InvalidField) as caught:
         library.decode([[1, 2], [149, 150, 151]])
     assert caught.value.index == 1 and "150" in caught.value.message
+
+
+def differing_at_start(rows, needle: str):
+    """A fast encoder that differs only on texts that begin with `needle` (what only an edge text shows)."""
+
+    def changed(texts, parse_special):
+        out = rows(texts, parse_special)
+        return [[*row, 7] if text.startswith(needle) else row for text, row in zip(texts, out, strict=True)]
+
+    return changed
+
+
+@pytest.mark.parametrize("joined", [False, True])
+def test_the_scan_names_a_code_point_that_differs_only_at_the_start_of_a_text(library_models, few_code_points, joined):
+    """The edge texts: fastokens encodes each alone; the reference one by one, or joined by a special token and
+    cut at its id (`edge_separator`) where its library encodes the text between special tokens as a text."""
+    reference = fast_rows(library_models["tt"])
+    library = libraries.load(find_model_files("tt", library_models["tt"]), libraries.REFERENCE)
+    separator = libraries.edge_separator(library) if joined else None
+    assert (separator is not None) == joined
+    assert libraries.scan(reference, reference, ["<|endoftext|>"], separator) is None
+    message = libraries.scan(reference, differing_at_start(reference, "\u0b95"), ["<|endoftext|>"], separator)
+    assert message is not None and "U+0B95" in message and "start and the end" in message, message
+
+
+def test_edge_separators(library_models, tmp_path):
+    hfbpe = libraries.load(find_model_files("hfbpe", library_models["hfbpe"]), libraries.REFERENCE)
+    assert libraries.edge_separator(hfbpe) == ("<|pad|>", hfbpe.reference.token_to_id("<|pad|>"))  # the shortest
+    unigram = libraries.load(find_model_files("u", library_models["hfuni"]), libraries.REFERENCE)
+    assert libraries.edge_separator(unigram) is None  # Metaspace: the first piece of a text is not like the others
+
+
+def test_a_new_chat_template_is_not_scanned_again(library_models, tmp_path, monkeypatch, few_code_points):
+    """The verdict is keyed on the tokenizer files' bytes, not the model's sha256 (which covers its template)."""
+    monkeypatch.setenv(libraries.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    plain = find_model_files("hfbpe", library_models["hfbpe"])
+    templated = find_model_files("hfbpe", library_models["hfbpe"], template)
+    assert plain.sha256 != templated.sha256
+    assert libraries.gate_key(plain) == libraries.gate_key(templated)
+    calls = []
+    real = libraries.scan
+    monkeypatch.setattr(libraries, "scan", lambda *args: calls.append(1) or real(*args))
+    assert libraries.load(plain).encoder == "fastokens"
+    assert libraries.announced_gate(templated) == (libraries.PASSED, None)
+    assert libraries.load(templated).encoder == "fastokens" and calls == [1]

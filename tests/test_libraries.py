@@ -277,7 +277,8 @@ def test_fast_paths_equal_the_library_on_5000_documents(models, documents, multi
             continue
         files = find_model_files(name, models[name])
         fast = libraries.load(files, libraries.FAST)
-        assert fast.encoder == "fastokens"
+        # fastokens 0.3.5 differs from tiktoken on U+180E in cl100k_base: its gate refuses it (test_gate.py)
+        assert fast.encoder == ("tiktoken" if name == "cl100k" else "fastokens")
         reference = Reference(models[name])
         got = rows(*fast.encode(texts, EncodeOptions()))
         expected = reference.encode_many(texts)

@@ -1,8 +1,9 @@
 """The models a server serves: each model file read once at startup, in the server process, and described.
 
 What a model file is (its three kinds, recognized by content) is tokenizer_service.core.models; loading it in its
-library, tokenizer_service.core.libraries. Reading a model here also runs the fast encoder's check (the workers run it
-again when they load the model), so /v1/models says which encoder serves it.
+library, tokenizer_service.core.libraries. Reading a model here loads its reference library only, to describe it, and
+reads the fast encoder's cached gate verdict, so /v1/models says which encoder serves it; with none cached the model is
+announced with its library and its gate runs beside the work (tokenizer_service.core.gatescan).
 """
 
 from __future__ import annotations
