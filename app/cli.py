@@ -26,7 +26,7 @@ from tokenizer_service.core.models import ModelLoadError
 from tokenizer_service.core.registry import ModelRegistry
 from tokenizer_service.entry import USAGE_ERROR
 from tokenizer_service.http.connections import uvicorn_options
-from tokenizer_service.settings import BUNDLED, ConfigError, Settings, describe_error
+from tokenizer_service.settings import BUNDLED, MODEL_DIRECTORIES, MODEL_FILES, ConfigError, Settings, describe_error
 
 PROG = "tokenizer-server"
 EPILOG = """\
@@ -138,9 +138,10 @@ def _main(argv: list[str] | None) -> int:
         return USAGE_ERROR
     if settings.models_dir is not None and paths == BUNDLED:
         logging.getLogger("tokenizer").warning(
-            "no model in %s (*.model, *.tiktoken, or a subdirectory with a tokenizer.json): serving the bundled "
-            "model as 'default' (--empty-models-dir bundled)",
+            "no model in %s (%s, or %s): serving the bundled model as 'default' (--empty-models-dir bundled)",
             settings.models_dir,
+            MODEL_FILES,
+            MODEL_DIRECTORIES,
         )
     if (problem := check_address(settings.host, settings.port)) is not None:
         print(f"{PROG}: {problem}", file=sys.stderr)

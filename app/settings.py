@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -72,8 +74,9 @@ class Settings(BaseSettings):
     )
     models_dir: Path | None = option(
         "DIR",
-        "serve every *.model and *.tiktoken in this directory under its file stem, and every subdirectory "
-        "holding a tokenizer.json under its name",
+        "serve every *.model, *.tiktoken and tekken*.json in this directory under its file stem (Mistral's "
+        "NAME.model.v7 as NAME.v7), and every subdirectory holding a tokenizer.json, a tekken.json or "
+        "original/tokenizer.model under its name; every other entry is skipped, logged in a line",
         None,
     )
     empty_models_dir: Literal["refuse", "bundled"] = option(
@@ -256,7 +259,7 @@ class Settings(BaseSettings):
             if not paths and not self.model and self.empty_models_dir == "refuse":
                 raise ConfigError(
                     f"the models directory {self.models_dir} (--models-dir, TOKENIZER_MODELS_DIR) holds no model "
-                    "(*.model, *.tiktoken, or a subdirectory with a tokenizer.json); to serve the bundled model "
+                    f"({MODEL_FILES}, or {MODEL_DIRECTORIES}); to serve the bundled model "
                     "then, --empty-models-dir bundled (TOKENIZER_EMPTY_MODELS_DIR=bundled)"
                 )
         for spec in self.model:
@@ -265,13 +268,47 @@ class Settings(BaseSettings):
         return paths or dict(BUNDLED)
 
 
+# Mistral's SentencePiece files: tokenizer.model.v3, mistral_instruct_tokenizer_241114.model.v7m1, ...
+_VERSIONED_MODEL = re.compile(r"^(?P<stem>.+)\.model\.(?P<version>v[0-9]+[A-Za-z0-9]*)$")
+MODEL_FILES = "*.model, *.model.vN, *.tiktoken, tekken*.json"
+MODEL_DIRECTORIES = "a subdirectory holding a tokenizer.json, tekken.json or original/tokenizer.model"
+_logged_skips: set[tuple[str, str]] = set()
+
+
+def model_file_name(path: Path) -> str | None:
+    """The name a models directory serves the file `path` under, None for a file it does not serve: NAME.model
+    and NAME.tiktoken as NAME, Mistral's NAME.model.v7 as NAME.v7, a tekken*.json (as mistral-common names
+    them: tekken.json, tekken_240911.json) under its stem."""
+    if path.suffix in (".model", ".tiktoken"):
+        return path.stem
+    if (versioned := _VERSIONED_MODEL.match(path.name)) is not None:
+        return f"{versioned['stem']}.{versioned['version']}"
+    if path.suffix == ".json" and path.name.startswith("tekken"):
+        return path.stem
+    return None
+
+
+def _why_skipped(path: Path) -> str:
+    if path.name.startswith("."):
+        return "a hidden entry"
+    if path.is_dir():
+        return "a directory holding no tokenizer.json, tekken.json or original/tokenizer.model"
+    if not path.is_file():
+        return "neither a file nor a directory"
+    if path.suffix == ".json" and model_file_name(path.with_suffix("")) is not None and path.with_suffix("").exists():
+        return f"the sidecar of {path.with_suffix('').name}, read with it"
+    return f"not a model file's name ({MODEL_FILES})"
+
+
 def models_in(directory: Path) -> dict[str, Path]:
-    """A models directory's models by name: each *.model and *.tiktoken under its stem, each subdirectory
-    holding a tokenizer.json (a Hub snapshot) under the subdirectory's name; sorted by name.
+    """A models directory's models by name: each *.model, *.tiktoken, Mistral's *.model.vN and tekken*.json
+    (`model_file_name`), each subdirectory holding a tokenizer.json (a Hub snapshot), a tekken.json or only
+    Meta's original/tokenizer.model under the subdirectory's name; sorted by name. Every other entry is
+    skipped, logged once in a line naming it and why.
 
     An entry that cannot be read (a link leading nowhere or to itself, of any name; a subdirectory's
     tokenizer.json or tokenizer_config.json that is one) is not skipped: ConfigError names every one."""
-    from tokenizer_service.core.models import why_unreadable
+    from tokenizer_service.core.models import HF_CONFIG, HF_FILE, directory_file, why_unreadable
 
     found: dict[str, Path] = {}
     unreadable: list[str] = []
@@ -281,14 +318,19 @@ def models_in(directory: Path) -> dict[str, Path]:
         except OSError as exc:
             unreadable.append(f"{path.name} ({why_unreadable(path) or exc.strerror})")
             continue
-        if path.is_file() and path.suffix in (".model", ".tiktoken"):
-            name = path.stem
-        elif path.is_dir() and os.path.lexists(path / "tokenizer.json"):
+        inside = directory_file(path) if path.is_dir() and not path.name.startswith(".") else None
+        if path.is_file() and not path.name.startswith(".") and (file_name := model_file_name(path)) is not None:
+            name = file_name
+        elif inside is not None:
             name = path.name
-            for file in ("tokenizer.json", "tokenizer_config.json"):
+            for file in (inside, HF_CONFIG) if inside == HF_FILE else (inside,):
                 if os.path.lexists(path / file) and (why := why_unreadable(path / file)) is not None:
                     unreadable.append(f"{path.name}/{file} ({why})")
         else:
+            skipped = (str(directory), path.name)
+            if skipped not in _logged_skips:  # the server reads its options more than once: one line each
+                _logged_skips.add(skipped)
+                logging.getLogger("tokenizer").info("--models-dir %s: skipping %s: %s", directory, path.name, _why_skipped(path))
             continue
         if name in found:
             raise ConfigError(

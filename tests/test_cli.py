@@ -138,8 +138,9 @@ def _models(tmp_path, kind: str) -> dict[str, str]:
             ["--models-dir", "empty"],
             {},
             "empty",
-            "the models directory empty (--models-dir, TOKENIZER_MODELS_DIR) holds no model (*.model, *.tiktoken, "
-            "or a subdirectory with a tokenizer.json)",
+            "the models directory empty (--models-dir, TOKENIZER_MODELS_DIR) holds no model (*.model, *.model.vN, "
+            "*.tiktoken, tekken*.json, or a subdirectory holding a tokenizer.json, tekken.json or "
+            "original/tokenizer.model)",
         ),
         ([], {"TOKENIZER_MODELS_DIR": ""}, None, "TOKENIZER_MODELS_DIR='': is set but empty"),
         ([], {"TOKENIZER_MODELS_DIR": "nodir"}, None, "TOKENIZER_MODELS_DIR='nodir': does not exist"),
@@ -149,7 +150,8 @@ def _models(tmp_path, kind: str) -> dict[str, str]:
             {},
             "not-a-model",
             "model 'foo': notes.model is not a model file; a model is a SentencePiece .model, a Hugging Face "
-            "tokenizer.json (or a directory holding one), or tiktoken BPE ranks (*.tiktoken)",
+            "tokenizer.json, tiktoken BPE ranks (*.tiktoken, Meta's tokenizer.model), a Mistral tekken.json, or a "
+            "directory holding a tokenizer.json, tekken.json or original/tokenizer.model",
         ),
         (
             ["--model", "qwen=qwen.tiktoken"],

@@ -48,7 +48,7 @@ import numpy as np
 import orjson
 
 from tokenizer_service.core.errors import InvalidField, PayloadTooLarge
-from tokenizer_service.core.models import TIKTOKEN, TOKENIZERS, TemplateFile, tiktoken_ranks
+from tokenizer_service.core.models import TEKKEN, TIKTOKEN, TOKENIZERS, TemplateFile, tiktoken_ranks
 
 CATALOGUE = Path(__file__).resolve().parent / "catalogue"
 GENERATION_TAG = re.compile(r"\{\%-?\s*generation\s*-?\%\}")  # transformers' own test for the marks
@@ -205,6 +205,15 @@ class Tokens:
             self.special = dict(library.spec.special_tokens)
             lengths = np.full(library.vocab_size, -1, dtype=np.int64)
             for token, rank in tiktoken_ranks(library.files.contents[0], library.files.main).items():
+                lengths[rank] = len(token)
+            for token, rank in self.special.items():
+                lengths[rank] = len(token.encode("utf-8"))
+            self.byte_lengths = lengths
+        elif self.kind == TEKKEN:  # a tiktoken encoding, its special tokens first (tokenizer_service.core.libraries.Tekken)
+            self.kind = TIKTOKEN
+            self.special = {token: index for index, token in enumerate(library.spec.special)}
+            lengths = np.full(library.vocab_size, -1, dtype=np.int64)
+            for token, rank in library.spec.ranks().items():
                 lengths[rank] = len(token)
             for token, rank in self.special.items():
                 lengths[rank] = len(token.encode("utf-8"))
@@ -381,7 +390,7 @@ def _bytes_to_chars(text: str, begins: np.ndarray, ends: np.ndarray) -> tuple[np
 def special_tokens(files: Any, library: Any) -> dict[str, str | None]:
     """role (bos, eos, pad, unk) -> the token's string: what templates see as bos_token, eos_token..."""
     found = dict(files.special_tokens())
-    if library.library not in (TOKENIZERS, TIKTOKEN):  # sentencepiece: its own pieces
+    if library.library not in (TOKENIZERS, TIKTOKEN, TEKKEN):  # sentencepiece: its own pieces
         processor = library.processor
         for role, token in (("bos", library.bos_id), ("eos", library.eos_id), ("pad", library.pad_id), ("unk", library.unk_id)):
             found[role] = processor.id_to_piece(token) if token >= 0 else None

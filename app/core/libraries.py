@@ -33,6 +33,7 @@ import logging
 import multiprocessing
 import os
 import random
+import re
 import tempfile
 import threading
 import time
@@ -47,13 +48,16 @@ from tokenizer_service.core import checkset
 from tokenizer_service.core.errors import InvalidField, PayloadTooLarge
 from tokenizer_service.core.models import (
     KINDS,
+    META_ENCODINGS,
     SENTENCEPIECE,
+    TEKKEN,
     TIKTOKEN,
     TOKENIZERS,
     ModelFiles,
     ModelLoadError,
     files_sha256,
     hf_model_type,
+    tekken_spec,
     tiktoken_ranks,
     tiktoken_spec,
 )
@@ -195,6 +199,11 @@ class Library(ABC):
 
     def special_ids(self) -> dict[str, int]:
         return {"bos": self.bos_id, "eos": self.eos_id, "pad": self.pad_id, "unk": self.unk_id}
+
+    @classmethod
+    def variant(cls, files: ModelFiles) -> type[Library]:
+        """The class that loads these files (a subclass for a known encoding that encodes otherwise)."""
+        return cls
 
 
 # -- sentencepiece --------------------------------------------------------------------------------------
@@ -859,6 +868,11 @@ def _fast_flat(fast: Any, texts: list[str], parse_special: bool) -> Encoded:
 class Tiktoken(Library):
     library = TIKTOKEN
 
+    @classmethod
+    def variant(cls, files: ModelFiles) -> type[Library]:
+        """Meta's files (a known Llama 3 or 4 encoding) are encoded as Meta's own Tokenizer encodes them."""
+        return MetaTiktoken if tiktoken_spec(files).encoding in META_ENCODINGS else cls
+
     def __init__(self, files: ModelFiles, encoder: str = FAST, trusted: bool = False) -> None:
         self.files = files
         self.spec = tiktoken_spec(files)
@@ -956,7 +970,136 @@ def _has_token(encoding: Any, token: int) -> bool:
     return True
 
 
-LIBRARIES: dict[str, type[Library]] = {SENTENCEPIECE: SentencePiece, TOKENIZERS: HuggingFace, TIKTOKEN: Tiktoken}
+# -- Meta's Llama 3 and Llama 4 ranks ---------------------------------------------------------------------
+
+# llama_models' Tokenizer.encode cuts a text before tiktoken sees it: into chunks of TIKTOKEN_MAX_ENCODE_CHARS,
+# each cut again inside every run of more than MAX_NO_WHITESPACES_CHARS whitespace or non-whitespace characters
+# (str.isspace, which Python's \s matches exactly), every that many characters; the pieces are encoded one by one.
+META_MAX_CHARS, META_MAX_RUN = 400_000, 25_000
+_LONG_RUN = re.compile(r"\s{%d,}|\S{%d,}" % (META_MAX_RUN + 1, META_MAX_RUN + 1))
+
+
+def meta_pieces(text: str) -> list[str]:
+    """The pieces Meta's `Tokenizer.encode` encodes one by one (`_split_whitespaces_or_nonwhitespaces` of each
+    400,000-character chunk): the text itself unless it is longer than 25,000 characters."""
+    if len(text) <= META_MAX_RUN:
+        return [text]
+    pieces = []
+    for start in range(0, len(text), META_MAX_CHARS):
+        chunk = text[start : start + META_MAX_CHARS]
+        cuts = [0]
+        for run in _LONG_RUN.finditer(chunk):
+            cuts.extend(range(run.start() + META_MAX_RUN, run.end(), META_MAX_RUN))
+        cuts.append(len(chunk))
+        pieces += [chunk[first:last] for first, last in zip(cuts, cuts[1:], strict=False)]
+    return pieces
+
+
+class MetaTiktoken(Tiktoken):
+    """Meta's ranks (`tokenizer.model` of Llama 3 or 4, or a sidecar's "like"): ids exactly Meta's
+    `Tokenizer.encode(text, bos=False, eos=False, allowed_special=set())` (or "all" with parse_special_tokens),
+    which is tiktoken's on every text but those over 25,000 characters that `meta_pieces` cuts."""
+
+    def _pieced(self, encode: Callable[[list[str], bool], Encoded], texts: list[str], parse_special: bool) -> Encoded:
+        if all(len(text) <= META_MAX_RUN for text in texts):
+            return encode(texts, parse_special)
+        pieces, owners = [], []
+        for index, text in enumerate(texts):
+            for piece in meta_pieces(text):
+                pieces.append(piece)
+                owners.append(index)
+        ids, lengths = encode(pieces, parse_special)  # a text's pieces are side by side: its ids are too
+        return ids, np.bincount(np.asarray(owners, dtype=np.int64), weights=lengths, minlength=len(texts)).astype(np.int64)
+
+    def _reference_rows(self, texts: list[str], parse_special: bool) -> list[list[int]]:
+        if all(len(text) <= META_MAX_RUN for text in texts):
+            return super()._reference_rows(texts, parse_special)
+        plain = super()._reference_rows
+
+        def rows(pieces: list[str], parse: bool) -> Encoded:
+            return flatten(plain(pieces, parse))
+
+        return [row.tolist() for row in flatten_rows(*self._pieced(rows, texts, parse_special))]
+
+    def encode_plain(self, texts: list[str], parse_special: bool) -> Encoded:
+        return self._pieced(super().encode_plain, texts, parse_special)
+
+
+# -- Mistral's tekken.json --------------------------------------------------------------------------------
+
+
+class Tekken(Library):
+    """A tekken.json, encoded as mistral-common's Tekkenizer encodes a text (`encode(text, bos=False, eos=False)`):
+    tiktoken over the vocabulary's ranks shifted past the special tokens, which it never matches in text; with
+    parse_special_tokens every special-token string (fillers included) is its id, as tiktoken's
+    `encode(text, allowed_special="all")` matches them. Decoded as `Tekkenizer.decode(ids,
+    special_token_policy=SpecialTokenPolicy.KEEP)`: special tokens as their strings. mistral-common itself
+    (which pulls pillow, pycountry and an older numpy) is the tests' reference, not a dependency."""
+
+    library = TEKKEN
+
+    def __init__(self, files: ModelFiles, encoder: str = FAST, trusted: bool = False) -> None:
+        import tiktoken
+
+        self.files = files
+        self.spec = tekken_spec(files)
+        self.type = "bpe"
+        self.vocab_size = self.spec.vocab_size
+        self.num_special = self.spec.num_special
+        ids = {token: index for index, token in enumerate(self.spec.special)}
+        self.bos_id, self.eos_id, self.pad_id, self.unk_id = (
+            ids[token] if token is not None else -1 for token in (self.spec.tokens[r] for r in ("bos", "eos", "pad", "unk"))
+        )
+        self.normalizes = False
+        self.encoder = TIKTOKEN
+        try:
+            self.reference = tiktoken.Encoding(
+                files.main.name.removesuffix(".json"),
+                pat_str=self.spec.pattern,
+                mergeable_ranks=self.spec.ranks(),
+                special_tokens=ids,
+            )
+        except ValueError as exc:  # a pattern tiktoken's regex engine refuses
+            raise ModelLoadError(f"{files.path}: tiktoken cannot load it: {exc}") from exc
+
+    def reference_rows(self, texts: list[str], parse_special: bool) -> list[list[int]]:
+        return self._reference_rows(texts, parse_special)
+
+    def _reference_rows(self, texts: list[str], parse_special: bool) -> list[list[int]]:
+        reference = self.reference
+        if parse_special:
+            return [reference.encode(text, allowed_special="all") for text in texts]
+        return [reference.encode_ordinary(text) for text in texts]
+
+    def encode_plain(self, texts: list[str], parse_special: bool) -> Encoded:
+        return flatten(self._reference_rows(texts, parse_special))
+
+    def decode(self, rows: list[list[int]]) -> list[str]:
+        """Runs of ordinary ids decoded together (invalid UTF-8 replaced), special ids as their strings."""
+        reference, special, shift = self.reference, self.spec.special, self.num_special
+        texts = []
+        for row in rows:
+            parts, run = [], []
+            for token in row:
+                if token < shift:
+                    if run:
+                        parts.append(reference.decode(run))
+                        run = []
+                    parts.append(special[token])
+                else:
+                    run.append(token)
+            if run:
+                parts.append(reference.decode(run))
+            texts.append("".join(parts))
+        return texts
+
+
+LIBRARIES: dict[str, type[Library]] = {
+    SENTENCEPIECE: SentencePiece,
+    TOKENIZERS: HuggingFace,
+    TIKTOKEN: Tiktoken,
+    TEKKEN: Tekken,
+}
 
 
 def load(files: ModelFiles, encoder: str = FAST, trusted: bool = False) -> Library:
@@ -965,7 +1108,7 @@ def load(files: ModelFiles, encoder: str = FAST, trusted: bool = False) -> Libra
     a gate with no cached verdict scans here, blocking (the server and the pre-tokenizer scan beside their
     work instead: tokenizer_service.core.gatescan)."""
     _count("load", files)
-    library = LIBRARIES[files.library](files, encoder, trusted)
+    library = LIBRARIES[files.library].variant(files)(files, encoder, trusted)
     planted = os.environ.get(PLANT_ENV)
     if planted and trusted:  # tests only: a worker whose fast encoder differs after its gate
         plant_difference(library, int(planted.removeprefix("U+"), 16))

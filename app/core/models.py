@@ -1,6 +1,6 @@
-"""What a model file is: recognized by content, one of three libraries' formats, and what it says of itself.
+"""What a model file is: recognized by content, one of four libraries' formats, and what it says of itself.
 
-The three kinds, and the files each one reads (their bytes, in this order, make the model's sha256):
+The four kinds, and the files each one reads (their bytes, in this order, make the model's sha256):
 
 ==============  =========================================  ===============================================
 library         PATH (``--model NAME=PATH``)                files hashed, in order
@@ -9,15 +9,25 @@ sentencepiece   a ``.model`` (serialized ModelProto)        the ``.model``
 tokenizers      a Hugging Face ``tokenizer.json``, or a     ``tokenizer.json``, then ``tokenizer_config.json``
                 directory holding one (a Hub snapshot)      when it is beside it (BOS/EOS/PAD/UNK come from it)
 tiktoken        BPE ranks (``*.tiktoken``: a line           the ranks, then ``<file>.json`` when it is beside
-                ``base64-token rank`` per token)            it (its pattern, special tokens, BOS/EOS/PAD)
+                ``base64-token rank`` per token; Meta's     it (its pattern, special tokens, BOS/EOS/PAD)
+                ``tokenizer.model`` is such a file)
+mistral-common  Mistral's ``tekken.json`` (a JSON object    the ``tekken.json``
+                with ``config.pattern`` and ``vocab``)
 ==============  =========================================  ===============================================
+
+A directory is served from the first of ``tokenizer.json``, ``tekken.json`` and ``original/tokenizer.model``
+it holds (`directory_file`). Files are recognized by content, whatever their name (``*.model.v7`` too).
 
 A tiktoken file of one of OpenAI's encodings that the installed ``tiktoken`` knows (cl100k_base,
 o200k_base, ...) is recognized by its sha256 and gets that encoding's pattern and special tokens, with
-``<|endoftext|>`` as EOS; any other needs the ``<file>.json`` sidecar::
+``<|endoftext|>`` as EOS; so is Meta's released Llama 3 and Llama 4 ``tokenizer.model`` (`META_FILES`),
+with Meta's pattern, special tokens (the reserved ones included) and BOS/EOS/PAD as Meta's ``llama_models``
+Tokenizer builds them (`meta_encoding`). Any other needs the ``<file>.json`` sidecar::
 
     {"pat_str": "...", "special_tokens": {"<|endoftext|>": 100257}, "bos_token": null,
      "eos_token": "<|endoftext|>", "pad_token": null}
+
+or ``{"like": "llama3"}`` (or ``"llama4"``): ranks laid out as Meta's, its special tokens after the ranks.
 
 Nothing here loads a tokenizer library: this module reads files and says what they are
 (`find_model_files`); tokenizer_service.core.libraries loads them.
@@ -38,12 +48,16 @@ from pathlib import Path
 from typing import Any
 
 SENTENCEPIECE, TOKENIZERS, TIKTOKEN = "sentencepiece", "tokenizers", "tiktoken"
-LIBRARIES = (SENTENCEPIECE, TOKENIZERS, TIKTOKEN)
+TEKKEN = "mistral-common"  # Mistral's tekken.json, encoded as mistral-common's Tekkenizer encodes it
+LIBRARIES = (SENTENCEPIECE, TOKENIZERS, TIKTOKEN, TEKKEN)
 KINDS = (
-    "a SentencePiece .model, a Hugging Face tokenizer.json (or a directory holding one), "
-    "or tiktoken BPE ranks (*.tiktoken)"
+    "a SentencePiece .model, a Hugging Face tokenizer.json, tiktoken BPE ranks (*.tiktoken, Meta's "
+    "tokenizer.model), a Mistral tekken.json, or a directory holding a tokenizer.json, tekken.json or "
+    "original/tokenizer.model"
 )
 HF_FILE, HF_CONFIG = "tokenizer.json", "tokenizer_config.json"
+TEKKEN_FILE, ORIGINAL_FILE = "tekken.json", "original/tokenizer.model"
+DIRECTORY_FILES = (HF_FILE, TEKKEN_FILE, ORIGINAL_FILE)  # what a directory is served from: the first it holds
 SPECIAL_ROLES = ("bos", "eos", "pad", "unk")
 
 _TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/]*={0,2} [0-9]+$")
@@ -65,7 +79,7 @@ class ModelInfo:
 
     name: str
     path: Path
-    library: str  # sentencepiece | tokenizers | tiktoken
+    library: str  # sentencepiece | tokenizers | tiktoken | mistral-common
     encoder: str  # what encodes it in the workers: the library itself, or fastokens behind its check
     type: str  # the algorithm: unigram, bpe, wordpiece, wordlevel, char, word
     vocab_size: int  # the largest id + 1, special tokens included
@@ -118,10 +132,11 @@ class ModelInfo:
 class TiktokenSpec:
     """What a ranks file needs besides its ranks: the split pattern, special tokens, and their roles."""
 
-    encoding: str | None  # OpenAI's encoding name when tiktoken knows the file, else None
+    encoding: str | None  # OpenAI's encoding name when tiktoken knows the file, Meta's (llama3, llama4), else None
     pat_str: str
     special_tokens: dict[str, int]
     tokens: dict[str, str | None]  # role (bos, eos, pad) -> special token string
+    known: bool = False  # recognized by its sha256 (not named by a sidecar's "like")
 
 
 @dataclass(frozen=True)
@@ -150,7 +165,28 @@ class ModelFiles:
             return hf_special_tokens(self)
         if self.library == TIKTOKEN:
             return {**tiktoken_spec(self).tokens, "unk": None}
+        if self.library == TEKKEN:
+            return tekken_spec(self).tokens
         return {}
+
+    def recognized(self) -> str:
+        """What the file was recognized as, for the start's log line: the kind, and a known encoding's name."""
+        what = {
+            SENTENCEPIECE: "a SentencePiece model",
+            TOKENIZERS: "a Hugging Face tokenizer.json",
+            TIKTOKEN: "tiktoken BPE ranks",
+            TEKKEN: "a Mistral tekken.json (mistral-common's Tekkenizer)",
+        }[self.library]
+        if self.library == TIKTOKEN:
+            spec = tiktoken_spec(self)
+            if spec.encoding in META_ENCODINGS:
+                how = "its sha256" if spec.known else f"{self.main.name}.json's \"like\""
+                what += f" of Meta's {META_ENCODINGS[spec.encoding].title} (recognized by {how})"
+            elif spec.encoding is not None:
+                what += f" of OpenAI's {spec.encoding} (recognized by its sha256)"
+            else:
+                what += f" (pattern and special tokens from {self.main.name}.json)"
+        return f"{self.main}: {what}"
 
 
 def files_sha256(contents: tuple[bytes, ...] | list[bytes]) -> str:
@@ -194,16 +230,22 @@ def find_model_files(name: str, path: Path, chat_template: Path | None = None) -
     """Recognize the model at `path` by its content (not its name), with every file that changes its ids, and
     its chat template (`chat_template`: the --chat-template file, else the model's own; `find_template`)."""
     given = path.expanduser()  # what messages name: the path as the user wrote it
-    if given.is_dir() and not os.path.lexists(given / HF_FILE):
-        raise ModelLoadError(f"model {name!r}: the directory {given} holds no {HF_FILE}; a model is {KINDS}")
-    content = _read(name, given / HF_FILE if given.is_dir() else given)
+    inside = directory_file(given) if given.is_dir() else None
+    if given.is_dir() and inside is None:
+        raise ModelLoadError(
+            f"model {name!r}: the directory {given} holds no {', '.join(DIRECTORY_FILES[:-1])} or "
+            f"{DIRECTORY_FILES[-1]}; a model is {KINDS}"
+        )
+    content = _read(name, given / inside if inside is not None else given)
     library = sniff(content)
     if library is None:
-        raise ModelLoadError(f"model {name!r}: {given} is not a model file; a model is {KINDS}")
+        raise ModelLoadError(
+            f"model {name!r}: {given / inside if inside is not None else given} is not a model file; a model is {KINDS}"
+        )
     # Absolute but not resolved: a Hub cache links snapshots/REV/tokenizer.json to blobs/HASH, and the
     # config or sidecar beside the link is what belongs to it (workers read the model again by this path).
     path = given.absolute()
-    main = path / HF_FILE if path.is_dir() else path
+    main = path / inside if inside is not None else path
     files, contents = [main], [content]
     beside = {
         TOKENIZERS: main.parent / HF_CONFIG,
@@ -220,7 +262,15 @@ def find_model_files(name: str, path: Path, chat_template: Path | None = None) -
     found = ModelFiles(library, path, tuple(files), tuple(contents), template)
     if library == TIKTOKEN:
         tiktoken_spec(found, name)  # refuse a file without its pattern now, in one line
+    if library == TEKKEN:
+        tekken_spec(found, name)
     return found
+
+
+def directory_file(directory: Path) -> str | None:
+    """The file a model directory is served from (relative to it): the first of `DIRECTORY_FILES` it holds
+    (a dangling link counts: reading it is refused, naming it), else None."""
+    return next((file for file in DIRECTORY_FILES if os.path.lexists(directory / file)), None)
 
 
 def sniff(content: bytes) -> str | None:
@@ -233,6 +283,9 @@ def sniff(content: bytes) -> str | None:
         model = document.get("model") if isinstance(document, dict) else None
         if isinstance(model, dict) and ("type" in model or "vocab" in model):  # older files have no type
             return TOKENIZERS
+        config = document.get("config") if isinstance(document, dict) else None
+        if isinstance(config, dict) and "pattern" in config and isinstance(document.get("vocab"), list):
+            return TEKKEN  # Mistral's tekken.json
         if document is not None:
             return None  # JSON, but not a tokenizer.json
     if _TIKTOKEN_LINE.match(content[:4096].split(b"\n", 1)[0].rstrip(b"\r")):
@@ -356,12 +409,94 @@ def tiktoken_ranks(content: bytes, path: Path) -> dict[bytes, int]:
     return ranks
 
 
+@dataclass(frozen=True)
+class MetaEncoding:
+    """How Meta's `llama_models` Tokenizer builds an encoding around its ranks (llama3/tokenizer.py,
+    llama4/tokenizer.py): the split pattern, the special tokens it names, then reserved ones up to
+    `reserved` tokens in all, numbered from the number of ranks on; BOS, EOS and PAD among them."""
+
+    title: str
+    pat_str: str
+    named: tuple[str, ...]
+    reserved: int
+    first_reserved: int  # the number of the first <|reserved_special_token_N|> that fills up to `reserved`
+    tokens: dict[str, str | None]  # role (bos, eos, pad) -> special token string
+
+    def special_tokens(self, ranks: int) -> dict[str, int]:
+        fill = [f"<|reserved_special_token_{self.first_reserved + i}|>" for i in range(self.reserved - len(self.named))]
+        return {token: ranks + index for index, token in enumerate((*self.named, *fill))}
+
+
+def _numbered(kind: str, start: int, count: int) -> tuple[str, ...]:
+    return tuple(f"<|{kind}_reserved_special_token_{i}|>" for i in range(start, start + count))
+
+
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA4_PATTERN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+META_ENCODINGS = {
+    "llama3": MetaEncoding(
+        "Llama 3",
+        _LLAMA3_PATTERN,
+        (
+            "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
+            "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
+            "<|eot_id|>", "<|python_tag|>", "<|image|>",
+        ),  # fmt: skip
+        256,
+        2,
+        {"bos": "<|begin_of_text|>", "eos": "<|end_of_text|>", "pad": "<|finetune_right_pad_id|>"},
+    ),
+    "llama4": MetaEncoding(
+        "Llama 4",
+        _LLAMA4_PATTERN,
+        (
+            "<|begin_of_text|>", "<|end_of_text|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+            # text post-training
+            "<|header_start|>", "<|header_end|>", "<|eom|>", "<|eot|>", "<|step|>",
+            *_numbered("text_post_train", 0, 6), "<|python_start|>", "<|python_end|>", "<|finetune_right_pad|>",
+            *_numbered("text_post_train", 8, 61),
+            # vision
+            "<|image_start|>", "<|image_end|>", *_numbered("vision", 0, 2), "<|tile_x_separator|>",
+            "<|tile_y_separator|>", *_numbered("vision", 2, 4), "<|image|>", *_numbered("vision", 6, 1), "<|patch|>",
+            *_numbered("vision", 7, 1041),
+            # reasoning
+            *_numbered("reasoning", 0, 8), "<|reasoning_thinking_start|>", "<|reasoning_thinking_end|>",
+        ),  # fmt: skip
+        2048,
+        0,
+        {"bos": "<|begin_of_text|>", "eos": "<|end_of_text|>", "pad": "<|finetune_right_pad|>"},
+    ),
+}
+# Meta's released tokenizer.model files (the one of every Llama 3.x, and Llama 4's), by sha256, with their
+# number of ranks: as shipped in the llama-models wheel on PyPI (llama_models/llama3/tokenizer.model,
+# llama_models/llama4/tokenizer.model) and in the Hub snapshots' original/tokenizer.model.
+META_FILES = {
+    "82e9d31979e92ab929cd544440f129d9ecd797b69e327f80f17e1c50d5551b55": ("llama3", 128000),
+    "d0bdbaf59b0762c8c807617e2d8ea51420eb1b1de266df2495be755c8e0ed6ed": ("llama4", 200000),
+}
+
+
+def meta_encoding(name: str, ranks: int) -> tuple[str, str, dict[str, int]]:
+    """(name, pat_str, special tokens) of Meta's encoding `name` around `ranks` ranks."""
+    meta = META_ENCODINGS[name]
+    return name, meta.pat_str, meta.special_tokens(ranks)
+
+
 def known_encoding(sha256: str) -> tuple[str, str, dict[str, int]] | None:
-    """(name, pat_str, special tokens) of the OpenAI encoding whose ranks file has this sha256, if tiktoken knows it.
+    """(name, pat_str, special tokens) of the encoding whose ranks file has this sha256: Meta's released
+    Llama 3 and Llama 4 files (`META_FILES`), or an OpenAI encoding when tiktoken knows it.
 
     tiktoken's constructors name each file's sha256 as they load it: each is run with a loader that
     answers only for this file (and loads nothing), which yields its pattern and special tokens offline.
     """
+    if sha256 in META_FILES:
+        return meta_encoding(*META_FILES[sha256])
     try:
         spec = importlib.util.find_spec("tiktoken_ext.openai_public")
     except ImportError:
@@ -396,12 +531,19 @@ def known_encoding(sha256: str) -> tuple[str, str, dict[str, int]] | None:
 
 
 def tiktoken_spec(files: ModelFiles, name: str | None = None) -> TiktokenSpec:
-    """The pattern and special tokens of a ranks file: from tiktoken when it knows the file, else its sidecar."""
+    """The pattern and special tokens of a ranks file: its known encoding's (Meta's or OpenAI's, by sha256;
+    Meta's layout named by the sidecar's "like"), then whatever its sidecar sets."""
     known = known_encoding(files_sha256(files.contents[:1]))
+    recognized = known is not None
     sidecar: dict[str, Any] = {}
     sidecar_path = files.main.with_name(files.main.name + ".json")
     if len(files.files) > 1:
         sidecar = json_object(sidecar_path, files.contents[1])
+    like = sidecar.get("like")
+    if like is not None and like not in META_ENCODINGS:
+        raise ModelLoadError(f'{sidecar_path}: "like" must be one of {", ".join(map(repr, META_ENCODINGS))}')
+    if known is None and like is not None:  # Meta's layout around ranks of its own (as Meta's Tokenizer counts them)
+        known = meta_encoding(like, len(tiktoken_ranks(files.contents[0], files.main)))
     if known is None and "pat_str" not in sidecar:
         what = f"model {name!r}: " if name else ""
         raise ModelLoadError(
@@ -424,12 +566,111 @@ def tiktoken_spec(files: ModelFiles, name: str | None = None) -> TiktokenSpec:
                 "(ids are answered as int32)"
             )
     default_eos = "<|endoftext|>" if known is not None and "<|endoftext|>" in special_tokens else None
-    tokens: dict[str, str | None] = {
-        "bos": sidecar.get("bos_token"),
-        "eos": sidecar.get("eos_token", default_eos),
-        "pad": sidecar.get("pad_token"),
-    }
+    defaults: dict[str, str | None] = {"bos": None, "eos": default_eos, "pad": None}
+    if encoding in META_ENCODINGS:
+        defaults = {role: (token if token in special_tokens else None) for role, token in META_ENCODINGS[encoding].tokens.items()}
+    tokens: dict[str, str | None] = {role: sidecar.get(f"{role}_token", default) for role, default in defaults.items()}
     for role, token in tokens.items():
         if token is not None and not isinstance(token, str):
             raise ModelLoadError(f"{sidecar_path}: {role}_token must be a string or null")
-    return TiktokenSpec(encoding, pat_str, dict(special_tokens), tokens)
+    return TiktokenSpec(encoding, pat_str, dict(special_tokens), tokens, recognized)
+
+
+# -- Mistral's tekken.json -----------------------------------------------------------------------------
+
+# The special tokens of a tekken.json of version v7 or older that lists none (mistral-common's
+# Tekkenizer.DEPRECATED_SPECIAL_TOKENS, ranks 0..19); the rest up to default_num_special_tokens are fillers.
+TEKKEN_DEPRECATED_SPECIAL = (
+    "<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+    "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[IMG_BREAK]", "[IMG_END]", "[PREFIX]", "[MIDDLE]",
+    "[SUFFIX]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CONTENT]",
+)  # fmt: skip
+TEKKEN_FILLER = "<SPECIAL_{id}>"
+_TEKKEN_ROLES = {"bos": "<s>", "eos": "</s>", "pad": "<pad>", "unk": "<unk>"}
+_VERSION = re.compile(r"^v([0-9]+)$")
+
+
+@dataclass(frozen=True)
+class TekkenSpec:
+    """A tekken.json as mistral-common's Tekkenizer reads it: special tokens first (ids 0..num_special - 1, the
+    file's own list, then fillers), then the vocabulary's first `vocab_size - num_special` tokens, each id its
+    rank plus num_special."""
+
+    pattern: str
+    version: str
+    special: tuple[str, ...]  # the special token strings, by id
+    vocab: tuple[str, ...]  # base64 token bytes, by rank (before the shift)
+    vocab_size: int
+    tokens: dict[str, str | None]  # role (bos, eos, pad, unk) -> special token string
+
+    @property
+    def num_special(self) -> int:
+        return len(self.special)
+
+    def ranks(self) -> dict[bytes, int]:
+        """token bytes -> id (rank + num_special): tiktoken's mergeable ranks, shifted (their order is kept)."""
+        shift = self.num_special
+        return {base64.b64decode(token): rank + shift for rank, token in enumerate(self.vocab)}
+
+
+_TEKKEN_SPECS: dict[str, TekkenSpec] = {}
+
+
+def tekken_spec(files: ModelFiles, name: str | None = None) -> TekkenSpec:
+    """What a tekken.json says, checked as mistral-common checks it; ModelLoadError in one line otherwise."""
+    digest = files_sha256(files.contents[:1])
+    if digest in _TEKKEN_SPECS:
+        return _TEKKEN_SPECS[digest]
+    where = f"model {name!r}: {files.main}" if name else str(files.main)
+    document = json_object(files.main, files.contents[0])
+    config = document.get("config")
+    try:
+        pattern, version = config["pattern"], config["version"]
+        vocab_size, num_special = int(config["default_vocab_size"]), int(config["default_num_special_tokens"])
+        vocab = document["vocab"]
+        listed = document.get("special_tokens")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{where}: not a tekken.json mistral-common reads (config or vocab: {exc!r})") from None
+    matched = _VERSION.match(version) if isinstance(version, str) else None
+    if matched is None:
+        raise ModelLoadError(f"{where}: config.version {version!r} is not a tokenizer version (v1, v3, v7, v13, ...)")
+    if listed is None:
+        if int(matched.group(1)) > 7:
+            raise ModelLoadError(f"{where}: a tekken.json of version {version} must list its special_tokens")
+        special = list(TEKKEN_DEPRECATED_SPECIAL)
+    else:
+        if not isinstance(listed, list) or not all(
+            isinstance(token, dict) and isinstance(token.get("token_str"), str) for token in listed
+        ):
+            raise ModelLoadError(f"{where}: special_tokens must be a list of {{rank, token_str, is_control}}")
+        for position, token in enumerate(listed):
+            if token.get("rank") != position:
+                raise ModelLoadError(f"{where}: special token {token['token_str']!r} has rank {token.get('rank')}, not {position}")
+        special = [token["token_str"] for token in listed]
+    if len(set(special)) != len(special) or len(special) > num_special:
+        raise ModelLoadError(
+            f"{where}: its {len(special)} special tokens must be unique and at most default_num_special_tokens ({num_special})"
+        )
+    special += [TEKKEN_FILLER.format(id=i) for i in range(len(special), num_special)]
+    inner = vocab_size - num_special
+    if not isinstance(vocab, list) or not 256 <= inner <= len(vocab) or vocab_size > ID_LIMIT:
+        raise ModelLoadError(
+            f"{where}: default_vocab_size {vocab_size} less default_num_special_tokens {num_special} must lie between "
+            f"256 and the number of its vocab entries ({len(vocab) if isinstance(vocab, list) else '?'})"
+        )
+    tokens: list[str] = []
+    for rank, entry in enumerate(vocab[:inner]):
+        try:
+            token = entry["token_bytes"]
+            raw = base64.b64decode(token, validate=True)
+        except (KeyError, TypeError, binascii.Error):
+            raise ModelLoadError(f"{where}: vocab[{rank}] has no base64 token_bytes") from None
+        if entry.get("rank") != rank or (rank < 256 and raw != bytes([rank])):
+            raise ModelLoadError(f"{where}: vocab[{rank}] has rank {entry.get('rank')} (ranks run 0, 1, ... from the 256 bytes)")
+        tokens.append(token)
+    roles = {role: (token if token in special else None) for role, token in _TEKKEN_ROLES.items()}
+    spec = TekkenSpec(pattern, version, tuple(special), tuple(tokens), vocab_size, roles)
+    if len(_TEKKEN_SPECS) >= 8:
+        _TEKKEN_SPECS.clear()
+    _TEKKEN_SPECS[digest] = spec
+    return spec

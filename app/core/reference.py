@@ -10,14 +10,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from tokenizer_service.core.models import SENTENCEPIECE, TIKTOKEN, TOKENIZERS, ModelFiles
+from tokenizer_service.core.models import SENTENCEPIECE, TEKKEN, TIKTOKEN, TOKENIZERS, ModelFiles
 
 
 class InProcess:
     """A model in its reference library, in this process."""
 
     def __init__(self, files: ModelFiles, threads: int) -> None:
-        self.library = files.library
+        # a tekken.json is a tiktoken encoding (mistral-common's Tekkenizer.encode is tiktoken's encode)
+        self.library = TIKTOKEN if files.library == TEKKEN else files.library
         self.threads = threads
         if files.library == TOKENIZERS:
             # Rayon reads its thread count once, when tokenizers first encodes a batch in this process.
@@ -30,7 +31,7 @@ class InProcess:
         if isinstance(library, libraries.HuggingFace):
             self.tokenizer = library.reference
             self.tokenizer.encode_special_tokens = True
-        elif isinstance(library, libraries.Tiktoken):
+        elif isinstance(library, libraries.Tiktoken | libraries.Tekken):
             self.encoding = library.reference
         elif isinstance(library, libraries.SentencePiece):
             self.processor = library.processor

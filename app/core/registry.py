@@ -56,6 +56,7 @@ def inspect_model(
     info = model_info(name, files, library, libraries.FASTOKENS if gate == libraries.PASSED else library.encoder, gate)
     if info.chat_template is not None and info.chat_template["loss_mask"] is None:
         logger.warning("%s", chat.no_mask_message(name) + "; its texts are served, its conversations refused")
+    logger.info("model %r: %s", name, files.recognized())  # which file, and which known encoding
     return info
 
 

@@ -28,7 +28,7 @@ from tokenizer_service.core.models import ModelInfo, ModelLoadError
 from tokenizer_service.core.registry import inspect_model
 from tokenizer_service.core.requests import EncodeOptions
 from tokenizer_service.core.shadow import ShadowMismatch
-from tokenizer_service.settings import ConfigError, Settings, describe_error, usable_cpus
+from tokenizer_service.settings import ConfigError, Settings, describe_error, model_file_name, usable_cpus
 from tokenizer_service.tools.pretokenize.backends import (
     local_pool,
     tokenize_dialogue_locally,
@@ -149,7 +149,7 @@ def resolve_local_model(name_or_path: str | None, chat_template: Path | None = N
     `chat_template` (--chat-template FILE) overrides its own template."""
     if name_or_path is not None and Path(name_or_path).expanduser().exists():
         path = Path(name_or_path).expanduser()
-        name = path.name if path.is_dir() else path.stem  # as --models-dir names them
+        name = path.name if path.is_dir() else (model_file_name(path) or path.stem)  # as --models-dir names them
         return inspect_model(name, path, chat_template=chat_template)
     try:
         settings = Settings()  # type: ignore[call-arg]  # every field has a default or comes from TOKENIZER_*
