@@ -35,7 +35,7 @@ def chat_server(tmp_path_factory, documents, multilingual):
             "--model", f"unknown={snapshot}",
             "--chat-template", f"chat={chat.CATALOGUE / 'qwen3.jinja'}",
             "--chat-template", f"unknown={unknown}",
-            "--default-model", "chat", "--encoder", "reference",
+            "--default-model", "chat",
         ],
         log,
     )  # fmt: skip
