@@ -3,8 +3,9 @@
 #   docker build -t tokenizer-service .
 #   docker run -p 8000:8000 -v "$PWD/models:/models:ro" tokenizer-service
 #
-# Every *.model (SentencePiece) and *.tiktoken in /models is served under its file stem, and every
-# subdirectory holding a tokenizer.json (a Hugging Face Hub snapshot) under its name; with /models
+# Every *.model (SentencePiece, or tiktoken ranks) and *.tiktoken in /models is served under its file stem, and every
+# subdirectory holding a tokenizer.json (a Hugging Face Hub snapshot), a tekken.json (Mistral) or an
+# original/tokenizer.model (Meta) under its name; Mistral's tekken*.json and NAME.model.vN files too; with /models
 # empty the bundled default model is served. Flags after the image name go to tokenizer-server (e.g. `--workers 4`).
 # BASE_IMAGE lets CI build from a stand-in image where no registry is reachable; its python must be 3.10+.
 # EXTRAS picks the project's extras: `--build-arg EXTRAS=server,corpora` adds tokenizer-pretokenize and

@@ -1,6 +1,6 @@
 """The models a server serves: each model file read once at startup, in the server process, and described.
 
-What a model file is (its three kinds, recognized by content) is tokenizer_service.core.models; loading it in its
+What a model file is (its four kinds, recognized by content) is tokenizer_service.core.models; loading it in its
 library, tokenizer_service.core.libraries. Reading a model here loads its reference library only, to describe it, and
 reads the fast encoder's cached gate verdict, so /v1/models says which encoder serves it; with none cached the model is
 announced with its library and its gate runs beside the work (tokenizer_service.core.gatescan).
@@ -22,7 +22,7 @@ __all__ = ["ModelRegistry", "inspect_model", "model_info"]
 def inspect_model(
     name: str, path: Path, encoder: str = libraries.FAST, chat_template: Path | None = None, wait: bool = False
 ) -> ModelInfo:
-    """What the model at `path` is (any of the three kinds); ModelLoadError in one line when it is none.
+    """What the model at `path` is (any of the four kinds); ModelLoadError in one line when it is none.
     `chat_template`: a --chat-template file, which overrides the model's own template.
 
     The announcing process loads the reference library only, to describe the model, and never builds the
