@@ -561,11 +561,12 @@ class ChatTemplate:
         ids: list[np.ndarray | None] = []
         masks: list[np.ndarray | None] = []
         plain: list[tuple[int, str, list[tuple[int, int]]]] = []  # conversations tokenized together, below
-        for position, conversation in enumerate(conversations):
+        checked = [check_conversation(conversation, first_index + position) for position, conversation in enumerate(conversations)]
+        anywhere = self._special_anywhere(checked, options)
+        for position, (conversation, messages) in enumerate(zip(conversations, checked, strict=True)):
             index = first_index + position
-            messages = check_conversation(conversation, index)
             flags = [message.get("train") if isinstance(message, dict) else None for message in conversation]
-            table = self._placeholders(messages, index, options)
+            table = self._placeholders(messages, index, options) if anywhere else []
             rendered, spans = self.render(_replace(messages, table) if table else messages, index)
             spans = self._selected(spans, messages, flags, options, index)
             if table or self.tokens.splits_always:
@@ -604,6 +605,14 @@ class ChatTemplate:
                 index=index,
             )
         return np.concatenate(ids).astype(np.int32), lengths, mask
+
+    def _special_anywhere(self, checked: list[list[dict[str, Any]]], options: ChatOptions) -> bool:
+        """Whether any special-token string may be in these conversations' content (one search of their JSON)."""
+        if options.parse_special_tokens or self.tokens._any is None:
+            return False
+        if not self.tokens.json_safe or self.tokens.splits_always:
+            return True
+        return self.tokens._any.search(orjson.dumps(checked).decode("utf-8")) is not None
 
     def _placeholders(self, messages: list[dict[str, Any]], index: int, options: ChatOptions) -> list[tuple[str, str]]:
         """(special-token string, placeholder) for those inside the content, unless they are to be parsed."""
