@@ -530,6 +530,19 @@ def known_encoding(sha256: str) -> tuple[str, str, dict[str, int]] | None:
     return None
 
 
+_RANK_COUNTS: dict[str, int] = {}
+
+
+def _rank_count(files: ModelFiles) -> int:
+    """How many distinct tokens a ranks file holds (Meta numbers its special tokens from there), parsed once."""
+    digest = files_sha256(files.contents[:1])
+    if digest not in _RANK_COUNTS:
+        if len(_RANK_COUNTS) >= 8:
+            _RANK_COUNTS.clear()
+        _RANK_COUNTS[digest] = len(tiktoken_ranks(files.contents[0], files.main))
+    return _RANK_COUNTS[digest]
+
+
 def tiktoken_spec(files: ModelFiles, name: str | None = None) -> TiktokenSpec:
     """The pattern and special tokens of a ranks file: its known encoding's (Meta's or OpenAI's, by sha256;
     Meta's layout named by the sidecar's "like"), then whatever its sidecar sets."""
@@ -543,7 +556,7 @@ def tiktoken_spec(files: ModelFiles, name: str | None = None) -> TiktokenSpec:
     if like is not None and like not in META_ENCODINGS:
         raise ModelLoadError(f'{sidecar_path}: "like" must be one of {", ".join(map(repr, META_ENCODINGS))}')
     if known is None and like is not None:  # Meta's layout around ranks of its own (as Meta's Tokenizer counts them)
-        known = meta_encoding(like, len(tiktoken_ranks(files.contents[0], files.main)))
+        known = meta_encoding(like, _rank_count(files))
     if known is None and "pat_str" not in sidecar:
         what = f"model {name!r}: " if name else ""
         raise ModelLoadError(
