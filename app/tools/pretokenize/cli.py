@@ -11,6 +11,7 @@ import argparse
 import errno
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +38,7 @@ from tokenizer_service.tools.pretokenize.sources import (
 from tokenizer_service.tools.pretokenize.sources import record_reason as chat_reason
 from tokenizer_service.tools.pretokenize.store import OutputError
 from tokenizer_client.errors import TokenizerError
+from tokenizer_client.storage import ENVIRONMENT, StorageError, configure, configured, is_url
 
 EPILOG = """\
 Inputs: .jsonl or .json (one JSON object a line; the text in --text-field), .txt (one document per
@@ -63,9 +65,30 @@ def build_parser() -> argparse.ArgumentParser:
         "inputs",
         nargs="+",
         metavar="INPUT",
-        help=f"input files ({KINDS}) or directories of them (every such file below, sorted by path)",
+        help=f"input files ({KINDS}) or directories of them (every such file below, sorted by path); each may be "
+        "a URL (s3://bucket/prefix/, a glob s3://bucket/*.parquet, gs://, hf://, file://: every fsspec protocol "
+        "whose package is installed, e.g. pip install 'tokenizer-service[s3]')",
     )
-    parser.add_argument("--output", "-o", type=Path, metavar="DIR", help="output directory (required)")
+    parser.add_argument(
+        "--output",
+        "-o",
+        metavar="DIR",
+        help="output directory, or a URL (s3://bucket/prefix, gs://..., any fsspec URL; staged under --staging, "
+        "uploaded shard by shard) (required)",
+    )
+    parser.add_argument(
+        "--staging",
+        type=Path,
+        metavar="DIR",
+        help="--output URL: where shards are written before they are uploaded (default: a new directory under the "
+        "system's temporary directory; removed when the run ends)",
+    )
+    parser.add_argument(
+        "--storage-options",
+        metavar="JSON",
+        help='options for the URLs\' filesystems (fsspec; e.g. {"endpoint_url": ...}, or one object per protocol); '
+        f"default: ${ENVIRONMENT}. Credentials come the store's standard way (AWS environment, config, role)",
+    )
     parser.add_argument(
         "--model",
         metavar="NAME",
@@ -354,6 +377,10 @@ def main(argv: list[str] | None = None) -> int:
         args.text_field = DEFAULT_FIELDS[kind] or "text"
     if kind != CONVERSATIONS and (args.chat_template is not None or args.train_on is not None):
         parser.error("--chat-template and --train-on need --conversations")
+    try:
+        configure(args.storage_options)  # before any URL is opened; the options are never printed
+    except StorageError as exc:
+        parser.error(str(exc))
     if args.peek:
         return peek_inputs(args.inputs, args.text_field, kind, args)
     if args.output is None:
@@ -375,7 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = Options(
             inputs=args.inputs,
-            output=args.output,
+            output=args.output if is_url(args.output) else Path(args.output),
+            staging=args.staging,
+            storage_options=configured(),
             model=args.model,
             urls=args.urls or [],
             text_field=args.text_field,
@@ -420,8 +449,12 @@ def main(argv: list[str] | None = None) -> int:
     except (InputError, ModelLoadError, ServedModelChanged, TokenizerError) as exc:
         print(f"tokenizer-pretokenize: {exc}", file=sys.stderr)
         return 1
+    except StorageError as exc:  # the store refused or stayed down (after its client's retries): resumable
+        print(f"tokenizer-pretokenize: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:  # disk full, file too large, quota, read-only: say what, where, how much room
-        print(f"tokenizer-pretokenize: {describe_os_error(exc, args.output)}", file=sys.stderr)
+        output = options.staging or Path(tempfile.gettempdir()) if is_url(args.output) else Path(args.output)
+        print(f"tokenizer-pretokenize: {describe_os_error(exc, output)}", file=sys.stderr)
         return 1
     if not args.quiet:
         print(describe(summary))

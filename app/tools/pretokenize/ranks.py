@@ -21,8 +21,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenizer_service.tools.pretokenize.store import identity
 from tokenizer_client.dataset import FORMAT_NAME, METADATA_FILE, TokenDataset, check_metadata
+from tokenizer_service.tools.pretokenize.store import identity
 
 RANK_DIRECTORY = "rank-{:05d}"
 RANK_NAME = re.compile(r"rank-([0-9]{5})")
@@ -95,6 +95,8 @@ def blocks(sizes: Sequence[int], world_size: int) -> list[tuple[int, int]]:
 
 
 def rank_directory(output: Path, rank: int) -> Path:
+    if isinstance(output, str):  # a URL: RANK/ under its prefix
+        return f"{output.rstrip('/')}/{RANK_DIRECTORY.format(rank)}"  # type: ignore[return-value]
     return output / RANK_DIRECTORY.format(rank)
 
 

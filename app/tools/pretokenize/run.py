@@ -54,8 +54,9 @@ from tokenizer_service.tools.pretokenize.sources import (
     holds_text,
     record_reason,
 )
+from tokenizer_service.tools.pretokenize.remote import output_for
 from tokenizer_service.tools.pretokenize.store import OutputDir, OutputError, differences
-from tokenizer_client import TokenizedBatch, TokenizerClient
+from tokenizer_client import TokenizedBatch, TokenizerClient, storage
 from tokenizer_client.dataset import FORMAT_NAME, format_version, id_dtype
 from tokenizer_client.urls import parse_urls
 
@@ -71,7 +72,7 @@ GATE_SCAN_MIN_BYTES = 8 << 20  # a smaller --local input is pre-tokenized before
 @dataclass(frozen=True)
 class Options:
     inputs: list[str]
-    output: Path
+    output: Path | str  # a directory, or a URL (tokenizer_service.tools.pretokenize.remote)
     model: str | None = None
     urls: list[str] = field(default_factory=list)  # empty: tokenize in-process (--local)
     text_field: str | None = None  # default: "text", or "messages" for conversations
@@ -88,6 +89,8 @@ class Options:
     kind: str = TEXT  # what a record holds: text, conversations (--conversations), prompt_completion
     chat_template: Path | None = None  # --chat-template FILE: overrides the model's own template
     train_on: str = "assistant"  # conversations: every assistant turn, or the last
+    staging: Path | None = None  # --output URL: where shards are written before they are uploaded
+    storage_options: dict[str, Any] | None = field(default=None, repr=False)  # fsspec options: never shown
 
     @property
     def dialogue(self) -> bool:
@@ -303,7 +306,7 @@ def open_output(out: OutputDir, wanted: dict[str, Any]) -> tuple[dict[str, Any],
         return wanted, False
     if problems:
         raise OutputError(
-            f"{out.path} holds another run's output; refusing to mix:\n  "
+            f"{out.where} holds another run's output; refusing to mix:\n  "
             + "\n  ".join(problems)
             + "\nuse another --output, or the same model, inputs and options"
         )
@@ -349,6 +352,8 @@ def run(
     `report_bad` hears of each bad record, `warn` of anything else worth a line (default: `report_bad`)."""
     started = time.monotonic()
     warn = warn or report_bad
+    if options.storage_options is not None:  # --storage-options, for the URLs of inputs and output
+        storage.configure(options.storage_options)
     sources = [Source.from_path(path) for path in expand_inputs(options.inputs, warn)]
     if options.dialogue and any(source.format == "txt" for source in sources):
         plain = next(source.path for source in sources if source.format == "txt")
@@ -373,19 +378,21 @@ def run(
         )
         options = special_tokens(options, model)
         loss_mask = dialogue_model(options, model) if options.dialogue else None
-        out = OutputDir(output)
+        out = output_for(output, options.staging)
+        stack.callback(out.close)
         created = not out.path.exists()
         wanted = new_metadata(model, sources, options, loss_mask)
         if rank is not None:
             wanted["rank"] = rank
         metadata, complete = open_output(out, wanted)
         if complete:
-            return Summary(out.path, metadata, len(metadata["shards"]), 0, 0, time.monotonic() - started, True)
+            return Summary(out.where, metadata, len(metadata["shards"]), 0, 0, time.monotonic() - started, True)
         sources = [Source(**source) for source in metadata["sources"]]
         try:
-            return _tokenize(
+            summary = _tokenize(
                 options, model, out, metadata, sources, stack, rank, report_bad, progress, warn, started, corpus
             )
+            return dataclasses.replace(summary, output=out.where)
         except NoTextError:
             if not metadata["shards"]:  # nothing of this output is worth keeping, and it would block a rerun
                 out.discard(created)

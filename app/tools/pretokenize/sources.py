@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
 import orjson
+from tokenizer_client.storage import StorageError, filesystem, is_url
+from tokenizer_client.storage import describe as describe_storage_error
 
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".txt": "txt", ".parquet": "parquet"}
 COMPRESSIONS = (".gz", ".zst")
@@ -173,6 +175,8 @@ class Source:
 
     @classmethod
     def from_path(cls, path: str | Path) -> Source:
+        if is_url(path):
+            return cls._from_url(str(path))
         resolved = Path(path).expanduser().resolve()
         try:
             size = resolved.stat().st_size
@@ -187,6 +191,25 @@ class Source:
             raise InputRefused(f"{path}: unknown input kind; expected {KINDS}, or a directory of them")
         compressed = compression is not None
         return cls(path=str(resolved), size=size, format=FORMATS[suffix], compressed=compressed)
+
+    @classmethod
+    def _from_url(cls, url: str) -> Source:
+        """An object in a store (or any fsspec URL): its size from the store; the path kept as its URL."""
+        fs, path = filesystem(url)
+        try:
+            info = fs.info(path)
+        except FileNotFoundError:
+            raise InputRefused(f"{url}: no such file or directory") from None
+        except Exception as exc:
+            raise InputRefused(describe_storage_error(exc, url)) from None
+        if info.get("type") != "file":
+            raise InputRefused(f"{url}: not a file")
+        suffix, compression = kind_of(path)
+        if suffix is None:
+            raise InputRefused(f"{url}: unknown input kind; expected {KINDS}, or a prefix of them")
+        return cls(
+            path=fs.unstrip_protocol(path), size=int(info["size"]), format=FORMATS[suffix], compressed=bool(compression)
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -215,6 +238,9 @@ def expand_inputs(paths: list[str] | list[Path], warn: Callable[[str], None] | N
     at its first place, and `warn` hears of each repeat."""
     files: list[Path] = []
     for path in paths:
+        if is_url(path):
+            files.extend(expand_url(str(path)))  # type: ignore[arg-type]  # URLs stay strings
+            continue
         path = Path(path).expanduser()
         if path.is_dir():
             found = sorted(item for item in path.rglob("*") if item.is_file() and kind_of(item.name)[0])
@@ -228,7 +254,7 @@ def expand_inputs(paths: list[str] | list[Path], warn: Callable[[str], None] | N
     first: dict[Path, Path] = {}
     unique = []
     for file in files:
-        resolved = file.resolve()
+        resolved = file if isinstance(file, str) else file.resolve()  # a URL is its own identity
         if resolved in first:
             if warn is not None:
                 warn(f"{file}: the same file as {first[resolved]} (a link or a repeat): read once")
@@ -236,6 +262,62 @@ def expand_inputs(paths: list[str] | list[Path], warn: Callable[[str], None] | N
         first[resolved] = file
         unique.append(file)
     return unique
+
+
+def expand_url(url: str) -> list[str]:
+    """The input URLs a URL stands for: an object; a prefix (a "directory") as every readable object under it,
+    sorted by key, as a local directory; a glob (``*``, ``?``, ``[``) as the readable objects it matches, sorted.
+    InputRefused in one line for a missing bucket, a missing object or prefix, refused credentials, a prefix or glob
+    with no input file."""
+    try:
+        fs, path = filesystem(url)
+        fs.invalidate_cache()  # list what is there now, not what an earlier listing in this process saw
+        if any(char in path for char in "*?["):
+            found = sorted(item for item in fs.glob(path) if kind_of(item)[0] and fs.isfile(item))
+            if not found:
+                raise InputRefused(f"{url}: matches no input file ({KINDS})")
+            return [fs.unstrip_protocol(item) for item in found]
+        if fs.isfile(path):
+            return [fs.unstrip_protocol(path)]
+        found = sorted(item for item in fs.find(path) if kind_of(item)[0])
+    except InputRefused:
+        raise
+    except StorageError as exc:
+        raise InputRefused(str(exc)) from None
+    except Exception as exc:
+        raise InputRefused(describe_storage_error(exc, url)) from None
+    if not found:
+        _check_bucket(url)
+        if not fs.exists(path):
+            raise InputRefused(f"{url}: no such file or directory")
+        raise InputRefused(f"{url}: a prefix with no input file under it ({KINDS})")
+    return [fs.unstrip_protocol(item) for item in found]
+
+
+def _check_bucket(url: str) -> None:
+    from tokenizer_client.storage import check_reachable
+
+    try:
+        check_reachable(url)
+    except StorageError as exc:
+        raise InputRefused(str(exc)) from None
+
+
+def open_input(path: str | Path) -> BinaryIO:
+    """An input opened for reading bytes: a local file, or a URL's object streamed by its fsspec filesystem (ranged
+    reads ahead of the reader; seeks are ranged requests, so a resumed run does not read what it skips)."""
+    if not is_url(path):
+        return open(path, "rb")
+    fs, inner = filesystem(str(path))
+    try:
+        return fs.open(inner, "rb", block_size=READ_BLOCK)  # type: ignore[no-any-return]
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file (it was there when the run started)") from None
+    except Exception as exc:
+        raise InputError(describe_storage_error(exc, str(path))) from None
+
+
+READ_BLOCK = 8 << 20  # bytes a ranged read of a URL's object asks for at once
 
 
 class Position(NamedTuple):
@@ -284,7 +366,7 @@ def verify_compressed(path: str | Path) -> str | None:
     """
     codec = kind_of(str(path))[1]
     try:
-        with open(path, "rb") as raw:
+        with open_input(path) as raw:
             if codec == "zstd":
                 return _verify_zstd(path, raw)
             stream = decompressed(raw, codec)
@@ -409,7 +491,7 @@ class DocumentReader:
                 if note and self.warn is not None and not self._unchecked_said:
                     self.warn(note + " (said once a run)")
                     self._unchecked_said = True
-            with open(source.path, "rb") as raw:
+            with open_input(source.path) as raw:
                 self._raw = raw
                 try:
                     if source.format == "parquet":
@@ -607,7 +689,7 @@ def _suggest(fields: dict[str, Any], text_field: str) -> str:
 def _parquet_file(source: Source) -> Any:
     parquet = _import("pyarrow.parquet", "reading .parquet")
     try:
-        return parquet.ParquetFile(source.path)
+        return parquet.ParquetFile(open_input(source.path) if is_url(source.path) else source.path)
     except Exception as exc:  # pyarrow raises ArrowInvalid and others for a file that is not Parquet
         raise InputError(f"{source.path}: not a Parquet file ({exc})") from exc
 
@@ -618,7 +700,7 @@ def first_record(source: Source) -> dict[str, Any] | str | None:
     if source.format == "parquet":
         first = next(_parquet_file(source).iter_batches(batch_size=1), None)
         return {name: value[0] for name, value in first.to_pydict().items()} if first is not None else None
-    with open(source.path, "rb") as raw:
+    with open_input(source.path) as raw:
         stream = decompressed(raw, source.codec)
         if source.format == "txt":
             block: list[bytes] = []
@@ -685,8 +767,8 @@ def peek(path: str | Path, text_field: str, kind: str = TEXT, found: list[Any] |
     for it (the document is appended to `found` for the caller to render)."""
     files = expand_inputs([path])
     lines = []
-    if Path(path).expanduser().is_dir():
-        kinds = Counter(kind_of(file.name)[0] for file in files)
+    if (len(files) != 1 or str(files[0]) != str(path)) if is_url(path) else Path(path).expanduser().is_dir():
+        kinds = Counter(kind_of(str(file).rsplit("/", 1)[-1])[0] for file in files)
         listed = ", ".join(f"{count:,} {kind}" for kind, count in kinds.most_common())
         lines.append(f"{path}: a directory of {len(files):,} input files ({listed}); the first:")
     source = Source.from_path(files[0])

@@ -50,6 +50,14 @@ class OutputDir:
         self.path = path
         self.metadata_path = path / METADATA_FILE
 
+    @property
+    def where(self) -> Any:
+        """The output as the user named it (a URL for `remote.StagedOutput`, whose `path` is its staging folder)."""
+        return self.path
+
+    def close(self) -> None:
+        """Nothing to clean up here (a staged output removes its staging folder)."""
+
     def load(self) -> dict[str, Any] | None:
         """metadata.json if there is one; refuses a directory that holds anything else of its own."""
         if not self.path.exists():

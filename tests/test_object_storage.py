@@ -1,0 +1,365 @@
+"""Corpora where they live: inputs and outputs at URLs (issue 34).
+
+`file://` URLs go through the same fsspec code path as `s3://` in the fast suite. The rest runs against a real S3 API
+server on 127.0.0.1 that these tests start themselves (moto's standalone server, `moto[server]`, in a process of its
+own, with IAM authentication on: a wrong key is refused as S3 refuses it), never a mock of the client library; the
+runs find it through `AWS_ENDPOINT_URL`, as they would MinIO, R2 or Ceph.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tokenizer_client import storage
+from tokenizer_client.dataset import TokenDataset
+from tokenizer_service.settings import BUNDLED_MODELS_DIR
+from tokenizer_service.tools.pretokenize import main
+from tokenizer_service.tools.pretokenize.remote import MAX_PARTS, part_size
+
+from tests.conftest import ROOT
+
+MODEL = str(BUNDLED_MODELS_DIR / "default.model")
+
+
+def pretokenize(*args: object) -> int:
+    return main([str(arg) for arg in args])
+
+
+def files_of(directory: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
+
+
+def shard_files(directory: Path) -> dict[str, bytes]:
+    return {name: data for name, data in files_of(directory).items() if name != "metadata.json"}
+
+
+def documents_of(dataset: TokenDataset) -> list[list[int]]:
+    return [dataset[index].tolist() for index in range(len(dataset))]
+
+
+def write_corpus(directory: Path, texts: list[str]) -> list[Path]:
+    """The three kinds corpora are published in: Parquet (small row groups), .jsonl.zst and .json.gz."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    directory.mkdir(parents=True, exist_ok=True)
+    thirds = [texts[: len(texts) // 3], texts[len(texts) // 3 : 2 * len(texts) // 3], texts[2 * len(texts) // 3 :]]
+    parquet = directory / "a.parquet"
+    pq.write_table(pa.table({"id": list(range(len(thirds[0]))), "text": thirds[0]}), parquet, row_group_size=40)
+    lines = [b"".join(json.dumps({"text": text}).encode() + b"\n" for text in part) for part in thirds[1:]]
+    zst = directory / "b.jsonl.zst"
+    zst.write_bytes(zstandard.ZstdCompressor(write_checksum=True).compress(lines[0]))
+    gz = directory / "c.json.gz"
+    gz.write_bytes(gzip.compress(lines[1]))
+    (directory / "README.md").write_text("not an input: ignored under a prefix, as in a directory\n")
+    return [parquet, zst, gz]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# file:// URLs: the fsspec path, in the fast suite
+
+
+def test_file_urls_in_and_out_equal_a_local_run(documents: list[str], tmp_path: Path) -> None:
+    write_corpus(tmp_path / "corpus", documents[:240])
+    args = ["--local", "--model", MODEL, "--workers", "1", "--shard-tokens", "2000", "-q"]
+    assert pretokenize(tmp_path / "corpus", "--output", tmp_path / "local", *args) == 0
+    url = f"file://{tmp_path}/corpus/"
+    assert pretokenize(url, "--output", f"file://{tmp_path}/remote", "--staging", tmp_path / "staging", *args) == 0
+    local, remote = TokenDataset(tmp_path / "local"), TokenDataset(tmp_path / "remote")
+    assert len(local) == 240 and documents_of(local) == documents_of(remote)
+    assert shard_files(tmp_path / "local") == shard_files(tmp_path / "remote")
+    metadata = json.loads((tmp_path / "remote" / "metadata.json").read_text())
+    assert [source["path"] for source in metadata["sources"]] == [
+        f"file://{tmp_path}/corpus/{name}" for name in ("a.parquet", "b.jsonl.zst", "c.json.gz")
+    ]
+    assert not (tmp_path / "staging").exists() or not any((tmp_path / "staging").iterdir())  # removed when done
+    # a glob, and the finished output: nothing to do
+    assert pretokenize(f"file://{tmp_path}/corpus/*.json.gz", "--output", tmp_path / "glob", *args) == 0
+    assert len(TokenDataset(tmp_path / "glob")) == 80
+
+
+def test_url_refusals_are_one_line_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "notes.md").write_text("nothing to read\n")
+    args = ["--local", "--model", MODEL, "--output", tmp_path / "out", "-q"]
+    cases = {
+        f"file://{tmp_path}/empty/": "a prefix with no input file under it",
+        f"file://{tmp_path}/nothing-here/": "no such file or directory",
+        f"file://{tmp_path}/empty/*.parquet": "matches no input file",
+        "nosuchprotocol://bucket/x.jsonl": "no fsspec filesystem knows nosuchprotocol://",
+    }
+    for url, said in cases.items():
+        assert pretokenize(url, *args) == 2, url
+        errors = capsys.readouterr().err.strip().splitlines()
+        assert len(errors) == 1 and said in errors[0], (url, errors)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_filesystem_package_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fsspec.registry
+
+    def missing(protocol: str) -> None:
+        raise ImportError(f"Install {storage.PACKAGES.get(protocol, protocol)} to access {protocol}")
+
+    monkeypatch.setattr(fsspec.core, "url_to_fs", lambda url, **options: missing(storage.protocol_of(url)))
+    for url, extra in (("s3://bucket/corpus/", "s3"), ("gs://bucket/corpus/", "gcs")):
+        with pytest.raises(storage.StorageError, match=rf"pip install 'tokenizer-service\[{extra}\]'"):
+            storage.filesystem(url)
+    assert fsspec.registry is not None
+
+
+def test_storage_options_are_passed_through_and_never_shown(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    secret = "s3cr3t-never-printed"
+    monkeypatch.setenv(storage.ENVIRONMENT, json.dumps({"file": {"auto_mkdir": True}}))
+    assert storage.options_for("file") == {"auto_mkdir": True}
+    storage.configure({"s3": {"key": "k", "secret": secret}, "file": {}})
+    try:
+        assert storage.options_for("s3") == {"key": "k", "secret": secret}
+        storage.configure('{"auto_mkdir": true}')  # one object for every protocol, as --storage-options gives it
+        fs, _ = storage.filesystem(f"file://{tmp_path}/x.jsonl")
+        assert fs.storage_options == {"auto_mkdir": True}  # reached the filesystem
+    finally:
+        storage.configure(None)
+    with pytest.raises(SystemExit) as exited:  # argparse's usage error: exit 2
+        pretokenize(f"file://{tmp_path}/x.jsonl", "--storage-options", '{"secret": "' + secret + '"', "--peek")
+    errors = capsys.readouterr().err
+    assert exited.value.code == 2 and "--storage-options is not JSON" in errors and secret not in errors
+
+
+def test_part_size_keeps_multipart_uploads_within_10000_parts() -> None:
+    assert part_size(0) == part_size(16 << 20) == 50 << 20  # s3fs's default
+    for size in (1 << 30, 500 << 30, (500 << 30) + 1, 5 << 40):
+        assert -(-size // part_size(size)) <= MAX_PARTS
+    assert part_size(5 << 40) <= 5 << 30  # S3's largest part
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A real S3 API on 127.0.0.1
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """moto's S3 server in a process of its own, with IAM authentication from its fourth request on: the first three
+    make a user with a key allowed everything. Yields the environment a client needs (AWS_ENDPOINT_URL and the key;
+    no config file of this machine is read)."""
+    pytest.importorskip("moto.server", reason="moto[server]: pip install -e '.[test]'")
+    pytest.importorskip("s3fs", reason="s3fs: pip install -e '.[s3]'")
+    import botocore.session
+
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    log = tmp_path_factory.mktemp("moto") / "server.log"
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"},
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or process.poll() is not None:
+                    raise AssertionError(f"moto did not start: {log.read_text()}") from None
+                time.sleep(0.1)
+        iam = botocore.session.get_session().create_client(
+            "iam", region_name="us-east-1", endpoint_url=endpoint, aws_access_key_id="a", aws_secret_access_key="b"
+        )
+        iam.create_user(UserName="ci")
+        policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
+        iam.put_user_policy(UserName="ci", PolicyName="all", PolicyDocument=json.dumps(policy))
+        key = iam.create_access_key(UserName="ci")["AccessKey"]
+        yield {
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
+            "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"],
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_CONFIG_FILE": os.devnull,
+            "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+        }
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@pytest.fixture
+def s3(s3_server: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
+    """An s3fs filesystem on the server, with this process's environment pointing at it."""
+    import s3fs
+
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", storage.ENVIRONMENT):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in s3_server.items():
+        monkeypatch.setenv(name, value)
+    s3fs.S3FileSystem.clear_instance_cache()
+    yield s3fs.S3FileSystem()
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+_buckets = iter(range(1_000_000))
+
+
+def new_bucket(fs: object) -> str:
+    name = f"corpus-{os.getpid()}-{next(_buckets)}"
+    fs.mkdir(name)  # type: ignore[attr-defined]
+    return name
+
+
+def upload(fs: object, local: Path, bucket: str, prefix: str) -> None:
+    for path in sorted(local.iterdir()):
+        fs.put_file(str(path), f"{bucket}/{prefix}/{path.name}")  # type: ignore[attr-defined]
+
+
+def objects(fs: object, url: str) -> dict[str, bytes]:
+    root = url.removeprefix("s3://").rstrip("/")
+    fs.invalidate_cache()  # type: ignore[attr-defined]
+    return {path[len(root) + 1 :]: fs.cat_file(path) for path in sorted(fs.find(root))}  # type: ignore[attr-defined]
+
+
+def run_cli(args: list[str], env: dict[str, str] | None = None, **popen: object) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "tokenizer_service.tools.pretokenize", *map(str, args)]
+    return subprocess.Popen(command, cwd=ROOT, env={**os.environ, **(env or {})}, stderr=subprocess.PIPE, **popen)  # type: ignore[call-overload]
+
+
+@pytest.mark.slow  # a server of its own; runs uploading to it
+def test_a_bucket_in_and_out_equals_local_files(s3: object, documents: list[str], tmp_path: Path) -> None:
+    """Parquet, .jsonl.zst and .json.gz in a bucket, to a bucket and to a local directory: the same documents and
+    byte-identical shard files as a run over the same files on disk."""
+    files = write_corpus(tmp_path / "corpus", documents[:300])
+    bucket = new_bucket(s3)
+    upload(s3, tmp_path / "corpus", bucket, "corpus")
+    args = ["--local", "--model", MODEL, "--workers", "1", "--shard-tokens", "2000", "-q"]
+    assert pretokenize(*files, "--output", tmp_path / "reference", *args) == 0
+    prefix = f"s3://{bucket}/corpus/"
+    assert pretokenize(prefix, "--output", tmp_path / "local", *args) == 0
+    assert pretokenize(prefix, "--output", f"s3://{bucket}/shards", *args) == 0
+    reference = shard_files(tmp_path / "reference")
+    assert len(reference) >= 6
+    assert shard_files(tmp_path / "local") == reference
+    uploaded = objects(s3, f"s3://{bucket}/shards")
+    assert {name: data for name, data in uploaded.items() if name != "metadata.json"} == reference
+    assert json.loads(uploaded["metadata.json"]) == json.loads((tmp_path / "local" / "metadata.json").read_bytes())
+    sources = json.loads(uploaded["metadata.json"])["sources"]
+    assert [source["path"] for source in sources] == [f"{prefix}{path.name}" for path in files]
+    assert documents_of(TokenDataset(tmp_path / "local")) == documents_of(TokenDataset(tmp_path / "reference"))
+    # the same command again: nothing to do, nothing uploaded
+    assert pretokenize(prefix, "--output", f"s3://{bucket}/shards", *args) == 0
+    assert objects(s3, f"s3://{bucket}/shards") == uploaded
+
+
+@pytest.mark.slow  # runs killed and resumed against a server
+def test_a_run_killed_mid_upload_resumes_to_exactly_the_objects_of_an_uninterrupted_one(
+    s3: object, s3_server: dict[str, str], documents: list[str], tmp_path: Path
+) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    with (corpus / "big.jsonl").open("w") as file:
+        for copy in range(6):
+            for number, text in enumerate(documents):
+                file.write(json.dumps({"text": f"{copy}.{number} {text}"}) + "\n")
+    bucket = new_bucket(s3)
+    upload(s3, corpus, bucket, "in")
+    args = [f"s3://{bucket}/in/", "--local", "--model", MODEL, "--workers", "1", "--shard-tokens", "30000", "-q"]
+    reference_url, resumed_url = f"s3://{bucket}/reference", f"s3://{bucket}/resumed"
+    assert pretokenize(*args, "--output", reference_url) == 0
+    reference = objects(s3, reference_url)
+
+    process = run_cli([*args, "--output", resumed_url, "--staging", tmp_path / "staging"], start_new_session=True)
+    killed_mid_upload = False
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and process.poll() is None:
+            present = objects_names(s3, resumed_url)
+            listed = listed_shards(s3, resumed_url)
+            unlisted = {name for name in present if name[:5].isdigit() and int(name[:5]) >= listed}
+            if listed >= 1 and unlisted:  # a shard's objects uploaded, metadata.json not yet naming it
+                os.killpg(process.pid, signal.SIGKILL)
+                killed_mid_upload = True
+                break
+            time.sleep(0.005)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    assert killed_mid_upload, "the run ended before it could be killed between a shard's upload and its metadata"
+    interrupted = json.loads(s3.cat_file(f"{bucket}/resumed/metadata.json"))  # type: ignore[attr-defined]
+    assert not interrupted["complete"]
+
+    rerun = run_cli([*args, "--output", resumed_url, "--staging", tmp_path / "staging"])
+    _, errors = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, errors.decode()
+    assert objects(s3, resumed_url) == reference  # metadata.json too
+    assert not any((tmp_path / "staging").iterdir())
+
+
+def objects_names(fs: object, url: str) -> list[str]:
+    root = url.removeprefix("s3://").rstrip("/")
+    try:
+        return [path.rsplit("/", 1)[-1] for path in fs.ls(root, detail=False, refresh=True)]  # type: ignore[attr-defined]
+    except FileNotFoundError:
+        return []
+
+
+def listed_shards(fs: object, url: str) -> int:
+    try:
+        text = fs.cat_file(url.removeprefix("s3://") + "/metadata.json")  # type: ignore[attr-defined]
+    except FileNotFoundError:
+        return 0
+    return len(json.loads(text)["shards"])
+
+
+@pytest.mark.slow  # processes against a server
+def test_store_faults_are_one_line_each(
+    s3: object, s3_server: dict[str, str], documents: list[str], tmp_path: Path
+) -> None:
+    """A missing bucket (input or output), wrong credentials, a prefix with no supported file: one line, before any
+    work, exit 2 for inputs (refused like a missing file) and 1 for an output the store refuses."""
+    bucket = new_bucket(s3)
+    write_corpus(tmp_path / "corpus", documents[:30])
+    upload(s3, tmp_path / "corpus", bucket, "corpus")
+    s3.pipe(f"{bucket}/docs/README.md", b"no corpus here\n")  # type: ignore[attr-defined]
+    common = ["--local", "--model", MODEL, "--workers", "1", "-q"]
+    wrong = {"AWS_ACCESS_KEY_ID": "AKIAWRONGWRONGWRONG0", "AWS_SECRET_ACCESS_KEY": "wrong-secret-never-printed"}
+    cases = [
+        ([f"s3://no-such-bucket-{os.getpid()}/corpus/", "--output", tmp_path / "a"], {}, 2, "no such bucket"),
+        ([f"s3://{bucket}/docs/", "--output", tmp_path / "b"], {}, 2, "a prefix with no input file under it"),
+        ([f"s3://{bucket}/corpus/", "--output", tmp_path / "c"], wrong, 2, "access denied"),
+        (
+            [f"s3://{bucket}/corpus/", "--output", f"s3://no-such-bucket-{os.getpid()}/out"],
+            {},
+            1,
+            "no such bucket",
+        ),
+    ]
+    for args, env, code, said in cases:
+        process = run_cli([*args, *common], env)
+        _, errors = process.communicate(timeout=120)
+        lines = errors.decode().strip().splitlines()
+        assert process.returncode == code and len(lines) == 1 and said in lines[0], (args, lines)
+        assert "wrong-secret-never-printed" not in lines[0]
+    assert not any(tmp_path.glob("[abc]"))
