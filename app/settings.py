@@ -289,8 +289,6 @@ def model_file_name(path: Path) -> str | None:
 
 
 def _why_skipped(path: Path) -> str:
-    if path.name.startswith("."):
-        return "a hidden entry"
     if path.is_dir():
         return "a directory holding no tokenizer.json, tekken.json or original/tokenizer.model"
     if not path.is_file():
@@ -318,8 +316,8 @@ def models_in(directory: Path) -> dict[str, Path]:
         except OSError as exc:
             unreadable.append(f"{path.name} ({why_unreadable(path) or exc.strerror})")
             continue
-        inside = directory_file(path) if path.is_dir() and not path.name.startswith(".") else None
-        if path.is_file() and not path.name.startswith(".") and (file_name := model_file_name(path)) is not None:
+        inside = directory_file(path) if path.is_dir() else None
+        if path.is_file() and (file_name := model_file_name(path)) is not None:
             name = file_name
         elif inside is not None:
             name = path.name

@@ -369,7 +369,7 @@ def _models_folder(root: Path, made: dict[str, Path]) -> Path:
 
 
 EXPECTED_SKIPS = [
-    "skipping .cache: a hidden entry",
+    "skipping .cache: a directory holding no tokenizer.json, tekken.json or original/tokenizer.model",
     "skipping notes.txt: not a model file's name (*.model, *.model.vN, *.tiktoken, tekken*.json)",
     "skipping weights: a directory holding no tokenizer.json, tekken.json or original/tokenizer.model",
 ]
