@@ -85,8 +85,10 @@ import functools
 import itertools
 import json
 import operator
+import os
 import re
 import struct
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
@@ -98,6 +100,7 @@ import numpy as np
 import numpy.typing as npt
 
 from tokenizer_client.packing import IGNORE_INDEX, pack_best_fit, pack_concat
+from tokenizer_client.storage import is_url
 
 if TYPE_CHECKING:
     import torch
@@ -535,8 +538,16 @@ class TokenDataset:
     path, so it can be handed to DataLoader worker processes, which map the files again.
     """
 
-    def __init__(self, path: str | Path, *, allow_partial: bool = False) -> None:
-        self.path = Path(path)
+    def __init__(
+        self, path: str | Path, *, allow_partial: bool = False, cache_dir: str | Path | None = None
+    ) -> None:
+        self.url: str | None = None  # a dataset in object storage (any fsspec URL), read through `cache_dir`
+        self.cache_dir = None if cache_dir is None else Path(cache_dir).expanduser()
+        if is_url(path):
+            self.url = str(path).rstrip("/")
+            self.path = self._fetch_index()
+        else:
+            self.path = Path(path)
         self.allow_partial = allow_partial
         self.metadata = self._read_metadata()
         meta = self.metadata
@@ -558,6 +569,65 @@ class TokenDataset:
         self._id_starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
         self._count_bounds: list[int] = self._count_starts.tolist()  # bisect on a list beats numpy for one value
         self._open: OrderedDict[int, Shard] = OrderedDict()
+
+    def _fetch_index(self) -> Path:
+        """The URL's metadata.json, read from the store every time (it says what the shards are), into its folder of
+        the cache (named by the URL and the sha256 of that metadata.json); the shards are fetched as they are read."""
+        from tokenizer_client import storage
+
+        url = str(self.url)
+        if self.cache_dir is None:
+            raise ValueError(
+                f"{url} is a URL: give TokenDataset({url!r}, cache_dir=DIR), a local directory the shards it reads "
+                "are downloaded to (and reused from)"
+            )
+        fs, root = storage.filesystem(url)
+        try:
+            index = fs.cat_file(f"{root.rstrip('/')}/{METADATA_FILE}")
+        except FileNotFoundError:
+            storage.check_reachable(url)
+            ranked = fs.glob(f"{root.rstrip('/')}/rank-*/{METADATA_FILE}")
+            if ranked:
+                raise ValueError(
+                    f"{url} is a ranked output (rank-RRRRR prefixes, no {METADATA_FILE} over them yet): merge it first"
+                ) from None
+            raise ValueError(f"{url} holds no {METADATA_FILE}: not a tokenizer-pretokenize output") from None
+        except Exception as exc:
+            raise storage.StorageError(storage.describe(exc, url)) from None
+        folder = storage.cache_directory(url, self.cache_dir, index)
+        target = folder / METADATA_FILE
+        if not target.exists():  # written whole under a temporary name, then renamed: other processes see all or none
+            folder.mkdir(parents=True, exist_ok=True)
+            temporary = folder / f".{METADATA_FILE}.{os.getpid()}.{threading.get_ident()}.part"
+            temporary.write_bytes(index)
+            os.replace(temporary, target)
+        self._store = (fs, root.rstrip("/"))
+        return folder
+
+    def _fetch_shard(self, index: int) -> None:
+        """Shard `index`'s files from the store into the cache, unless there with the sizes metadata.json implies."""
+        if self.url is None:
+            return
+        from tokenizer_client import storage
+
+        fs, root = self._store
+        name = self._names[index]
+        count = int(self._count_starts[index + 1] - self._count_starts[index])
+        num_ids = int(self._id_starts[index + 1] - self._id_starts[index])
+        sizes = {IDX_SUFFIX: IDX_HEADER.size + (count + 1) * OFFSET_DTYPE.itemsize, BIN_SUFFIX: num_ids * self.dtype.itemsize}
+        if self.layout == "packed":
+            sizes[SEG_SUFFIX] = None  # type: ignore[assignment]  # the store's size (the index's last offset)
+        if self.masked:
+            sizes[MASK_SUFFIX] = num_ids * MASK_DTYPE.itemsize
+        for suffix, size in sizes.items():
+            file = f"{name}{suffix}"
+            storage.fetch(f"{self.url}/{file}", self.path / file, size, fs, f"{root}/{file}")
+
+    def fetch(self) -> TokenDataset:
+        """Every shard downloaded into the cache now (a Mixture reads them all); nothing to do for a local path."""
+        for index in range(self.num_shards):
+            self._fetch_shard(index)
+        return self
 
     def _read_metadata(self) -> dict[str, Any]:
         file = self.path / METADATA_FILE
@@ -584,16 +654,20 @@ class TokenDataset:
 
     # pickling by path: memory maps do not travel, paths do
     def __getstate__(self) -> dict[str, Any]:
+        if self.url is not None:  # the cache is where the files are: a worker finds them there
+            return {"path": self.url, "allow_partial": self.allow_partial, "cache_dir": str(self.cache_dir)}
         return {"path": str(self.path), "allow_partial": self.allow_partial}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["path"], allow_partial=state["allow_partial"])  # type: ignore[misc]
+        self.__init__(  # type: ignore[misc]
+            state["path"], allow_partial=state["allow_partial"], cache_dir=state.get("cache_dir")
+        )
 
     def __repr__(self) -> str:
         what = (
             f"{self.num_rows} rows of {self.seq_len}" if self.layout == "packed" else f"{self.num_documents} documents"
         )
-        return f"TokenDataset({str(self.path)!r}: {what}, {self.num_tokens} ids, {len(self._names)} shards)"
+        return f"TokenDataset({self.url or str(self.path)!r}: {what}, {self.num_tokens} ids, {len(self._names)} shards)"
 
     @property
     def num_shards(self) -> int:
@@ -642,6 +716,7 @@ class TokenDataset:
         check_shard(self.shard(index), self.vocab_size, self._row_len, self.path / self._names[index])
 
     def _map_shard(self, index: int) -> Shard:
+        self._fetch_shard(index)
         count = int(self._count_starts[index + 1] - self._count_starts[index])
         num_ids = int(self._id_starts[index + 1] - self._id_starts[index])
         expected = IndexHeader(LAYOUTS[self.layout], self.dtype.itemsize, self.seq_len or 0, count, num_ids)

@@ -757,6 +757,8 @@ class Mixture:
                 if where.is_relative_to(dataset.path.resolve()):
                     raise ValueError(f"cache_dir {self.cache_dir} is inside source {name!r}'s directory {dataset.path}")
         check_one_tokenizer(sources)
+        for dataset in sources.values():  # a source at a URL: every shard into its cache (all are read)
+            dataset.fetch()
         self._sources = [_Source(name, sources[name], self.seq_len, self.seed, self.cache_dir) for name in self.names]
         if weights is None:
             weights = {source.name: source.tokens for source in self._sources}

@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from tokenizer_client import storage
 from tokenizer_client.dataset import TokenDataset
@@ -363,3 +364,97 @@ def test_store_faults_are_one_line_each(
         assert process.returncode == code and len(lines) == 1 and said in lines[0], (args, lines)
         assert "wrong-secret-never-printed" not in lines[0]
     assert not any(tmp_path.glob("[abc]"))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reading for training: TokenDataset and Mixture over URLs, through a cache
+
+
+@pytest.fixture(scope="module")
+def two_outputs(documents: list[str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two local outputs of one model (a ragged one of several shards, and a packed one), to be read from URLs."""
+    directory = tmp_path_factory.mktemp("outputs")
+    common = ["--local", "--model", MODEL, "--workers", "1", "--shard-tokens", "3000", "-q"]
+    outputs = {"web": directory / "web", "code": directory / "code"}
+    write_corpus(directory / "web-corpus", documents[:300])
+    write_corpus(directory / "code-corpus", documents[300:600])
+    assert pretokenize(directory / "web-corpus", "--output", outputs["web"], *common) == 0
+    assert pretokenize(directory / "code-corpus", "--output", outputs["code"], *common, "--seq-len", "64") == 0
+    return outputs
+
+
+def test_token_dataset_at_a_url_needs_a_cache_and_equals_the_local_one(
+    two_outputs: dict[str, Path], tmp_path: Path
+) -> None:
+    url = f"file://{two_outputs['web']}"
+    with pytest.raises(ValueError, match=r"is a URL: give TokenDataset\(.*cache_dir=DIR\)"):
+        TokenDataset(url)
+    local = TokenDataset(two_outputs["web"])
+    remote = TokenDataset(url, cache_dir=tmp_path / "cache")
+    assert local.num_shards >= 3 and len(remote) == len(local)
+    assert not list((tmp_path / "cache").rglob("*.bin"))  # the index only, until a shard is read
+    assert remote[len(remote) - 1].tolist() == local[len(local) - 1].tolist()
+    assert len(list((tmp_path / "cache").rglob("*.bin"))) == 1  # only the shard it needed
+    assert documents_of(remote) == documents_of(local)
+    import pickle
+
+    again = pickle.loads(pickle.dumps(remote))  # DataLoader workers: by URL and cache
+    assert again.url == url and again.path == remote.path and documents_of(again) == documents_of(local)
+    missing = f"file://{tmp_path}/nothing"
+    with pytest.raises(ValueError, match="holds no metadata.json"):
+        TokenDataset(missing, cache_dir=tmp_path / "cache")
+
+
+def read_all(url: str, cache: str, endpoint_env: dict[str, str]) -> str:
+    """In a process of its own: every document of the dataset at `url` through `cache` (a digest of them)."""
+    import hashlib
+
+    os.environ.update(endpoint_env)
+    dataset = TokenDataset(url, cache_dir=cache)
+    digest = hashlib.sha256()
+    for index in range(len(dataset)):
+        digest.update(dataset[index].tobytes())
+    return digest.hexdigest()
+
+
+@pytest.mark.slow  # a server of its own; processes reading from it
+def test_token_dataset_and_a_mixture_over_bucket_urls_equal_local_ones(
+    s3: object, s3_server: dict[str, str], two_outputs: dict[str, Path], tmp_path: Path
+) -> None:
+    import concurrent.futures
+    import hashlib
+    import multiprocessing
+
+    from tokenizer_client import Mixture
+
+    bucket = new_bucket(s3)
+    for name, local in two_outputs.items():
+        upload(s3, local, bucket, f"shards/{name}")
+    urls = {name: f"s3://{bucket}/shards/{name}" for name in two_outputs}
+    cache = tmp_path / "cache"
+    # two processes fill one cache at once
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(2, mp_context=context) as pool:
+        digests = list(pool.map(read_all, [urls["web"]] * 2, [str(cache)] * 2, [s3_server] * 2))
+    local = TokenDataset(two_outputs["web"])
+    expected = hashlib.sha256(b"".join(local[index].tobytes() for index in range(len(local)))).hexdigest()
+    assert digests == [expected, expected]
+    assert not list(cache.rglob("*.part"))  # no temporary file left
+    cached = sorted(path.name for path in cache.rglob("*") if path.is_file())
+    assert sorted(path.name for path in two_outputs["web"].iterdir()) == cached
+    assert documents_of(TokenDataset(urls["web"], cache_dir=cache)) == documents_of(local)
+
+    # a two-source Mixture over the bucket equals the one over the local directories, rows and state
+    def mixture(sources: dict[str, TokenDataset]) -> Mixture:
+        return Mixture(sources, weights={"web": 0.7, "code": 0.3}, seq_len=64, seed=7, cache_dir=tmp_path / "mix")
+
+    here = mixture({name: TokenDataset(path) for name, path in two_outputs.items()})
+    there = mixture({name: TokenDataset(url, cache_dir=cache) for name, url in urls.items()})
+    ours, theirs = here.rows(0, 40), there.rows(0, 40)
+    for field in ("input_ids", "labels", "position_ids", "sources"):
+        np.testing.assert_array_equal(getattr(ours, field), getattr(theirs, field))
+    rows_here = here.loader(rank=0, world_size=1, batch_size=4)
+    rows_there = there.loader(rank=0, world_size=1, batch_size=4)
+    for mine, yours, _ in zip(rows_here, rows_there, range(3)):
+        np.testing.assert_array_equal(mine.input_ids, yours.input_ids)
+    assert rows_here.state_dict() == rows_there.state_dict()  # a dataset copied elsewhere resumes the same stream
