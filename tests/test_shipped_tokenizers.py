@@ -222,6 +222,7 @@ def test_meta_ids_on_texts_metas_tokenizer_cuts_with_either_encoder(made, name):
             assert library.reference_rows(texts, parse_special) == want
 
 
+@pytest.mark.slow  # every code point, and Meta's cut in Python over 1.5 M characters (the ids tests above cut too)
 def test_meta_pieces_are_metas_cuts():
     """`meta_pieces` is llama_models' `_split_whitespaces_or_nonwhitespaces` of 400,000-character chunks, found with
     Python's \\s, which is str.isspace on every code point."""
