@@ -538,9 +538,7 @@ class TokenDataset:
     path, so it can be handed to DataLoader worker processes, which map the files again.
     """
 
-    def __init__(
-        self, path: str | Path, *, allow_partial: bool = False, cache_dir: str | Path | None = None
-    ) -> None:
+    def __init__(self, path: str | Path, *, allow_partial: bool = False, cache_dir: str | Path | None = None) -> None:
         self.url: str | None = None  # a dataset in object storage (any fsspec URL), read through `cache_dir`
         self.cache_dir = None if cache_dir is None else Path(cache_dir).expanduser()
         if is_url(path):
@@ -614,7 +612,10 @@ class TokenDataset:
         name = self._names[index]
         count = int(self._count_starts[index + 1] - self._count_starts[index])
         num_ids = int(self._id_starts[index + 1] - self._id_starts[index])
-        sizes = {IDX_SUFFIX: IDX_HEADER.size + (count + 1) * OFFSET_DTYPE.itemsize, BIN_SUFFIX: num_ids * self.dtype.itemsize}
+        sizes = {
+            IDX_SUFFIX: IDX_HEADER.size + (count + 1) * OFFSET_DTYPE.itemsize,
+            BIN_SUFFIX: num_ids * self.dtype.itemsize,
+        }
         if self.layout == "packed":
             sizes[SEG_SUFFIX] = None  # type: ignore[assignment]  # the store's size (the index's last offset)
         if self.masked:

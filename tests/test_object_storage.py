@@ -271,6 +271,14 @@ def test_a_bucket_in_and_out_equals_local_files(s3: object, documents: list[str]
     # the same command again: nothing to do, nothing uploaded
     assert pretokenize(prefix, "--output", f"s3://{bucket}/shards", *args) == 0
     assert objects(s3, f"s3://{bucket}/shards") == uploaded
+    # tokenizer-shards export from the bucket to the bucket: the files of a local export
+    from tokenizer_service.tools.pretokenize.shards_cli import main as shards
+
+    prefix_local = f"{tmp_path}/megatron/web_text_document"
+    assert shards(["export", str(tmp_path / "local"), "--to", "megatron", "--output", prefix_local, "-q"]) == 0
+    export_url = f"s3://{bucket}/megatron/web_text_document"
+    assert shards(["export", f"s3://{bucket}/shards", "--to", "megatron", "--output", export_url, "-q"]) == 0
+    assert objects(s3, f"s3://{bucket}/megatron") == files_of(tmp_path / "megatron")
 
 
 @pytest.mark.slow  # runs killed and resumed against a server
@@ -458,3 +466,32 @@ def test_token_dataset_and_a_mixture_over_bucket_urls_equal_local_ones(
     for mine, yours, _ in zip(rows_here, rows_there, range(3)):
         np.testing.assert_array_equal(mine.input_ids, yours.input_ids)
     assert rows_here.state_dict() == rows_there.state_dict()  # a dataset copied elsewhere resumes the same stream
+
+
+def test_shards_info_verify_export_read_and_write_urls(
+    two_outputs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """tokenizer-shards info|verify|export take a URL DIR (downloaded to --cache-dir, else a temporary one), and
+    export's --output a URL (written under a temporary directory, then uploaded): the same as local."""
+    from tokenizer_service.tools.pretokenize.shards_cli import main as shards
+
+    local, url = two_outputs["web"], f"file://{two_outputs['web']}"
+    assert shards(["info", str(local)]) == 0
+    said_here = capsys.readouterr().out
+    assert shards(["info", url, "--cache-dir", str(tmp_path / "cache")]) == 0
+    assert capsys.readouterr().out == said_here.replace(str(local), str(next((tmp_path / "cache").iterdir())))
+    assert shards(["verify", url]) == 0
+    assert "headers and sizes agree with metadata.json" in capsys.readouterr().out
+    for to, where in (("megatron", "meg/web_text_document"), ("nanogpt", "nano/"), ("llmc", "llmc")):
+        assert shards(["export", str(local), "--to", to, "--output", f"{tmp_path}/here/{where}", "-q"]) == 0
+        target = f"file://{tmp_path}/there/{where}"
+        assert shards(["export", url, "--to", to, "--output", target, "--val-documents", "0", "-q"]) == 0
+    assert files_of_tree(tmp_path / "here") == files_of_tree(tmp_path / "there")
+    assert shards(["merge", f"file://{tmp_path}/ranked"]) == 2
+    assert "not supported yet" in capsys.readouterr().err
+
+
+def files_of_tree(directory: Path) -> dict[str, bytes]:
+    return {
+        str(path.relative_to(directory)): path.read_bytes() for path in sorted(directory.rglob("*")) if path.is_file()
+    }

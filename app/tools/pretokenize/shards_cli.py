@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,7 @@ from tokenizer_service.tools.pretokenize.ranks import RankError, merge
 from tokenizer_service.tools.pretokenize.run import resolve_local_model
 from tokenizer_service.tools.pretokenize.sources import DocumentReader, InputError, Source
 from tokenizer_client.dataset import TokenDataset
+from tokenizer_client.storage import ENVIRONMENT, StorageError, configure, filesystem, is_url
 
 EXPORTS = """\
 export formats (ragged outputs go to all four; packed concat outputs too, a row being a sequence;
@@ -71,10 +74,28 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    info = commands.add_parser("info", help="documents, tokens, dtype, shards, model, options, complete or not")
-    info.add_argument("directory", type=Path)
-    verify = commands.add_parser("verify", help="every shard's header and sizes; optionally re-tokenize a sample")
-    verify.add_argument("directory", type=Path)
+    remote = argparse.ArgumentParser(add_help=False)  # DIR may be a URL (s3://bucket/prefix, any fsspec URL)
+    remote.add_argument(
+        "--cache-dir",
+        type=Path,
+        metavar="DIR",
+        help="DIR is a URL: download the shards here (reused by later commands); default: a temporary directory "
+        "removed at the end",
+    )
+    remote.add_argument(
+        "--storage-options",
+        metavar="JSON",
+        help=f"options for the URLs' fsspec filesystems (default: ${ENVIRONMENT}); credentials come the store's "
+        "standard way",
+    )
+    info = commands.add_parser(
+        "info", parents=[remote], help="documents, tokens, dtype, shards, model, options, complete or not"
+    )
+    info.add_argument("directory", type=str)
+    verify = commands.add_parser(
+        "verify", parents=[remote], help="every shard's header and sizes; optionally re-tokenize a sample"
+    )
+    verify.add_argument("directory", type=str)
     verify.add_argument("--sample", type=int, default=0, metavar="N", help="re-tokenize N documents and compare")
     verify.add_argument("--model", help="the model file (default: the output's model, resolved as the server does)")
     verify.add_argument("--seed", type=int, default=0, help="which documents --sample picks")
@@ -86,19 +107,21 @@ def build_parser() -> argparse.ArgumentParser:
         "one given --chat-template, records its text in metadata.json)",
     )
     merger = commands.add_parser("merge", help="one dataset over the rank-RRRRR outputs of a ranked run")
-    merger.add_argument("directory", type=Path)
+    merger.add_argument("directory", type=str)
     exporter = commands.add_parser(
         "export",
+        parents=[remote],
         help="write the output in a trainer's format",
         epilog=EXPORTS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    exporter.add_argument("directory", type=Path)
+    exporter.add_argument("directory", type=str)
     exporter.add_argument("--to", required=True, choices=FORMATS)
     exporter.add_argument(
         "--output",
         required=True,
-        help="prefix (megatron), file or directory (nanogpt: DIR/train.bin), directory (litdata, llmc)",
+        help="prefix (megatron), file or directory (nanogpt: DIR/train.bin), directory (litdata, llmc); or a URL "
+        "(written under a temporary directory, then uploaded)",
     )
     exporter.add_argument("--per-shard", action="store_true", help="megatron: one .bin/.idx pair a shard")
     exporter.add_argument(
@@ -411,9 +434,61 @@ def verify_masked(dataset: TokenDataset, sample: int, seed: int, info: ModelInfo
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "merge":
+    scratch: list[Path] = []  # temporary directories (a URL's cache, an export's staging), removed at the end
+    try:
+        configure(getattr(args, "storage_options", None))
+        return _main(args, scratch)
+    except StorageError as exc:
+        print(f"tokenizer-shards: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for directory in scratch:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _temporary(scratch: list[Path], what: str) -> Path:
+    directory = Path(tempfile.mkdtemp(prefix=f"tokenizer-shards-{what}-"))
+    scratch.append(directory)
+    return directory
+
+
+def open_dataset(args: argparse.Namespace, scratch: list[Path]) -> TokenDataset:
+    """DIR as a TokenDataset: a local directory in place, a URL through --cache-dir (else a temporary one)."""
+    partial = args.command != "export"
+    if not is_url(args.directory):
+        return TokenDataset(Path(args.directory), allow_partial=partial)
+    cache = args.cache_dir if args.cache_dir is not None else _temporary(scratch, "cache")
+    return TokenDataset(args.directory, allow_partial=partial, cache_dir=cache)
+
+
+def upload_export(staging: Path, url: str) -> int:
+    """Every file an export wrote under `staging`, uploaded to the same place under `url`'s parent; the count."""
+    fs, root = filesystem(url)
+    base = root.rstrip("/").rsplit("/", 1)[0] if "/" in root.rstrip("/") else root
+    files = sorted(path for path in staging.rglob("*") if path.is_file())
+    for path in files:
+        target = f"{base}/{path.relative_to(staging).as_posix()}"
         try:
-            merged = merge(args.directory)
+            fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+            fs.put_file(str(path), target)
+        except Exception as exc:
+            from tokenizer_client.storage import describe as describe_storage
+
+            raise StorageError(describe_storage(exc, fs.unstrip_protocol(target))) from None
+    return len(files)
+
+
+def _main(args: argparse.Namespace, scratch: list[Path]) -> int:
+    if args.command == "merge":
+        if is_url(args.directory):
+            print(
+                f"tokenizer-shards: merge {args.directory}: merging ranks at a URL is not supported yet; merge a local "
+                "copy of the rank-RRRRR outputs, or read each rank with TokenDataset(URL/rank-RRRRR, cache_dir=...)",
+                file=sys.stderr,
+            )
+            return 2
+        try:
+            merged = merge(Path(args.directory))
         except RankError as exc:
             print(f"tokenizer-shards: {exc}", file=sys.stderr)
             return 2
@@ -423,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     try:
-        dataset = TokenDataset(args.directory, allow_partial=args.command != "export")
+        dataset = open_dataset(args, scratch)
     except (ValueError, OSError) as exc:
         print(f"tokenizer-shards: {exc}", file=sys.stderr)
         return 2
@@ -455,8 +530,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.shard_tokens < 1:
         print(f"tokenizer-shards: --shard-tokens must be at least 1, got {args.shard_tokens}", file=sys.stderr)
         return 2
+    url = args.output if is_url(args.output) else None
+    staging = _temporary(scratch, "export") if url is not None else None
     try:  # every refusal that needs no shard read comes before the progress bar
-        output = export_output(args.to, args.output)
+        if url is not None and staging is not None:  # written here, then uploaded under the URL's parent
+            name = url.rstrip("/").rsplit("/", 1)[-1] + ("/" if url.endswith("/") else "")
+            output = export_output(args.to, str(staging / name) + ("/" if name.endswith("/") else ""))
+        else:
+            output = export_output(args.to, args.output)
         check_exportable(dataset.metadata, args.to, args.val_documents, args.drop_mask)
         check_destination(dataset, args.to, output, args.val_documents)
     except ExportError as exc:
@@ -490,6 +571,13 @@ def main(argv: list[str] | None = None) -> int:
         hint = "make room (or raise the limit) and export again"
         print(f"tokenizer-shards: {describe_os_error(exc, output, hint)}", file=sys.stderr)
         return 1
+    if url is not None and staging is not None:
+        uploaded = upload_export(staging, url)
+        if not args.quiet:
+            where = url.rstrip("/").rsplit("/", 1)[0]
+            print(describe_export(dataset, args.to, output, done, args.val_documents).replace(str(staging), where))
+            print(f"uploaded {uploaded} files under {where}")
+        return 0
     if not args.quiet:
         print(describe_export(dataset, args.to, output, done, args.val_documents))
     return 0
