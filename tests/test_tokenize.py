@@ -178,6 +178,7 @@ def test_models_lists_each_model(client, server, model_files):
             "unk_id": sp.unk_id(),
             "sha256": hashlib.sha256(model_files[name].read_bytes()).hexdigest(),
             "chat_template": None,
+            "user_defined_pieces": [],
         }
 
 
