@@ -495,3 +495,20 @@ def files_of_tree(directory: Path) -> dict[str, bytes]:
     return {
         str(path.relative_to(directory)): path.read_bytes() for path in sorted(directory.rglob("*")) if path.is_file()
     }
+
+
+def test_the_kubernetes_job_reads_and_writes_s3_with_credentials_from_a_secret() -> None:
+    import yaml
+
+    (job,) = yaml.safe_load_all((ROOT / "deploy" / "k8s" / "pretokenize-s3-job.yaml").read_text())
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = container["args"]
+    assert args[0].startswith("s3://") and args[args.index("--output") + 1].startswith("s3://")
+    assert container["envFrom"] == [{"secretRef": {"name": "tokenizer-s3"}}]
+    staging = args[args.index("--staging") + 1]
+    mounted = {mount["mountPath"]: mount["name"] for mount in container["volumeMounts"]}
+    assert "emptyDir" in next(volume for volume in pod["volumes"] if volume["name"] == mounted[staging])
+    assert pod["restartPolicy"] == "OnFailure"  # a restarted pod resumes from what was uploaded
+    script = (ROOT / "deploy" / "slurm" / "pretokenize.sbatch").read_text()
+    assert "s3://" in script and "AWS_ENDPOINT_URL" in script
