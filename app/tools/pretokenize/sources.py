@@ -318,6 +318,7 @@ def open_input(path: str | Path) -> BinaryIO:
 
 
 READ_BLOCK = 8 << 20  # bytes a ranged read of a URL's object asks for at once
+STORE_ERRORS = ("botocore", "aiobotocore", "aiohttp", "s3fs", "gcsfs", "fsspec", "google", "huggingface_hub")
 
 
 class Position(NamedTuple):
@@ -503,6 +504,9 @@ class DocumentReader:
                 except (OSError, EOFError, zlib.error) as exc:
                     raise InputError(f"{source.path}: unreadable after line {source.lines}: {exc}") from exc
                 except Exception as exc:  # zstandard.ZstdError: the file changed since it was verified
+                    if is_url(source.path) and type(exc).__module__.split(".")[0] in STORE_ERRORS:
+                        # the store stayed down past its client's retries (botocore's errors are not OSErrors)
+                        raise InputError(describe_storage_error(exc, source.path)) from exc
                     if type(exc).__name__ != "ZstdError":
                         raise
                     raise InputError(f"{source.path}: unreadable after line {source.lines}: {exc}") from exc
