@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 BUNDLED_MODELS_DIR = Path(__file__).parent / "models"
@@ -219,22 +219,16 @@ class Settings(BaseSettings):
             raise ValueError("is not a directory" if path.exists() else "does not exist")
         return path
 
-    @field_validator("model")
+    @field_validator("model", "chat_template")
     @classmethod
-    def _check_model_specs(cls, value: list[str]) -> list[str]:
+    def _check_name_specs(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        flag, example, what = (
+            ("--model", "tok.model", "PATH") if info.field_name == "model" else ("--chat-template", "chat.jinja", "FILE")
+        )
         for spec in value:
             name, sep, path = spec.partition("=")
             if not sep or not name or not path:
-                raise ValueError(f"is not NAME=PATH (for example --model default={spec or 'tok.model'})")
-        return value
-
-    @field_validator("chat_template")
-    @classmethod
-    def _check_template_specs(cls, value: list[str]) -> list[str]:
-        for spec in value:
-            name, sep, path = spec.partition("=")
-            if not sep or not name or not path:
-                raise ValueError(f"is not NAME=FILE (for example --chat-template default={spec or 'chat.jinja'})")
+                raise ValueError(f"is not NAME={what} (for example {flag} default={spec or example})")
         return value
 
     def chat_template_paths(self, models: dict[str, Path] | None = None) -> dict[str, Path]:

@@ -17,6 +17,7 @@ that names the poison text.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -632,42 +633,21 @@ def pack_dialogue(
     offsets: np.ndarray,
     mask: np.ndarray,
 ) -> tuple[PackContext, PackedRows]:
-    """Pack conversations' ids with their loss masks: labels are -100 wherever the mask is 0."""
-    if not 2 <= request.seq_len <= max_seq_len:
-        raise InvalidField(f"seq_len must be between 2 and {max_seq_len}, got {request.seq_len}", field="seq_len")
-    check_carry_starts(request)
-    carry = None if request.carry is None else np.asarray(request.carry, dtype=np.int64)
-    if carry is not None:
-        if request.strategy != "concat":
-            raise InvalidField("carry is only meaningful with strategy 'concat'", field="carry")
-        if len(carry) and (carry.min() < 0 or carry.max() >= info.vocab_size):
-            bad = int(np.flatnonzero((carry < 0) | (carry >= info.vocab_size))[0])
-            raise InvalidField(
-                f"carry[{bad}] is {int(carry[bad])}, outside the vocabulary [0, {info.vocab_size})",
-                field="carry",
-                index=bad,
-            )
+    """Pack conversations' ids with their loss masks: labels are -100 wherever the mask is 0. The packing fields
+    are checked as for texts (pack_context); the template, not add_eos, decides each conversation's end."""
+    context = dataclasses.replace(pack_context(request, info, model, binary, max_seq_len), add_eos=False)
+    carry = None if request.carry is None else np.asarray(request.carry, dtype=np.int32)
     carry_mask = request.carry_loss_mask
     if carry_mask is not None and (carry is None or len(carry_mask) != len(carry)):
         raise InvalidField(
             "carry_loss_mask needs the carry it describes, one 0/1 per carried id", field="carry_loss_mask"
         )
-    context = PackContext(
-        model=model,
-        binary=binary,
-        seq_len=request.seq_len,
-        strategy=request.strategy,
-        add_eos=False,
-        carry=request.carry,
-        carry_document_starts=request.carry_document_starts,
-        mask_document_start=request.mask_document_start,
-    )
     if request.strategy == "concat":
         packed = pack_concat(
             ids,
             offsets,
             request.seq_len,
-            carry=None if carry is None else carry.astype(np.int32),
+            carry=carry,
             carry_document_starts=request.carry_document_starts,
             mask_document_start=request.mask_document_start,
             loss_mask=mask,
