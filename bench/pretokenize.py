@@ -2,6 +2,11 @@
 
     python -m bench.pretokenize [--corpus FILE] [--docs N] [--rounds R] [--model FILE]
     python -m bench.pretokenize --ranks W [--docs N] [--rounds R]
+    python -m bench.pretokenize --peers [--rounds R] [--mb 40] [--model DIR] [--only us,gigatoken,...]
+
+With --peers it compares instead, on a 40 MB Parquet corpus and a 128k byte-level BPE tokenizer.json, the
+pre-tokenizer (with its Megatron export) against gigatoken, datatrove and Hugging Face datasets, each installed in
+a venv of its own, every tool's ids checked against tokenizers (bench/peers.py says how).
 
 The documents of bench/inputs.py (1-2 KB, from the Python docs corpus) are written to a .jsonl
 file once; then, in alternating rounds (the machine drifts; the median of per-round ratios is reported):
@@ -142,9 +147,17 @@ def main() -> None:
     parser.add_argument("--corpus", type=Path, default=python_docs_corpus())
     parser.add_argument("--docs", type=int, default=20000)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--model", type=Path, help="a SentencePiece model (default: train one on the corpus)")
+    parser.add_argument("--model", type=Path, help="a SentencePiece model (default: train one on the corpus); --peers: a tokenizer.json directory")
     parser.add_argument("--ranks", type=int, help="compare W ranks of --workers 1 with one run of --workers W")
+    parser.add_argument("--peers", action="store_true", help="compare with gigatoken, datatrove, datasets (bench/peers.py)")
+    parser.add_argument("--mb", type=float, default=40, help="--peers: the corpus's size in MB of text")
+    parser.add_argument("--only", default="us,gigatoken,datatrove,datasets", help="--peers: the tools to run")
     args = parser.parse_args()
+    if args.peers:
+        from bench.peers import run_peers
+
+        run_peers(args.rounds, args.mb, args.model, args.only.split(","))  # --model: a tokenizer.json's directory
+        return
     docs, model = documents_and_model(args.corpus, args.docs, args.model)
     if args.ranks:
         ranks_versus_one_run(docs, model, args.ranks, args.rounds)
