@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import logging.handlers
 import os
 import signal
 import socket
@@ -115,6 +116,14 @@ def main(argv: list[str] | None = None) -> int:
                 signal.signal(signum, handler)
 
 
+def _log_to_stderr(level: str, held: logging.handlers.MemoryHandler) -> None:
+    """The server's log, on stderr from now on, after what `held` kept while the models loaded."""
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    held.setTarget(logging.getLogger().handlers[0])
+    held.flush()
+    held.close()
+
+
 def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -123,19 +132,29 @@ def _main(argv: list[str] | None) -> int:
         for error in exc.errors(include_url=False):
             print(f"{PROG}: {describe_error(error, argv)}", file=sys.stderr)
         return USAGE_ERROR
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.cache_dir is not None:  # the gate's verdicts (tokenizer_service.core.libraries.cache_dir)
         os.environ[CACHE_DIR_ENV] = str(settings.cache_dir.expanduser())
+    if (problem := check_address(settings.host, settings.port)) is not None:  # before any model is read
+        print(f"{PROG}: {problem}", file=sys.stderr)
+        return USAGE_ERROR
+    # What loading the models logs (which file each is, skipped entries) is held until they all load: a start
+    # refused is the one line that says why, not that line after the models that did load.
+    held = logging.handlers.MemoryHandler(capacity=1 << 16, flushLevel=logging.CRITICAL + 1, flushOnClose=False)
+    logging.basicConfig(level=settings.log_level.upper(), handlers=[held])
     try:  # every model read once here, so a wrong path is one line and not a failed lifespan
         paths = settings.model_paths()
         registry = ModelRegistry.from_paths(
             paths, settings.default_model, settings.encoder, settings.chat_template_paths(paths)
         )
     except (ConfigError, ModelLoadError) as exc:
+        logging.getLogger().removeHandler(held)
         if settings.log_level in ("debug", "trace"):
+            _log_to_stderr(settings.log_level, held)
             logging.getLogger("tokenizer").exception("cannot start")
         print(f"{PROG}: {exc}", file=sys.stderr)
         return USAGE_ERROR
+    logging.getLogger().removeHandler(held)
+    _log_to_stderr(settings.log_level, held)
     if settings.models_dir is not None and paths == BUNDLED:
         logging.getLogger("tokenizer").warning(
             "no model in %s (%s, or %s): serving the bundled model as 'default' (--empty-models-dir bundled)",
@@ -143,9 +162,6 @@ def _main(argv: list[str] | None) -> int:
             MODEL_FILES,
             MODEL_DIRECTORIES,
         )
-    if (problem := check_address(settings.host, settings.port)) is not None:
-        print(f"{PROG}: {problem}", file=sys.stderr)
-        return USAGE_ERROR
     if settings.frontends > 1:
         from tokenizer_service.frontends import supervise
 
