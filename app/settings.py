@@ -85,10 +85,12 @@ class Settings(BaseSettings):
         "image does, so that an empty mounted directory serves it)",
         "refuse",
     )
-    encoder: Literal["fast", "reference"] = option(
-        "{fast,reference}",
-        "fast: encode tokenizer.json and tiktoken models with fastokens where it reproduces the reference "
-        "library's ids on the built-in check set (else the library); reference: always the library itself",
+    encoder: Literal["fast", "reference", "fastokens", "gigatoken"] = option(
+        "{fast,reference,fastokens,gigatoken}",
+        "fast: encode tokenizer.json and tiktoken models with the fastest fast encoder (fastokens, gigatoken) "
+        "that reproduces the reference library's ids on every code point and special token, within a memory "
+        "bound per worker (else the library); fastokens, gigatoken: that one only (still checked); reference: "
+        "always the library itself",
         "fast",
     )
     shadow_rate: float = option(

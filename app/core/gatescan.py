@@ -35,7 +35,8 @@ logger = logging.getLogger("tokenizer")
 # caches) it, so a test can see the reference library serve first, then the promotion. Never set it in production.
 HOLD_ENV = "TOKENIZER_TEST_GATE_HOLD"
 
-Verdict = tuple[int, str | None, float]  # the model's index, what differs (None: passed), seconds scanned
+# the model's index, what differs (None: passed), seconds scanned, the fast encoder's route chosen (passed)
+Verdict = tuple[int, str | None, float, str | None]
 
 
 class GateScan:
@@ -89,9 +90,9 @@ class GateScan:
         self._thread.start()
 
     def _received(self, message: Any) -> Verdict:
-        index, differs, seconds = message
+        index, differs, seconds, route = message
         self.pending.discard(index)
-        return int(index), differs, float(seconds)
+        return int(index), differs, float(seconds), route
 
     def _gone(self) -> None:
         if self.pending and self.process is not None and self.process.exitcode not in (None, 0, -15, -9):
@@ -123,35 +124,36 @@ def _main(connection: Connection, models: Sequence[tuple[int, ModelInfo]]) -> No
     except OSError:
         pass
     for index, info in models:
-        differs, seconds = settle(info)
+        differs, seconds, route = settle(info)
         try:
-            connection.send((index, differs, seconds))
+            connection.send((index, differs, seconds, route))
         except (BrokenPipeError, OSError):
             return
 
 
-def settle(info: ModelInfo, hold: bool = True) -> tuple[str | None, float]:
-    """The gate's verdict on the announced model's files (cached, or scanned here and cached)."""
+def settle(info: ModelInfo, hold: bool = True) -> tuple[str | None, float, str | None]:
+    """The gate's verdict on the announced model's files (cached, or scanned here and cached): what differs,
+    seconds scanned, the route chosen (among the candidates `info.select` allows)."""
     from tokenizer_service.core import libraries
     from tokenizer_service.core.models import ModelLoadError, find_model_files
 
     try:
         files = find_model_files(info.name, info.path, info.chat_template_path)
     except ModelLoadError as exc:
-        return f"cannot read the model again: {exc}", 0.0
+        return f"cannot read the model again: {exc}", 0.0, None
     if files.sha256 != info.sha256:
-        return f"{info.path} changed since it was announced (sha256 {files.sha256[:12]}…)", 0.0
+        return f"{info.path} changed since it was announced (sha256 {files.sha256[:12]}…)", 0.0, None
     library = libraries.load(files, libraries.REFERENCE)
-    found: list[tuple[str | None, float]] = []
+    found: list[tuple[str | None, float, str | None]] = []
 
-    def report(differs: str | None, seconds: float) -> None:
+    def report(differs: str | None, seconds: float, route: str | None) -> None:
         held = os.environ.get(HOLD_ENV) if hold else None
         while held and not Path(held).exists():
             time.sleep(0.05)
-        found.append((differs, seconds))
+        found.append((differs, seconds, route))
 
-    _, differs = libraries.gate_verdict(library, report=report)
-    return found[0] if found else (differs, 0.0)
+    _, differs, route = libraries.gate_verdict(library, report=report, encoder=getattr(info, "select", "fast"))
+    return found[0] if found else (differs, 0.0, route)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(given).expanduser()
         info = inspect_model(path.name if path.is_dir() else path.stem, path)
         started = time.monotonic()
-        differs, _ = settle(info, hold=False)
-        verdict = "passed" if differs is None else f"refused: {differs}"
+        differs, _, route = settle(info, hold=False)
+        verdict = f"passed: {route}" if differs is None else f"refused: {differs}"
         print(f"{path}: {verdict} ({time.monotonic() - started:.1f}s)")
         status = status or (differs is not None)
     return int(status)

@@ -44,7 +44,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from tokenizer_service.core import checkset
+from tokenizer_service.core import checkset, encoders
 from tokenizer_service.core.errors import InvalidField, PayloadTooLarge
 from tokenizer_service.core.models import (
     KINDS,
@@ -66,8 +66,11 @@ from tokenizer_client.wire import ragged_offsets
 logger = logging.getLogger("tokenizer")
 
 FAST, REFERENCE = "fast", "reference"
-ENCODER_CHOICES = (FAST, REFERENCE)
-FASTOKENS = "fastokens"
+FASTOKENS, GIGATOKEN = encoders.FASTOKENS, encoders.GIGATOKEN
+# fast: the fastest exact fast encoder by the rule (tokenizer_service.core.encoders.choose); fastokens, gigatoken:
+# that one only (still behind the gate); reference: the library itself
+ENCODER_CHOICES = (FAST, REFERENCE, FASTOKENS, GIGATOKEN)
+is_fast = encoders.is_fast
 
 Encoded = tuple[np.ndarray, np.ndarray]  # flat int32 ids, int64 lengths (one per text)
 
@@ -121,7 +124,7 @@ class Library(ABC):
     """One model in one library: what a worker encodes and decodes with."""
 
     library: ClassVar[str]
-    encoder: str  # what encodes: the library, or fastokens
+    encoder: str  # what encodes: the library, or a fast encoder's route (gigatoken, fastokens(converted), ...)
     type: str
     vocab_size: int
     bos_id: int
@@ -132,7 +135,8 @@ class Library(ABC):
 
     @abstractmethod
     def __init__(self, files: ModelFiles, encoder: str = FAST, trusted: bool = False) -> None:
-        """Load the model from its files' bytes; `encoder` fast puts fastokens in front where it passes its gate."""
+        """Load the model from its files' bytes; `encoder` fast puts the fastest exact fast encoder in front where
+        one passes its gate (fastokens, gigatoken: that one; a route: that route, trusted)."""
 
     max_text_chars: int | None = None  # a longer text is refused (413): what the encoder's memory allows
     # pieces the library matches in any text whatever parse_special_tokens says (SentencePiece's USER_DEFINED)
@@ -187,12 +191,13 @@ class Library(ABC):
         self.encoder = self.library
         self.fallen = True
 
-    def promote(self) -> bool:
-        """Encode with fastokens from now on: its gate passed in another process (the background scan) on these
-        very files; the check set runs here again. Nothing for a model that fell back, or has no fast encoder."""
+    def promote(self, route: str = FAST) -> bool:
+        """Encode with the fast encoder `route` (``gigatoken``, ``fastokens(converted)``...) from now on: its gate
+        passed in another process (the background scan) on these very files; the check set runs here again.
+        Nothing for a model that fell back, or has no fast encoder."""
         if self.fast is not None or self.fallen or not hasattr(self, "_build_fast"):
             return self.fast is not None
-        return _adopt_fast(self, trusted=True)
+        return _adopt_fast(self, trusted=True, encoder=route)
 
     def _fast_adopted(self) -> None:
         """fastokens now encodes this model."""
@@ -331,7 +336,7 @@ def gate(name: str, reference: Rows, fast: Rows, texts: list[str]) -> str | None
         try:
             got = fast(texts, parse_special)
         except Exception as exc:  # a fast encoder that cannot encode the check set is not used
-            return f"fastokens failed on the check set: {exc!r}"
+            return f"failed on the check set: {exc!r}"
         for index, (want, have) in enumerate(zip(expected, got, strict=True)):
             if list(want) != list(have):
                 mode = "parsing special tokens" if parse_special else "special tokens as text"
@@ -438,7 +443,7 @@ def scan(reference: Rows, fast: Rows, special: Sequence[str], separator: tuple[s
                 shown = ", ".join(repr(token[:80]) for token in culprits[:8])
                 return f"special-token string {shown} in context ({_mode(parse_special)})"
     except Exception as exc:  # a fast encoder that cannot encode a text is not used
-        return f"fastokens failed on the code-point scan: {exc!r}"
+        return f"failed on the code-point scan: {exc!r}"
     return None
 
 
@@ -519,14 +524,18 @@ def _version(package: str) -> str:
         return "unknown"
 
 
-def gate_key(files: ModelFiles) -> dict[str, Any]:
-    """What a gate verdict depends on: both encoders and their versions, the tokenizer files' bytes (not a chat
-    template's, which the model's sha256 also covers: a new template is no reason to scan again), the check set."""
+def gate_key(files: ModelFiles, encoder: str = FAST) -> dict[str, Any]:
+    """What a gate verdict depends on: the fast encoders and their versions, the reference library and its
+    version, the tokenizer files' bytes (not a chat template's, which the model's sha256 also covers: a new
+    template is no reason to scan again), the check set, which encoders were candidates (`encoder`: fast, or
+    the one pinned) and the rule that chose among them."""
     return {
-        "fast": f"{FASTOKENS} {_version(FASTOKENS)}",
+        "fast": encoders.versions(),
         "reference": f"{files.library} {_version(files.library)}",
         "files_sha256": files_sha256(files.contents),
         "checkset": checkset.VERSION,
+        "select": encoder if encoder in (FASTOKENS, GIGATOKEN) else FAST,
+        "rule": encoders.RULE,
     }
 
 
@@ -546,10 +555,25 @@ def cached_verdict(key: dict[str, Any]) -> dict[str, Any] | None:
     return verdict
 
 
-def remember_verdict(key: dict[str, Any], differs: str | None, seconds: float) -> None:
-    """Keep a verdict (written atomically); a cache that cannot be written is silently no cache."""
+def remember_verdict(
+    key: dict[str, Any],
+    differs: str | None,
+    seconds: float,
+    route: str | None = None,
+    candidates: Sequence[dict[str, Any]] = (),
+) -> None:
+    """Keep a verdict (written atomically): passed or not, the route chosen (`encoder`) and what each candidate
+    measured, so a later start builds the chosen one without measuring again; a cache that cannot be written
+    is silently no cache."""
     path = _cache_file(key)
-    verdict = {"key": key, "passed": differs is None, "differs": differs, "seconds": round(seconds, 3)}
+    verdict = {
+        "key": key,
+        "passed": differs is None,
+        "differs": differs,
+        "seconds": round(seconds, 3),
+        "encoder": route if differs is None else None,
+        "candidates": list(candidates),
+    }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=".verdict-", suffix=".tmp")
@@ -573,29 +597,64 @@ def _fastokens() -> Any | None:
     return fastokens
 
 
+def _gigatoken() -> Any | None:
+    try:
+        from gigatoken import gigatoken_rs
+    except ImportError:
+        return None
+    return gigatoken_rs
+
+
+def _module(encoder: str) -> Any | None:
+    """The fast encoder's module (fastokens, gigatoken's gigatoken_rs), None where it is not installed."""
+    return _fastokens() if encoder == FASTOKENS else _gigatoken() if encoder == GIGATOKEN else None
+
+
+def _candidates(encoder: str) -> tuple[str, ...]:
+    """The fast encoders `encoder` (fast, or one pinned) lets the gate try, in order."""
+    return (encoder,) if encoder in (FASTOKENS, GIGATOKEN) else encoders.ENCODERS
+
+
 PENDING, PASSED, REFUSED = "pending", "passed", "refused"  # a model's gate, as the announcing process sees it
 NOT_INSTALLED = "fastokens is not installed"
+
+
+def _not_installed(encoder: str) -> str | None:
+    """Why no candidate of `encoder` (fast, or one pinned) can run here, None where one is installed."""
+    candidates = _candidates(encoder)
+    if any(importlib.util.find_spec(name) is not None for name in candidates):
+        return None
+    return NOT_INSTALLED if candidates == encoders.ENCODERS else f"{candidates[0]} is not installed"
 
 
 def announced_gate(files: ModelFiles, encoder: str = FAST) -> tuple[str | None, str | None]:
     """(the gate's state, what differs) for a process that announces a model without encoding it: PASSED or
     REFUSED from the cached verdict, PENDING where there is none (to be scanned beside the work), None where
-    no gate applies (SentencePiece, `encoder` reference). Loads nothing: fastokens is not even imported."""
-    if encoder != FAST or files.library not in (TOKENIZERS, TIKTOKEN):
+    no gate applies (SentencePiece, tekken.json, `encoder` reference). Loads nothing: no fast encoder is even
+    imported. `cached_route` names the route a PASSED verdict chose."""
+    if encoder == REFERENCE or files.library not in (TOKENIZERS, TIKTOKEN):
         return None, None
-    if importlib.util.find_spec(FASTOKENS) is None:
-        return REFUSED, NOT_INSTALLED
-    verdict = cached_verdict(gate_key(files))
+    missing = _not_installed(encoder)
+    if missing is not None:
+        return REFUSED, missing
+    verdict = cached_verdict(gate_key(files, encoder))
     if verdict is None:
         return PENDING, None
     return (PASSED, None) if verdict["passed"] else (REFUSED, verdict["differs"])
 
 
+def cached_route(files: ModelFiles, encoder: str = FAST) -> str | None:
+    """The fast encoder's route (``gigatoken``, ``fastokens(converted)``...) a cached passing verdict chose."""
+    verdict = cached_verdict(gate_key(files, encoder))
+    if verdict is None or not verdict["passed"]:
+        return None
+    return verdict.get("encoder") if encoders.is_fast(verdict.get("encoder")) else None
+
+
 def refusal_line(path: Path, library: str, differs: str) -> str:
-    """The warning, logged once, of a model the gate refused (its `library` encodes it)."""
-    if differs == NOT_INSTALLED or differs.startswith("fastokens cannot load it"):
-        return f"{path}: {differs}; encoding with {library}"
-    return f"{path}: fastokens differs from {library} ({differs}); encoding with {library}"
+    """The warning, logged once, of a model the gate refused (its `library` encodes it): what each candidate
+    found (`fastokens differs from tiktoken (code point U+180E ...)`, `gigatoken cannot load it (...)`)."""
+    return f"{path}: {differs}; encoding with {library}"
 
 
 # Tests only (tests/test_gate_background.py): a directory where each process notes every model it loads and every
@@ -611,60 +670,240 @@ def _count(kind: str, files: ModelFiles) -> None:
             file.write(f"{os.getpid()} {name} {kind} {files.main.name}\n")
 
 
-def _build_fast(library: Any) -> tuple[Any | None, str | None]:
-    """fastokens' tokenizer of `library`'s model, else (None, why not)."""
-    fastokens = _fastokens()
-    if fastokens is None:
-        return None, NOT_INSTALLED
+def _build_fast(library: Any, route: str = FASTOKENS) -> tuple[Any | None, str | None]:
+    """The fast encoder `route` of `library`'s model, built and made to encode a probe text in both
+    special-token modes, else (None, why not). Whatever it raises is a fallback: pyo3's PanicException (a
+    BaseException, which gigatoken raises on ranks where some tokens are not the merge of two) included."""
+    encoder = encoders.encoder_of(route) or FASTOKENS
+    module = _module(encoder)
+    if module is None:
+        return None, f"{encoder} is not installed"
     _count("fast", library.files)
     try:
-        return library._build_fast(fastokens), None
+        fast = library._build_fast(module, route)
+        for parse_special in (False, True):
+            fast.encode_batch_flat(["probe: a b 1"], add_special_tokens=False, split_special_tokens=not parse_special)
+        return fast, None
     except (KeyboardInterrupt, SystemExit, GeneratorExit):
         raise
-    except BaseException as exc:  # a model fastokens does not support (a normalizer, a pattern), pyo3's panics
-        return None, f"fastokens cannot load it ({exc})".splitlines()[0]
+    except BaseException as exc:  # a model it does not support (a normalizer, a pattern, the ranks), pyo3's panics
+        return None, f"{encoder} cannot load it ({type(exc).__name__}: {exc})".splitlines()[0]
+
+
+def _safe_rows(fast: Any) -> Rows:
+    """`_fast_rows`, with whatever the encoder raises (a panic, a BaseException) as an Exception: the gate's."""
+    rows = _fast_rows(fast)
+
+    def safe(texts: list[str], parse_special: bool) -> list[list[int]]:
+        try:
+            return rows(texts, parse_special)
+        except (KeyboardInterrupt, SystemExit, GeneratorExit):
+            raise
+        except Exception:
+            raise
+        except BaseException as exc:
+            raise RuntimeError(f"{type(exc).__name__}: {exc}") from exc
+
+    return safe
+
+
+class _Remembered:
+    """The reference library's rows of each batch, kept (flat int32) for the next candidate's scan: every
+    candidate is checked against the same texts, and the reference library is the scan's dearest part."""
+
+    def __init__(self, rows: Rows) -> None:
+        self.rows = rows
+        self.kept: dict[tuple[bool, bytes], tuple[np.ndarray, np.ndarray]] = {}
+
+    def __call__(self, texts: list[str], parse_special: bool) -> list[list[int]]:
+        digest = hashlib.blake2b(b"\0".join(text.encode("utf-8", "surrogatepass") for text in texts)).digest()
+        found = self.kept.get((parse_special, digest))
+        if found is None:
+            rows = self.rows(texts, parse_special)
+            ids, lengths = flatten(rows)
+            self.kept[(parse_special, digest)] = (ids, ragged_offsets(lengths))
+            return rows
+        ids, offsets = found
+        return [ids[offsets[i] : offsets[i + 1]].tolist() for i in range(len(offsets) - 1)]
+
+
+def _try_candidates(library: Any, encoder: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every candidate route of `encoder` (fast: all of them) through the whole gate, and each one that passed
+    measured: M tokens per CPU-second on `encoders.sample_texts`, the growth of this process's resident memory
+    while it was built and encoded the sample, its build time. A route the encoder cannot load goes on to the
+    converted ranks (tiktoken). (what each measured, {route: the built encoder of each that passed})."""
+    reference: Rows = library._reference_rows
+    candidates = _candidates(encoder)
+    if len(candidates) > 1:
+        reference = _Remembered(reference)
+    special, separator = library.special, edge_separator(library)
+    sample = encoders.sample_texts()
+    single_threaded()  # measured as a worker runs it
+    results: list[dict[str, Any]] = []
+    built: dict[str, Any] = {}
+    for candidate in candidates:
+        if _module(candidate) is None:
+            results.append({"route": candidate, "passed": False, "differs": f"{candidate} is not installed"})
+            continue
+        for route in encoders.routes(library, candidate):
+            before, started = encoders.rss_mib(), time.perf_counter()
+            fast, differs = _build_fast(library, route)
+            load_seconds = time.perf_counter() - started
+            if fast is None:
+                results.append({"route": route, "passed": False, "differs": differs})
+                continue  # the converted ranks next, where there are
+            def encode(texts: list[str], fast: Any = fast) -> int:
+                return len(_fast_flat(fast, texts, False)[0])
+
+            try:
+                encode(sample)  # what a worker holds once it has encoded: measured before the scan allocates
+            except (KeyboardInterrupt, SystemExit, GeneratorExit):
+                raise
+            except BaseException as exc:
+                results.append({"route": route, "passed": False, "differs": f"{route} failed on the sample ({exc!r})"})
+                break
+            rss = max(0.0, encoders.rss_mib() - before)  # this process's: a fresh one measures it below
+            rows = _safe_rows(fast)
+            found = gate(str(library.files.path), reference, rows, checkset.texts(special))
+            if found is None:
+                found = scan(reference, rows, special, separator)
+            if found is not None:
+                results.append({"route": route, "passed": False, "differs": f"{route} differs from {library.library} ({found})"})
+                break
+            measured = _measure_apart(library.files, route)
+            if measured is not None:
+                rss, mtps, load_seconds = measured
+            else:  # no process could be started: measured here (memory freed earlier may hide some of it)
+                mtps = encoders.tokens_per_cpu_second(encode, sample)
+            results.append(
+                {"route": route, "passed": True, "differs": None, "mtps": round(mtps, 3), "rss_mib": round(rss, 1),
+                 "load_seconds": round(load_seconds, 3)}
+            )  # fmt: skip
+            built[route] = fast
+            break
+    return results, built
+
+
+def _measure_apart(files: ModelFiles, route: str) -> tuple[float, float, float] | None:
+    """(resident MiB, M tokens per CPU-second, build seconds) of the fast encoder `route` in a fresh process, as a
+    worker holds and runs it: the process's growth from the reference library loaded to the encoder built and
+    the sample encoded once, then the best of three passes over the sample; None where it could not run."""
+    context = multiprocessing.get_context("spawn")
+    receiving, sending = context.Pipe(duplex=False)
+    process = context.Process(target=_measure_child, args=(sending, files, route), name="tokenizer-gate-measure", daemon=True)
+    try:
+        process.start()
+        sending.close()
+        found = receiving.recv() if receiving.poll(600) else None
+    except (OSError, EOFError, RuntimeError):
+        found = None
+    finally:
+        receiving.close()
+        if process.is_alive():
+            process.kill()
+        with contextlib.suppress(Exception):
+            process.join(5)
+    return found
+
+
+def _measure_child(connection: Any, files: ModelFiles, route: str) -> None:
+    single_threaded()
+    with contextlib.suppress(OSError):
+        os.nice(19)
+    library = LIBRARIES[files.library].variant(files)(files, REFERENCE)
+    sample = encoders.sample_texts()
+    before, started = encoders.rss_mib(), time.perf_counter()
+    fast, _ = _build_fast(library, route)
+    seconds = time.perf_counter() - started
+    if fast is None:
+        connection.send(None)
+        return
+
+    def encode(texts: list[str]) -> int:
+        return len(_fast_flat(fast, texts, False)[0])
+
+    encode(sample)
+    rss = max(0.0, encoders.rss_mib() - before)
+    connection.send((rss, encoders.tokens_per_cpu_second(encode, sample), seconds))
+
+
+def _refusal(results: Sequence[dict[str, Any]], pinned: bool) -> str:
+    """What each candidate found, in one line, for a model no candidate serves."""
+    parts = []
+    for result in results:
+        if result["passed"] and not pinned:
+            parts.append(
+                f"{result['route']} holds {result['rss_mib']:.0f} MiB a process, over the {encoders.MEMORY_BOUND_MIB} MiB bound"
+            )
+        elif not result["passed"]:
+            parts.append(str(result["differs"]))
+    return "; ".join(parts) or "no fast encoder"
 
 
 def gate_verdict(
-    library: Any, trusted: bool = False, report: Callable[[str | None, float], None] | None = None
-) -> tuple[Any | None, str | None]:
-    """(fastokens' tokenizer, None) when it passes the gate for `library`'s model, else (None, what differs).
+    library: Any,
+    trusted: bool = False,
+    report: Callable[[str | None, float, str | None], None] | None = None,
+    encoder: str = FAST,
+) -> tuple[Any | None, str | None, str | None]:
+    """(the fast encoder, None, its route) when one passes the gate for `library`'s model, else (None, what
+    each candidate found, None). `encoder`: fast (every candidate, then the rule: `encoders.choose`), one pinned
+    (fastokens, gigatoken: its routes only), or a route (``gigatoken(converted)``: that one, trusted).
 
-    The gate: fastokens loads the model, gives the reference ids on the check set (both modes), then on
-    every code point and special-token string (`scan`), whose verdict (a refusal too) is remembered in the
-    cache (`cache_dir`) by `gate_key`: a cached refusal builds nothing, a cached pass runs the check set
-    only. One process scans a key at a time (a lock file beside the verdict): another one that wants the
-    same verdict waits for it. `trusted`: the process that announced the model passed the whole gate on
-    these very files (a worker): the check set only, nothing cached. `report(differs, seconds)` hears a
-    verdict as it is settled (scanned or read), before it is remembered. Logs nothing."""
-    key = None if trusted else gate_key(library.files)
+    The gate: each candidate loads the model, gives the reference ids on the check set (both modes), then on
+    every code point and special-token string (`scan`); those that pass are measured and the rule picks one.
+    The verdict (a refusal too), with the route chosen and every candidate's measurements, is remembered in the
+    cache (`cache_dir`) by `gate_key`: a cached refusal builds nothing, a cached pass builds the chosen route
+    and runs the check set only. One process scans a key at a time (a lock file beside the verdict): another
+    one that wants the same verdict waits for it. `trusted`: the process that announced the model passed the
+    whole gate on these very files (a worker): the check set only, nothing cached. `report(differs, seconds,
+    route)` hears a verdict as it is settled (scanned or read), before it is remembered. Logs nothing."""
+    select = encoder if encoder in (FASTOKENS, GIGATOKEN) or encoders.is_fast(encoder) else FAST
+    if encoders.is_fast(select) and select not in (FASTOKENS, GIGATOKEN):
+        trusted = True  # a route: the announcing process chose it through the whole gate
+    key = None if trusted else gate_key(library.files, select)
     verdict = None if key is None else cached_verdict(key)
     if verdict is not None and not verdict["passed"]:
         if report is not None:
-            report(verdict["differs"], 0.0)
-        return None, verdict["differs"]
-    started = time.monotonic()
-    fast, differs = _build_fast(library)
-    if fast is None and differs == NOT_INSTALLED:
-        return None, differs  # not a verdict on the model: never remembered
-    if fast is not None:
-        differs = gate(str(library.files.path), library._reference_rows, _fast_rows(fast), checkset.texts(library.special))
-    if key is not None and verdict is None:
-        with _scan_lock(key):
-            verdict = cached_verdict(key)  # another process may have scanned it while this one waited
-            if verdict is None:
+            report(verdict["differs"], 0.0, None)
+        return None, verdict["differs"], None
+    if trusted or verdict is not None:
+        chosen = select if trusted and select != FAST and select not in (FASTOKENS, GIGATOKEN) else None
+        if chosen is None and verdict is not None:
+            chosen = verdict.get("encoder") if encoders.is_fast(verdict.get("encoder")) else None
+        if chosen is None and trusted:
+            chosen = cached_route(library.files, select)
+        names = [chosen] if chosen else [r for c in _candidates(select) for r in encoders.routes(library, c)]
+        differs: str | None = None
+        for name in names:
+            fast, differs = _build_fast(library, name)
+            if fast is not None:
+                differs = gate(str(library.files.path), library._reference_rows, _safe_rows(fast), checkset.texts(library.special))
                 if differs is None:
-                    differs = scan(library._reference_rows, _fast_rows(fast), library.special, edge_separator(library))
-                seconds = time.monotonic() - started
-                if report is not None:
-                    report(differs, seconds)
-                remember_verdict(key, differs, seconds)
-                return (fast if differs is None else None), differs
-            if not verdict["passed"]:
-                differs = verdict["differs"]
-    if report is not None:
-        report(differs, 0.0)
-    return (fast if differs is None else None), differs
+                    if report is not None:
+                        report(None, 0.0, name)
+                    return fast, None, name
+                differs = f"{name} differs from {library.library} ({differs})"
+        if report is not None:
+            report(differs, 0.0, None)
+        return None, differs, None
+    missing = _not_installed(select)
+    if missing is not None:
+        return None, missing, None  # not a verdict on the model: never remembered
+    started = time.monotonic()
+    assert key is not None
+    with _scan_lock(key):
+        verdict = cached_verdict(key)  # another process may have scanned it while this one waited
+        if verdict is not None:
+            return gate_verdict(library, trusted, report, select)
+        results, built = _try_candidates(library, select)
+        route = encoders.choose(results, pinned=select != FAST)
+        differs = None if route is not None else _refusal(results, select != FAST)
+        seconds = time.monotonic() - started
+        if report is not None:
+            report(differs, seconds, route)
+        remember_verdict(key, differs, seconds, route, results)
+        return (built.get(route) if route else None), differs, route
 
 
 @contextlib.contextmanager
@@ -687,14 +926,15 @@ def _scan_lock(key: dict[str, Any]) -> Any:
         yield
 
 
-def _adopt_fast(library: Any, trusted: bool = False) -> bool:
-    """Put fastokens in front of `library` if it passes the gate (`gate_verdict`); else log why not, once.
-    On success the reference library's copy is dropped (loaded again only to decode or verify)."""
-    fast, differs = gate_verdict(library, trusted)
+def _adopt_fast(library: Any, trusted: bool = False, encoder: str = FAST) -> bool:
+    """Put the fast encoder in front of `library` if one passes the gate (`gate_verdict`; `encoder` fast, one
+    pinned, or the route a worker was told); else log why not, once. On success the reference library's copy is
+    dropped (loaded again only to decode or verify) and `library.encoder` names the route."""
+    fast, differs, route = gate_verdict(library, trusted, encoder=encoder)
     if fast is None:
         logger.warning("%s", refusal_line(library.files.path, library.library, differs or "?"))
         return False
-    library.fast, library.encoder, library._reference = fast, FASTOKENS, None
+    library.fast, library.encoder, library._reference = fast, route, None
     library._fast_adopted()
     return True
 
@@ -762,8 +1002,8 @@ class HuggingFace(Library):
         self.fast: Any | None = None
         self.encoder = TOKENIZERS
         self.max_text_chars = REFERENCE_MAX_TEXT_CHARS
-        if encoder == FAST:
-            _adopt_fast(self, trusted)
+        if encoder != REFERENCE:
+            _adopt_fast(self, trusted, encoder)
 
     def _load_reference(self) -> Any:
         import tokenizers
@@ -782,11 +1022,8 @@ class HuggingFace(Library):
             self._reference = self._load_reference()
         return self._reference
 
-    def _build_fast(self, fastokens: Any) -> Any:
-        fast = fastokens.Tokenizer.from_json_str(self.files.contents[0].decode("utf-8"))
-        fast.no_truncation()
-        fast.no_padding()
-        return fast
+    def _build_fast(self, module: Any, route: str) -> Any:
+        return encoders.build(self, route, module)
 
     def _fast_adopted(self) -> None:
         self.max_text_chars = None
@@ -895,8 +1132,8 @@ class Tiktoken(Library):
         self._reference: Any | None = reference
         self.fast: Any | None = None
         self.encoder = TIKTOKEN
-        if encoder == FAST:
-            _adopt_fast(self, trusted)
+        if encoder != REFERENCE:
+            _adopt_fast(self, trusted, encoder)
 
     def _load_reference(self) -> Any:
         import tiktoken
@@ -929,10 +1166,8 @@ class Tiktoken(Library):
     def special(self) -> list[str]:
         return list(self.spec.special_tokens)
 
-    def _build_fast(self, fastokens: Any) -> Any:
-        return fastokens.Tokenizer.from_tiktoken(
-            str(self.files.main), pattern=self.spec.pat_str, special_tokens=self.spec.special_tokens
-        )
+    def _build_fast(self, module: Any, route: str) -> Any:
+        return encoders.build(self, route, module)
 
     def reference_rows(self, texts: list[str], parse_special: bool) -> list[list[int]]:
         return self._reference_rows(texts, parse_special)

@@ -70,7 +70,7 @@ class ModelLoadError(RuntimeError):
     """A configured model file is missing, unreadable, or none of the kinds this service serves."""
 
 
-SERVER_ONLY = frozenset({"path", "files", "chat_template_path", "gate"})  # ModelInfo's fields that /v1/models and metadata.json leave out
+SERVER_ONLY = frozenset({"path", "files", "chat_template_path", "gate", "select"})  # ModelInfo's fields that /v1/models and metadata.json leave out
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,8 @@ class ModelInfo:
     # the fast encoder's gate as announced (tokenizer_service.core.libraries.announced_gate): "pending" is
     # scanned beside the work (tokenizer_service.core.gatescan) while `encoder` names the library
     gate: str | None = field(default=None, compare=False)
+    # the fast encoders the gate may choose from: "fast" (all, by the rule) or the one pinned (--encoder gigatoken)
+    select: str = field(default="fast", compare=False)
     # what sentencepiece matches in any text whatever parse_special_tokens says: its USER_DEFINED pieces
     # (read from the model file, which sha256 covers; () for the other libraries)
     user_defined_pieces: tuple[str, ...] = field(default=(), compare=False)

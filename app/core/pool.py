@@ -29,7 +29,7 @@ from tokenizer_service.core.errors import PoisonInput, ServiceError, Unavailable
 from tokenizer_service.core.handler import Limits
 from tokenizer_service.core.join import Answer, ChunkResult, join_detokenize, join_tokenize, read_chunk_result, read_done
 from tokenizer_service.core.lanes import Lane, WorkerCrashed
-from tokenizer_service.core.libraries import FASTOKENS, refusal_line
+from tokenizer_service.core.libraries import is_fast, refusal_line
 from tokenizer_service.core.models import SENTENCEPIECE, ModelInfo
 from tokenizer_service.core.poison import text_digest
 from tokenizer_service.core.process import Startup
@@ -93,7 +93,7 @@ class WorkerPool:
         for lane in self.lanes:
             lane.on_verified = self._verified
         for info in models:  # exported at 0 from the start, so alerts and rate() see the first mismatch
-            if info.encoder == FASTOKENS:
+            if is_fast(info.encoder):
                 metrics.shadow_checks.labels(info.name)
                 metrics.shadow_mismatches.labels(info.name)
 
@@ -133,9 +133,10 @@ class WorkerPool:
             return
         self.fallen.add(model)
         logger.error(
-            "model %r: fastokens encoded a text otherwise than %s (shadow verification): %s; every worker now "
+            "model %r: %s encoded a text otherwise than %s (shadow verification): %s; every worker now "
             "encodes it with %s",
             info.name,
+            info.encoder,
             info.library,
             mismatch,
             info.library,
@@ -145,27 +146,29 @@ class WorkerPool:
         self.models[model] = dataclasses.replace(info, encoder=info.library)
         self.on_fallback(self.models[model])
 
-    def gate_verdict(self, model: int, differs: str | None, seconds: float) -> None:
+    def gate_verdict(self, model: int, differs: str | None, seconds: float, route: str | None = "fastokens") -> None:
         """The background scan's verdict on a model announced with its reference library: a pass promotes it to
-        fastokens in every worker, now and after any restart (PROMOTE), and the announcement says so; a refusal
-        is logged once and changes nothing."""
+        the fast encoder's `route` the gate chose in every worker, now and after any restart (PROMOTE), and the
+        announcement says so; a refusal is logged once and changes nothing."""
+        route = route or "fastokens"
         info = self.models[model]
         if differs is not None:
             logger.warning("%s", refusal_line(info.path, info.library, differs))
             self.models[model] = dataclasses.replace(info, gate="refused")
             return
-        if model in self.fallen or info.encoder == FASTOKENS:
+        if model in self.fallen or is_fast(info.encoder):
             return
         logger.info(
-            "model %r: the fast encoder's gate passed (%.1fs of scan); every worker now encodes it with fastokens",
+            "model %r: the fast encoder's gate passed (%.1fs of scan); every worker now encodes it with %s",
             info.name,
             seconds,
+            route,
         )
         for lane in self.lanes:
-            lane.broadcast_fallback(promotion_payload(model), channel.PROMOTE)
+            lane.broadcast_fallback(promotion_payload(model, route), channel.PROMOTE)
         self.metrics.shadow_checks.labels(info.name)  # exported at 0 from now on, as for a model fast from the start
         self.metrics.shadow_mismatches.labels(info.name)
-        self.models[model] = dataclasses.replace(info, encoder=FASTOKENS, gate="passed")
+        self.models[model] = dataclasses.replace(info, encoder=route, gate="passed")
         self.on_fallback(self.models[model])
 
     def pids(self) -> list[int]:

@@ -104,7 +104,7 @@ def load_models(models: Sequence[ModelInfo]) -> None:
                 f"model {info.name!r}: {info.path} changed since the server started (sha256 {files.sha256}, "
                 f"announced {info.sha256}); restart the server to serve the new file"
             )
-        encoder = libraries.FAST if info.encoder == libraries.FASTOKENS else libraries.REFERENCE
+        encoder = info.encoder if libraries.is_fast(info.encoder) else libraries.REFERENCE  # the route chosen
         # trusted: the announcing process passed the whole gate on these files (sha256 checked above)
         _libraries[info.name] = libraries.load(files, encoder, trusted=True)
         _files[info.name] = files
@@ -129,7 +129,7 @@ def encode_chunk(
 
     library = _libraries[model]
     shadow = _pretokenize_shadow(model, library)
-    if encoder == libraries.FASTOKENS and library.fast is None and library.promote():
+    if libraries.is_fast(encoder) and library.fast is None and library.promote(encoder):
         shadow.watch(model, library)
     ids, lengths = library.encode(texts, options)
     for report in shadow.run():  # before the chunk is handed back: a wrong chunk never reaches a shard
@@ -249,8 +249,8 @@ def serve(connection: socket.socket, startup: Startup, progress: Any) -> None:
                 libraries_of_models[protocol.read_fallback(payload)].fall_back()
                 continue
             if kind == channel.PROMOTE:  # the background gate passed this model: fastokens encodes it now
-                position = protocol.read_fallback(payload)
-                if libraries_of_models[position].promote():
+                position, route = protocol.read_promotion(payload)
+                if libraries_of_models[position].promote(route):
                     shadow.watch(startup.models[position].name, libraries_of_models[position])
                 continue
             try:

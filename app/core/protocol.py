@@ -239,8 +239,14 @@ def fallback_payload(model: int) -> bytes:
     return FALLBACK_HEAD.pack(model)
 
 
-def promotion_payload(model: int) -> bytes:
-    return FALLBACK_HEAD.pack(model)
+def promotion_payload(model: int, route: str = "fastokens") -> bytes:
+    """A PROMOTE: the model's index, then the fast encoder's route the gate chose (``gigatoken(converted)``)."""
+    return FALLBACK_HEAD.pack(model) + route.encode("ascii")
+
+
+def read_promotion(payload: Buffer) -> tuple[int, str]:
+    """(model index, route) of a PROMOTE."""
+    return read_fallback(payload), bytes(payload[FALLBACK_HEAD.size :]).decode("ascii") or "fastokens"
 
 
 def read_fallback(payload: Buffer) -> int:

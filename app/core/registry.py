@@ -8,6 +8,7 @@ announced with its library and its gate runs beside the work (tokenizer_service.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -48,12 +49,17 @@ def inspect_model(
     if files.template is not None and (problem := chat.check_syntax(files.template)) is not None:
         raise ModelLoadError(f"model {name!r}: {problem}")
     gate, differs = libraries.announced_gate(files, encoder)
+    route = libraries.cached_route(files, encoder) if gate == libraries.PASSED else None
     if gate == libraries.PENDING and wait:
-        fast, differs = libraries.gate_verdict(library)
+        fast, differs, route = libraries.gate_verdict(library, encoder=encoder)
         gate = libraries.PASSED if fast is not None else libraries.REFUSED
     if gate == libraries.REFUSED:
         logger.warning("%s", libraries.refusal_line(files.path, files.library, differs or "?"))
-    info = model_info(name, files, library, libraries.FASTOKENS if gate == libraries.PASSED else library.encoder, gate)
+    if gate == libraries.PASSED and route is None:  # a verdict that names no route (a cache of another release)
+        route = libraries.FASTOKENS
+    info = model_info(name, files, library, route if gate == libraries.PASSED else library.encoder, gate)
+    if gate == libraries.PENDING and encoder != libraries.FAST:
+        info = dataclasses.replace(info, select=encoder)
     if info.chat_template is not None and info.chat_template["loss_mask"] is None:
         logger.warning("%s", chat.no_mask_message(name) + "; its texts are served, its conversations refused")
     logger.info("model %r: %s", name, files.recognized())  # which file, and which known encoding

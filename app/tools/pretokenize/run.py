@@ -594,10 +594,10 @@ def _gate_beside(model: ModelInfo, remaining: int, stack: ExitStack, warn: Calla
 
     def current() -> str | None:
         nonlocal encoder
-        for _, differs, seconds in scan.poll():
+        for _, differs, seconds, route in scan.poll():
             if differs is None:
-                encoder = libraries.FASTOKENS
-                warn(f"model {model.name!r}: the fast encoder's gate passed ({seconds:.1f}s of scan); later chunks are encoded by fastokens")
+                encoder = route or libraries.FASTOKENS
+                warn(f"model {model.name!r}: the fast encoder's gate passed ({seconds:.1f}s of scan); later chunks are encoded by {encoder}")
             else:
                 warn(libraries.refusal_line(model.path, model.library, differs))
         return encoder

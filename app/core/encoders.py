@@ -1,0 +1,335 @@
+"""The fast encoders a `tokenizer.json` or tiktoken model may be served by, and the rule that picks one.
+
+Candidates (each only behind the gate, tokenizer_service.core.libraries.gate_verdict):
+
+- ``fastokens``: fastokens' tokenizer of the model's own file (`Tokenizer.from_json_str`, `from_tiktoken`);
+- ``gigatoken``: gigatoken's (`load_hf_json`; a tiktoken file of an OpenAI encoding it knows by name,
+  `BPETokenizer.from_tiktoken` with that encoding's pretokenizer);
+- ``fastokens(converted)``, ``gigatoken(converted)``: for tiktoken ranks that the encoder cannot load as they are
+  (a pattern it has no scheme for, or ranks where some tokens are not the merge of two others, as Qwen's), the
+  ranks converted in memory to an equivalent byte-level BPE `tokenizer.json` (`ranks_to_tokenizer_json`).
+
+gigatoken always matches special-token strings in text; it is built without special tokens, so special-token
+strings are text (``parse_special_tokens`` false), and with ``parse_special_tokens`` each text is cut at its
+special-token strings (leftmost, longest), the pieces encoded and the special ids put between them, as tiktoken's
+``encode(allowed_special="all")`` and tokenizers' added-token split do. The gate proves it per model.
+
+**The rule** (`choose`): of the candidates that passed the gate, those whose resident memory per process (the
+scanning process's growth while it builds the candidate and encodes the sample) is at most `MEMORY_BOUND_MIB`;
+of those, the ones within `WITHIN` (10%) of the fastest in tokens per CPU-second on a fixed sample
+(`sample_texts`), and of those the lightest (then the fastest, then by name). None: the reference library serves.
+A pinned encoder (``--encoder fastokens|gigatoken``) considers only its own routes and no memory bound.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+FASTOKENS, GIGATOKEN = "fastokens", "gigatoken"
+ENCODERS = (FASTOKENS, GIGATOKEN)
+CONVERTED = "(converted)"
+MEMORY_BOUND_MIB = 300  # a candidate holding more per worker process is not used (unless pinned)
+WITHIN = 0.10  # candidates this close to the fastest count as fast: the lightest of them is used
+RULE = f"fastest within {WITHIN:.0%} then lightest, at most {MEMORY_BOUND_MIB} MiB"
+SAMPLE_CHARS = 256 * 1024
+# gigatoken's pretokenizer scheme of each OpenAI encoding whose ranks it loads directly
+GIGATOKEN_SCHEMES = {"cl100k_base": "gpt4", "o200k_base": "o200k", "r50k_base": "gpt2"}
+
+
+def route(encoder: str, converted: bool = False) -> str:
+    return encoder + (CONVERTED if converted else "")
+
+
+def encoder_of(name: str | None) -> str | None:
+    """The fast encoder a route names (``fastokens(converted)`` -> fastokens), None for anything else."""
+    if not name:
+        return None
+    base = name.removesuffix(CONVERTED)
+    return base if base in ENCODERS else None
+
+
+def is_fast(name: str | None) -> bool:
+    """Whether `name` (an announcement's ``encoder``) is a fast encoder's route, not a reference library's."""
+    return encoder_of(name) is not None
+
+
+def installed(encoder: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(encoder) is not None
+
+
+def versions() -> str:
+    """The fast encoders and their versions, as the gate's key names them."""
+    import importlib.metadata
+
+    found = []
+    for encoder in ENCODERS:
+        try:
+            found.append(f"{encoder} {importlib.metadata.version(encoder)}")
+        except importlib.metadata.PackageNotFoundError:
+            found.append(f"{encoder} none")
+    return "; ".join(found)
+
+
+def choose(measured: Sequence[dict[str, Any]], pinned: bool = False) -> str | None:
+    """The route to serve (the rule above) from each candidate's `{"route", "passed", "mtps", "rss_mib"}`; None
+    when none qualifies. Deterministic: the same measurements always give the same route."""
+    eligible = [m for m in measured if m.get("passed") and (pinned or m["rss_mib"] <= MEMORY_BOUND_MIB)]
+    if not eligible:
+        return None
+    fastest = max(m["mtps"] for m in eligible)
+    near = [m for m in eligible if m["mtps"] >= (1 - WITHIN) * fastest]
+    return min(near, key=lambda m: (m["rss_mib"], -m["mtps"], m["route"]))["route"]
+
+
+# -- tiktoken ranks as a tokenizer.json ---------------------------------------------------------------------
+
+
+def _byte_table() -> list[str]:
+    """GPT-2's byte -> printable character table (byte-level BPE vocabularies are written in it)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table, extra = [], 0
+    for byte in range(256):
+        if byte in printable:
+            table.append(chr(byte))
+        else:
+            table.append(chr(256 + extra))
+            extra += 1
+    return table
+
+
+def ranks_to_tokenizer_json(ranks: dict[bytes, int], pat_str: str, special_tokens: dict[str, int]) -> str:
+    """An equivalent byte-level BPE `tokenizer.json` of tiktoken ranks: the vocabulary is the ranks; a merge
+    (left, right) for every split of a token into two tokens, ranked by the merged token's rank (tiktoken
+    merges the adjacent pair whose concatenation has the lowest rank); `ignore_merges` takes a whole piece that
+    is a token as that token, as tiktoken does, which is how a token that is no merge of two (Qwen has 232) is
+    ever produced. The split pattern, then byte-level; the special tokens as special added tokens."""
+    table = _byte_table()
+
+    def text(token: bytes) -> str:
+        return "".join(table[byte] for byte in token)
+
+    merges: list[tuple[int, int, int, str, str]] = []
+    for token, rank in ranks.items():
+        for cut in range(1, len(token)):
+            left, right = ranks.get(token[:cut]), ranks.get(token[cut:])
+            if left is not None and right is not None:
+                merges.append((rank, left, right, text(token[:cut]), text(token[cut:])))
+    merges.sort()
+    document = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [
+            {"id": token_id, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
+             "normalized": False, "special": True}
+            for content, token_id in sorted(special_tokens.items(), key=lambda item: item[1])
+        ],  # fmt: skip
+        "normalizer": None,
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": pat_str}, "behavior": "Isolated", "invert": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+            ],
+        },
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": True,
+            "vocab": {text(token): rank for token, rank in ranks.items()},
+            "merges": [[left, right] for *_, left, right in merges],
+        },
+    }
+    return json.dumps(document, ensure_ascii=False)
+
+
+def without_special_tokens(document: str) -> str:
+    """A tokenizer.json's text with its special added tokens left out (ordinary added tokens kept)."""
+    parsed = json.loads(document)
+    parsed["added_tokens"] = [added for added in parsed.get("added_tokens") or [] if not added.get("special")]
+    return json.dumps(parsed, ensure_ascii=False)
+
+
+# -- gigatoken behind fastokens' call --------------------------------------------------------------------------
+
+
+class Gigatoken:
+    """A gigatoken tokenizer built without special tokens, answering fastokens' `encode_batch_flat` (flat uint32
+    ids, uint64 offsets) on the calling thread; `special`: the special-token strings and ids that
+    ``split_special_tokens=False`` cuts texts at."""
+
+    def __init__(self, backend: Any, special: dict[str, int]) -> None:
+        self.backend = backend
+        self.special = dict(special)
+        tokens = sorted((token for token in special if token), key=lambda token: (-len(token), token))
+        self._cut = re.compile("|".join(re.escape(token) for token in tokens)) if tokens else None
+
+    def _flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        if not texts:
+            return np.zeros(0, dtype=np.uint32), np.zeros(1, dtype=np.uint64)
+        layout = self.backend.encode_batch(texts, parallel=False).layout  # awkward: offsets and content
+        offsets = np.asarray(layout.offsets.data).astype(np.uint64, copy=False)
+        ids = np.ascontiguousarray(np.asarray(layout.content.data), dtype=np.uint32)
+        if offsets[0] != 0 or len(ids) != offsets[-1]:
+            ids = np.ascontiguousarray(ids[offsets[0] : offsets[-1]])
+            offsets = offsets - offsets[0]
+        return ids, np.ascontiguousarray(offsets)
+
+    def encode_batch_flat(
+        self, texts: list[str], add_special_tokens: bool = False, split_special_tokens: bool = True
+    ) -> tuple[np.ndarray, np.ndarray]:
+        cut = self._cut
+        if split_special_tokens or cut is None:
+            return self._flat(texts)
+        pieces: list[str] = []
+        plans: list[list[int]] = []  # per text: piece indexes (>= 0) and special ids (-1 - id)
+        for text in texts:
+            plan, last = [], 0
+            for found in cut.finditer(text):
+                if found.start() > last:
+                    plan.append(len(pieces))
+                    pieces.append(text[last : found.start()])
+                plan.append(-1 - self.special[found.group()])
+                last = found.end()
+            if last < len(text):
+                plan.append(len(pieces))
+                pieces.append(text[last:] if last else text)
+            plans.append(plan)
+        ids, offsets = self._flat(pieces)
+        parts: list[np.ndarray] = []
+        lengths = np.zeros(len(texts), dtype=np.uint64)
+        for index, plan in enumerate(plans):
+            total = 0
+            for step in plan:
+                if step >= 0:
+                    part = ids[offsets[step] : offsets[step + 1]]
+                else:
+                    part = np.array([-1 - step], dtype=np.uint32)
+                parts.append(part)
+                total += len(part)
+            lengths[index] = total
+        flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
+        bounds = np.zeros(len(texts) + 1, dtype=np.uint64)
+        np.cumsum(lengths, out=bounds[1:])
+        return flat, bounds
+
+
+# -- building a candidate ------------------------------------------------------------------------------------
+
+
+def routes(library: Any, encoder: str) -> list[str]:
+    """The routes of `encoder` for `library`'s model, in the order tried: a tokenizer.json directly; tiktoken
+    ranks directly, then converted where the encoder cannot load them as they are."""
+    if library.library == "tiktoken":
+        return [route(encoder), route(encoder, converted=True)]
+    return [route(encoder)]
+
+
+def build(library: Any, name: str, module: Any) -> Any:
+    """The fast encoder `name` (a route) of `library`'s model, answering fastokens' `encode_batch_flat`, from
+    `module` (fastokens, or gigatoken's `gigatoken_rs`); raises whatever the encoder raises (pyo3's
+    PanicException, a BaseException, included)."""
+    encoder, converted = encoder_of(name), name.endswith(CONVERTED)
+    kind = library.library
+    if encoder == FASTOKENS:
+        fastokens = module
+        if kind == "tiktoken" and not converted:
+            return fastokens.Tokenizer.from_tiktoken(
+                str(library.files.main), pattern=library.spec.pat_str, special_tokens=library.spec.special_tokens
+            )
+        fast = fastokens.Tokenizer.from_json_str(_document(library, converted))
+        fast.no_truncation()
+        fast.no_padding()
+        return fast
+    if encoder == GIGATOKEN:
+        BPETokenizer, load_hf_json = module.BPETokenizer, module.load_hf_json  # noqa: N806
+
+        if kind == "tiktoken":
+            special = dict(library.spec.special_tokens)
+            if not converted:
+                scheme = GIGATOKEN_SCHEMES.get(library.spec.encoding or "")
+                if scheme is None:
+                    raise ValueError(f"gigatoken has no pretokenizer for {library.spec.encoding or 'this'} pattern")
+                return Gigatoken(BPETokenizer.from_tiktoken(str(library.files.main), scheme, None), special)
+            return Gigatoken(load_hf_json(_document(library, True, specials=False)), special)
+        document = library.files.contents[0].decode("utf-8")
+        special = {added["content"]: added["id"] for added in json.loads(document).get("added_tokens") or [] if added.get("special")}
+        backend = load_hf_json(without_special_tokens(document))
+        if type(backend).__name__ != "BPETokenizer":
+            raise ValueError(f"gigatoken loads it as a {type(backend).__name__}, not byte-level BPE")
+        return Gigatoken(backend, special)
+    raise ValueError(f"no fast encoder {name!r}")
+
+
+def _document(library: Any, converted: bool, specials: bool = True) -> str:
+    if not converted:
+        return library.files.contents[0].decode("utf-8")
+    from tokenizer_service.core.models import tiktoken_ranks
+
+    ranks = tiktoken_ranks(library.files.contents[0], library.files.main)
+    return ranks_to_tokenizer_json(ranks, library.spec.pat_str, library.spec.special_tokens if specials else {})
+
+
+# -- measuring ------------------------------------------------------------------------------------------------
+
+
+def rss_mib() -> float:
+    """This process's resident memory, MiB (0 where /proc is not there)."""
+    try:
+        with open("/proc/self/statm") as file:
+            return int(file.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def sample_texts() -> list[str]:
+    """The fixed sample speed is measured on: about 256 KB of documents drawn by a seeded generator (the same
+    texts in every process): a lexicon of 20,000 made-up words, each of the letters of one of the check set's
+    texts (many scripts), drawn by Zipf's law as words of real text are (so that an encoder's cache of words
+    helps it as much as on real text, no more), with the check set's punctuation, digits and spaces."""
+    from tokenizer_service.core import checkset
+
+    generator = random.Random(20261126)
+    alphabets = [sorted({char for char in text if char.isalpha()}) for text in checkset.FIXED]
+    alphabets = [letters for letters in alphabets if len(letters) >= 5]
+    lexicon = []
+    for _ in range(20_000):
+        letters = generator.choice(alphabets)
+        lexicon.append("".join(generator.choice(letters) for _ in range(generator.randint(1, 10))))
+    weights = [1 / rank for rank in range(1, len(lexicon) + 1)]
+    marks = [",", ".", "!", "?", ":", ";", " 42", " 2026", " 3.14", "\n", "\n\n", "  ", " (", ")", "'s", " -"]
+    documents, size = [], 0
+    while size < SAMPLE_CHARS:
+        words = generator.choices(lexicon, weights, k=generator.randint(50, 400))
+        document = " ".join(word + (generator.choice(marks) if generator.random() < 0.15 else "") for word in words)
+        documents.append(document)
+        size += len(document)
+    return documents
+
+
+def tokens_per_cpu_second(encode: Callable[[list[str]], int], texts: list[str], rounds: int = 3) -> float:
+    """M tokens per CPU-second of this process (every thread of it), the best of `rounds` passes over `texts`."""
+    best = 0.0
+    for _ in range(rounds):
+        started = time.process_time()
+        tokens = encode(texts)
+        spent = max(time.process_time() - started, 1e-6)
+        best = max(best, tokens / spent / 1e6)
+    return best

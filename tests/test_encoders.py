@@ -1,0 +1,197 @@
+"""The fast encoders (fastokens, gigatoken, and tiktoken ranks converted to a tokenizer.json), each behind the gate,
+and the rule that picks one per model (tokenizer_service.core.encoders)."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import pytest
+
+from tokenizer_service.core import checkset, encoders, libraries
+from tokenizer_service.core.models import find_model_files, tiktoken_ranks
+from tokenizer_service.settings import Settings
+from tests.conftest import read_multilingual
+
+NON_MERGES = 232  # as many tokens that are no merge of two others as Qwen's ranks hold
+
+
+def qwen_like(source: Path, directory: Path) -> Path:
+    """The tests' ranks with 232 tokens appended that are not the merge of any two tokens (two CJK characters
+    that are no tokens themselves, after a space: a whole piece of the split pattern), as Qwen's ranks have."""
+    ranks = tiktoken_ranks(source.read_bytes(), source)
+    added: list[bytes] = []
+    point = 0x4E00
+    while len(added) < NON_MERGES:
+        first, second = chr(point), chr(point + 1)
+        point += 2
+        token = f" {first}{second}".encode()
+        if any(part.encode() in ranks for part in (first, second, f" {first}")) or token in ranks:
+            continue
+        if any(token[:cut] in ranks and token[cut:] in ranks for cut in range(1, len(token))):
+            continue
+        added.append(token)
+    sidecar = json.loads(Path(f"{source}.json").read_text())
+    count = len(ranks) + len(added)
+    sidecar["special_tokens"] = {token: count + index for index, token in enumerate(sidecar["special_tokens"])}
+    path = directory / "qwen-like.tiktoken"
+    lines = [f"{base64.b64encode(raw).decode()} {rank}\n" for raw, rank in sorted(ranks.items(), key=lambda item: item[1])]
+    lines += [f"{base64.b64encode(raw).decode()} {len(ranks) + index}\n" for index, raw in enumerate(added)]
+    path.write_text("".join(lines))
+    Path(f"{path}.json").write_text(json.dumps(sidecar))
+    return path
+
+
+@pytest.fixture(scope="module")
+def qwen_ranks(library_models, tmp_path_factory) -> Path:
+    return qwen_like(library_models["tt"], tmp_path_factory.mktemp("qwen-like"))
+
+
+def non_merge_texts(path: Path) -> list[str]:
+    """Texts holding the appended tokens alone, inside prose, and beside special-token strings."""
+    ranks = tiktoken_ranks(path.read_bytes(), path)
+    tokens = [raw.decode() for raw, rank in ranks.items() if rank >= len(ranks) - NON_MERGES][:40]
+    return ["".join(tokens), *[f"Hello{token}, world{token}<|endoftext|>{token}" for token in tokens]]
+
+
+@pytest.mark.parametrize("route", ["fastokens(converted)", "gigatoken(converted)"])
+def test_converted_ranks_give_tiktokens_ids_on_multilingual_text_in_both_modes(qwen_ranks, route):
+    files = find_model_files("qwen", qwen_ranks)
+    reference = libraries.load(files, libraries.REFERENCE)
+    fast = libraries.load(files, route, trusted=True)  # the check set, then this route serves
+    assert fast.encoder == route
+    texts = read_multilingual() + non_merge_texts(qwen_ranks) + checkset.texts(reference.special)
+    for parse in (False, True):
+        assert fast.reference_rows(texts, parse) == reference.reference_rows(texts, parse)  # the reference's own
+        ids, lengths = fast.encode_plain(texts, parse)
+        assert [row.tolist() for row in libraries.flatten_rows(ids, lengths)] == reference.reference_rows(texts, parse)
+
+
+def test_converted_ranks_pass_the_whole_gate_where_direct_loading_cannot(qwen_ranks, tmp_path, monkeypatch):
+    monkeypatch.setenv(libraries.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(checkset, "code_points", lambda: list(range(0x3000)) + list(range(0x4E00, 0x5000)))
+    files = find_model_files("qwen", qwen_ranks)
+    library = libraries.load(files, libraries.REFERENCE)
+    fast, differs, route = libraries.gate_verdict(library, encoder="gigatoken")
+    assert differs is None and route == "gigatoken(converted)", differs
+    verdict = libraries.cached_verdict(libraries.gate_key(files, "gigatoken"))
+    assert verdict["encoder"] == "gigatoken(converted)"
+    direct = next(c for c in verdict["candidates"] if c["route"] == "gigatoken")
+    assert not direct["passed"] and "cannot load it" in direct["differs"]
+
+
+def genuine_panic(qwen_ranks: Path) -> type[BaseException]:
+    """pyo3's PanicException as gigatoken raises it on ranks where some tokens are no merge of two."""
+    from gigatoken.gigatoken_rs import BPETokenizer
+
+    try:
+        BPETokenizer.from_tiktoken(str(qwen_ranks), "gpt4", None)
+    except BaseException as exc:  # noqa: BLE001 - the point: it is no Exception
+        assert not isinstance(exc, Exception)
+        return type(exc)
+    pytest.skip("gigatoken loads these ranks now")
+
+
+def test_a_panic_at_construction_falls_back_and_is_logged_once(qwen_ranks, library_models, tmp_path, monkeypatch, caplog):
+    panic = genuine_panic(qwen_ranks)
+
+    class Panicking:
+        def __getattr__(self, name):
+            def raising(*args, **kwargs):
+                raise panic("called `Option::unwrap()` on a `None` value")
+
+            return raising
+
+    monkeypatch.setattr(libraries, "_gigatoken", lambda: Panicking())
+    monkeypatch.setenv(libraries.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    files = find_model_files("hfbpe", library_models["hfbpe"])
+    with caplog.at_level("WARNING", logger="tokenizer"):
+        library = libraries.load(files, "gigatoken", trusted=True)
+    assert library.encoder == "tokenizers" and library.fast is None
+    lines = [record.getMessage() for record in caplog.records if "gigatoken cannot load it" in record.getMessage()]
+    assert len(lines) == 1 and "PanicException" in lines[0], lines
+    # with both candidates, the one that panics is refused and the other one serves
+    fast, differs, route = libraries.gate_verdict(library, trusted=True)
+    assert fast is not None and route == "fastokens", differs
+
+
+@pytest.mark.parametrize("refused", ["fastokens", "gigatoken"])
+def test_a_planted_difference_refuses_that_candidate_only(library_models, tmp_path, monkeypatch, refused):
+    monkeypatch.setenv(libraries.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(checkset, "code_points", lambda: list(range(0x2000)))
+    files = find_model_files("hfbpe", library_models["hfbpe"])
+    library = libraries.load(files, libraries.REFERENCE)
+    build = libraries._build_fast
+
+    def planted(library, route="fastokens"):
+        fast, why = build(library, route)
+        if fast is not None and encoders.encoder_of(route) == refused:
+            fast = libraries._Planted(fast, "\u180e")
+        return fast, why
+
+    monkeypatch.setattr(libraries, "_build_fast", planted)
+    fast, differs, route = libraries.gate_verdict(library)
+    other = "gigatoken" if refused == "fastokens" else "fastokens"
+    assert differs is None and route == other
+    verdict = libraries.cached_verdict(libraries.gate_key(files))
+    found = {c["route"]: c for c in verdict["candidates"]}
+    assert found[other]["passed"] and found[other]["mtps"] > 0 and found[other]["rss_mib"] >= 0
+    assert not found[refused]["passed"] and "U+180E" in found[refused]["differs"], found[refused]
+    # a later load builds the chosen route from the cached verdict, measuring nothing
+    monkeypatch.setattr(libraries, "_try_candidates", lambda *args: pytest.fail("measured again"))
+    assert libraries.load(files).encoder == other
+
+
+def measured(route, mtps, rss, passed=True):
+    return {"route": route, "passed": passed, "mtps": mtps, "rss_mib": rss}
+
+
+def test_the_rule_picks_the_lightest_within_ten_percent_of_the_fastest_under_the_memory_bound():
+    choose = encoders.choose
+    # the fastest by far wins
+    assert choose([measured("fastokens", 5.5, 100), measured("gigatoken", 11.0, 150)]) == "gigatoken"
+    # within 10%: the lighter one
+    assert choose([measured("fastokens", 10.0, 80), measured("gigatoken", 10.9, 150)]) == "fastokens"
+    assert choose([measured("fastokens", 9.8, 80), measured("gigatoken", 11.0, 150)]) == "gigatoken"  # 11% slower
+    # over the memory bound: skipped, unless pinned
+    heavy = [measured("fastokens(converted)", 12.0, 545), measured("gigatoken(converted)", 6.0, 188)]
+    assert choose(heavy) == "gigatoken(converted)"
+    assert choose([measured("fastokens(converted)", 12.0, 545)]) is None
+    assert choose([measured("fastokens(converted)", 12.0, 545)], pinned=True) == "fastokens(converted)"
+    # refused candidates never; ties broken by memory, then speed, then name; the order given does not matter
+    assert choose([measured("gigatoken", 50.0, 10, passed=False), measured("fastokens", 1.0, 10)]) == "fastokens"
+    tied = [measured("gigatoken", 10.0, 50), measured("fastokens", 10.0, 50)]
+    assert choose(tied) == choose(list(reversed(tied))) == "fastokens"
+    assert choose([]) is None
+
+
+def test_encoder_gigatoken_pins_it(library_models, tmp_path, monkeypatch):
+    assert Settings(encoder="gigatoken").encoder == "gigatoken"
+    monkeypatch.setenv(libraries.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(checkset, "code_points", lambda: list(range(0x1000)))
+    files = find_model_files("hfbpe", library_models["hfbpe"])
+    library = libraries.load(files, libraries.REFERENCE)
+    fast, differs, route = libraries.gate_verdict(library, encoder="gigatoken")
+    assert differs is None and route == "gigatoken"
+    verdict = libraries.cached_verdict(libraries.gate_key(files, "gigatoken"))
+    assert [c["route"] for c in verdict["candidates"]] == ["gigatoken"]  # fastokens was not even tried
+    assert libraries.load(files, "gigatoken").encoder == "gigatoken"
+    assert libraries.load(files, "fastokens").encoder == "fastokens"
+    from tokenizer_service.core.registry import inspect_model
+
+    assert inspect_model("hfbpe", library_models["hfbpe"], "gigatoken").encoder == "gigatoken"
+
+
+def test_ranks_to_tokenizer_json_is_what_tokenizers_encodes_as_tiktoken_does(qwen_ranks):
+    import tokenizers
+
+    files = find_model_files("qwen", qwen_ranks)
+    reference = libraries.load(files, libraries.REFERENCE)
+    ranks = tiktoken_ranks(files.contents[0], files.main)
+    converted = tokenizers.Tokenizer.from_str(
+        encoders.ranks_to_tokenizer_json(ranks, reference.spec.pat_str, reference.spec.special_tokens)
+    )
+    texts = read_multilingual()[:40] + non_merge_texts(qwen_ranks)
+    converted.encode_special_tokens = True
+    assert [e.ids for e in converted.encode_batch(texts, add_special_tokens=False)] == reference.reference_rows(texts, False)
