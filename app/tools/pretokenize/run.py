@@ -31,6 +31,7 @@ from tokenizer_service.core.shadow import ShadowMismatch
 from tokenizer_service.settings import ConfigError, Settings, describe_error, model_file_name, usable_cpus
 from tokenizer_service.tools.pretokenize.backends import (
     local_pool,
+    local_workers,
     tokenize_dialogue_locally,
     tokenize_dialogue_via_service,
     tokenize_locally,
@@ -535,17 +536,18 @@ def _tokenize(
             depth=SERVICE_DEPTH * len(urls),
         )
     else:
-        pool = stack.enter_context(local_pool(model, options.workers))
-        stack.callback(pool.shutdown, wait=True, cancel_futures=True)  # also on Ctrl-C: first, cancel the rest
         remaining = sum(source.size for source in sources if not source.done)
-        chunk_chars = int(np.clip(remaining // (8 * options.workers), *LOCAL_CHUNK_CHARS))
+        workers = local_workers(model, remaining, options.workers)  # fewer for a small input on a fast encoder
+        pool = stack.enter_context(local_pool(model, workers))
+        stack.callback(pool.shutdown, wait=True, cancel_futures=True)  # also on Ctrl-C: first, cancel the rest
+        chunk_chars = int(np.clip(remaining // (8 * workers), *LOCAL_CHUNK_CHARS))
         batches = tokenize_locally(
             pool,
             model.name,
             texts(),
             encode,
             chunk_chars=chunk_chars,
-            depth=2 * options.workers,
+            depth=2 * workers,
             encoder=_gate_beside(model, remaining, stack, warn),
             encoded_by=encoded_by,
         )

@@ -20,16 +20,11 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tqdm import tqdm
 
-from tokenizer_service.core import libraries
-from tokenizer_service.core.models import ModelInfo, ModelLoadError, find_model_files
-from tokenizer_service.core.registry import inspect_model
-from tokenizer_service.core.requests import EncodeOptions
-from tokenizer_service.tools.pretokenize.cli import describe_os_error
 from tokenizer_service.tools.pretokenize.export import (
     DEFAULT_LLMC_SHARD_TOKENS,
     FORMATS,
@@ -41,10 +36,13 @@ from tokenizer_service.tools.pretokenize.export import (
     export,
 )
 from tokenizer_service.tools.pretokenize.ranks import RankError, merge
-from tokenizer_service.tools.pretokenize.run import resolve_local_model
-from tokenizer_service.tools.pretokenize.sources import DocumentReader, InputError, Source
 from tokenizer_client.dataset import TokenDataset
 from tokenizer_client.storage import ENVIRONMENT, StorageError, configure, filesystem, is_url
+
+# info, merge and export read shards only: the model and tokenizer code (the pre-tokenizer's reader and run, the
+# libraries) is imported where verify needs it, which keeps those commands' start-up at a fraction of a second
+if TYPE_CHECKING:
+    from tokenizer_service.core.models import ModelInfo
 
 EXPORTS = """\
 export formats (ragged outputs go to all four; packed concat outputs too, a row being a sequence;
@@ -301,6 +299,11 @@ def model_of(dataset: TokenDataset, given: str | None, chat_template: Path | Non
     """The model the output was made with: --model when given, else the file metadata.json records (a local
     run), else the model of that name in the server's options; each checked by sha256 (with `chat_template`,
     the --chat-template the output records, whose bytes join it)."""
+    from tokenizer_service.core import libraries
+    from tokenizer_service.core.models import ModelLoadError
+    from tokenizer_service.core.registry import inspect_model
+    from tokenizer_service.tools.pretokenize.run import resolve_local_model
+
     wanted = dataset.model["sha256"]
     if given is not None:
         info = resolve_local_model(given, chat_template)
@@ -347,6 +350,11 @@ def verify(dataset: TokenDataset, sample: int, model: str | None, seed: int, inf
         return checked
     if dataset.layout != "ragged":
         raise ValueError("--sample re-tokenizes documents: it needs a ragged output")
+    from tokenizer_service.core import libraries
+    from tokenizer_service.core.models import find_model_files
+    from tokenizer_service.core.requests import EncodeOptions
+    from tokenizer_service.tools.pretokenize.sources import DocumentReader, Source
+
     info = info or model_of(dataset, model, recorded_template(dataset) if dataset.masked else None)
     # always the reference library, never the fast encoder whose ids are being checked
     library = libraries.load(find_model_files(info.name, info.path, info.chat_template_path), libraries.REFERENCE)
@@ -381,6 +389,8 @@ def verify_masked(dataset: TokenDataset, sample: int, seed: int, info: ModelInfo
     metadata.json records and the reference library, their ids AND loss masks compared with the shards'."""
     from tokenizer_service.core import chat
     from tokenizer_service.core.errors import InvalidField, PayloadTooLarge
+    from tokenizer_service.core.models import find_model_files
+    from tokenizer_service.tools.pretokenize.sources import DocumentReader, Source
 
     described = dataset.metadata["loss_mask"]
     kind = described.get("input")
@@ -506,6 +516,9 @@ def _main(args: argparse.Namespace, scratch: list[Path]) -> int:
         print(describe(dataset))
         return 0
     if args.command == "verify":
+        from tokenizer_service.core.models import ModelLoadError
+        from tokenizer_service.tools.pretokenize.sources import InputError
+
         info = None  # what --sample needs is found, or refused (exit 2), before any shard is read
         try:
             if args.sample < 0:
@@ -569,6 +582,8 @@ def _main(args: argparse.Namespace, scratch: list[Path]) -> int:
         return 2
     except OSError as exc:
         hint = "make room (or raise the limit) and export again"
+        from tokenizer_service.tools.pretokenize.cli import describe_os_error
+
         print(f"tokenizer-shards: {describe_os_error(exc, output, hint)}", file=sys.stderr)
         return 1
     if url is not None and staging is not None:
