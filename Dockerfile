@@ -47,7 +47,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     TOKENIZER_HOST=0.0.0.0 \
     TOKENIZER_PORT=8000 \
     TOKENIZER_MODELS_DIR=/models \
-    TOKENIZER_EMPTY_MODELS_DIR=bundled
+    TOKENIZER_EMPTY_MODELS_DIR=bundled \
+    TOKENIZER_CACHE_DIR=/tmp/tokenizer-cache
 USER 10001:10001
 EXPOSE 8000
 # 200 only once the models are loaded and a worker answers; urllib raises (exit 1) on 503 or no answer.
