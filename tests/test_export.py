@@ -228,7 +228,11 @@ def test_a_tokenizer_json_model_end_to_end_with_int32_ids(documents, multilingua
     assert documents_of(output) == expected
     assert max(max(ids) for ids in expected) > 1 << 16  # ids that need the int32 path
     assert shards(["info", str(output)]) == 0
-    assert f"model wide (tokenizers bpe, encoded by fastokens, vocab {WIDE_EXTRA + 1000:,}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    from tokenizer_service.core.registry import inspect_model
+
+    encoder = inspect_model("wide", snapshot).encoder  # the fast encoder the rule chose (its verdict cached)
+    assert f"model wide (tokenizers bpe, encoded by {encoder}, vocab {WIDE_EXTRA + 1000:,}" in out
     assert shards(["verify", str(output), "--sample", "30"]) == 0
     refused = shards(["export", str(output), "--to", "nanogpt", "--output", str(tmp_path / "nano"), "-q"])
     assert refused == 2

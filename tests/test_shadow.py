@@ -25,7 +25,7 @@ SNOWMAN = 0x2603
 
 def test_a_sampled_text_that_differs_falls_the_model_back(library_models):
     library = libraries.load(find_model_files("tt", library_models["tt"]), trusted=True)
-    assert library.encoder == "fastokens"
+    assert libraries.is_fast(library.encoder)
     libraries.plant_difference(library, SNOWMAN)
     shadow = Shadow(rate=1.0, interval=0.0)
     shadow.watch("tt", library)
@@ -79,7 +79,7 @@ def test_a_server_catches_a_mismatch_at_run_time_and_serves_the_reference_ids_in
     url, process = start_server(args, log, env={libraries.PLANT_ENV: "U+2603"})
     try:
         served = httpx.get(f"{url}/v1/models", timeout=10).json()["models"]
-        assert served[0]["encoder"] == "fastokens"
+        assert libraries.is_fast(served[0]["encoder"])
         reference = Reference(library_models["tt"])
         text = "a snow\u2603man in the garden"
         httpx.post(f"{url}/v1/tokenize", json={"texts": [text, "plain"]}, timeout=30).raise_for_status()

@@ -131,6 +131,7 @@ PANIC = panic_exception()
 
 def test_a_fast_encoder_that_panics_at_load_is_a_fallback(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(libraries, "_fastokens", lambda: FakeFastokens)
+    monkeypatch.setattr(libraries, "_gigatoken", lambda: None)  # fastokens the only candidate
     monkeypatch.setenv(libraries.CACHE_DIR_ENV, str(tmp_path / "cache"))  # the refusal is not the real fastokens'
     ranks = write_ranks(tmp_path / "r.tiktoken", {"<|endoftext|>": 256})
     with caplog.at_level(logging.WARNING, logger="tokenizer"):
