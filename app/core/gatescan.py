@@ -124,14 +124,23 @@ def _main(connection: Connection, models: Sequence[tuple[int, ModelInfo]]) -> No
     except OSError:
         pass
     for index, info in models:
-        differs, seconds, route = settle(info)
+        sent: list[bool] = []
+
+        def send(differs: str | None, seconds: float, route: str | None, index: int = index) -> None:
+            connection.send((index, differs, seconds, route))  # before the verdict is cached: the run hears it first
+            sent.append(True)
+
         try:
-            connection.send((index, differs, seconds, route))
+            differs, seconds, route = settle(info, send=send)
+            if not sent:
+                connection.send((index, differs, seconds, route))
         except (BrokenPipeError, OSError):
             return
 
 
-def settle(info: ModelInfo, hold: bool = True) -> tuple[str | None, float, str | None]:
+def settle(
+    info: ModelInfo, hold: bool = True, send: Callable[[str | None, float, str | None], None] | None = None
+) -> tuple[str | None, float, str | None]:
     """The gate's verdict on the announced model's files (cached, or scanned here and cached): what differs,
     seconds scanned, the route chosen (among the candidates `info.select` allows)."""
     from tokenizer_service.core import libraries
@@ -151,6 +160,8 @@ def settle(info: ModelInfo, hold: bool = True) -> tuple[str | None, float, str |
         while held and not Path(held).exists():
             time.sleep(0.05)
         found.append((differs, seconds, route))
+        if send is not None:
+            send(differs, seconds, route)
 
     _, differs, route = libraries.gate_verdict(library, report=report, encoder=getattr(info, "select", "fast"))
     return found[0] if found else (differs, 0.0, route)

@@ -787,36 +787,38 @@ def _try_candidates(library: Any, encoder: str) -> tuple[list[dict[str, Any]], d
 def _measure_apart(files: ModelFiles, route: str) -> tuple[float, float, float] | None:
     """(resident MiB, M tokens per CPU-second, build seconds) of the fast encoder `route` in a fresh process, as a
     worker holds and runs it: the process's growth from the reference library loaded to the encoder built and
-    the sample encoded once, then the best of three passes over the sample; None where it could not run."""
-    context = multiprocessing.get_context("spawn")
-    receiving, sending = context.Pipe(duplex=False)
-    process = context.Process(target=_measure_child, args=(sending, files, route), name="tokenizer-gate-measure", daemon=True)
+    the sample encoded once, then the best of three passes over the sample; None where it could not run. A
+    plain subprocess: the background scan is a daemonic process, which multiprocessing lets have no children."""
+    import pickle
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-c", "from tokenizer_service.core import libraries; libraries._measure_main()"]
     try:
-        process.start()
-        sending.close()
-        found = receiving.recv() if receiving.poll(600) else None
-    except (OSError, EOFError, RuntimeError):
-        found = None
-    finally:
-        receiving.close()
-        if process.is_alive():
-            process.kill()
-        with contextlib.suppress(Exception):
-            process.join(5)
-    return found
+        done = subprocess.run(command, input=pickle.dumps((files, route)), capture_output=True, timeout=600, check=False)
+        found = json.loads(done.stdout.decode().strip().splitlines()[-1]) if done.returncode == 0 else None
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
+    return (float(found[0]), float(found[1]), float(found[2])) if isinstance(found, list) else None
 
 
-def _measure_child(connection: Any, files: ModelFiles, route: str) -> None:
+def _measure_main() -> None:
+    """The measuring process (`_measure_apart`): (files, route) pickled on stdin, the measurements on stdout."""
+    import pickle
+    import sys
+
+    multiprocessing.current_process().name = "tokenizer-gate-measure"
     single_threaded()
     with contextlib.suppress(OSError):
         os.nice(19)
+    files, route = pickle.loads(sys.stdin.buffer.read())  # noqa: S301  # from the process that started this one
     library = LIBRARIES[files.library].variant(files)(files, REFERENCE)
     sample = encoders.sample_texts()
     before, started = encoders.rss_mib(), time.perf_counter()
     fast, _ = _build_fast(library, route)
     seconds = time.perf_counter() - started
     if fast is None:
-        connection.send(None)
+        print(json.dumps(None))
         return
 
     def encode(texts: list[str]) -> int:
@@ -824,7 +826,7 @@ def _measure_child(connection: Any, files: ModelFiles, route: str) -> None:
 
     encode(sample)
     rss = max(0.0, encoders.rss_mib() - before)
-    connection.send((rss, encoders.tokens_per_cpu_second(encode, sample), seconds))
+    print(json.dumps([rss, encoders.tokens_per_cpu_second(encode, sample), seconds]), flush=True)
 
 
 def _refusal(results: Sequence[dict[str, Any]], pinned: bool) -> str:
