@@ -166,16 +166,19 @@ from datatrove.executor import LocalPipelineExecutor
 from datatrove.pipeline.readers import ParquetReader
 from datatrove.pipeline.tokens.megatron_tokenizer import MegatronDocumentTokenizer
 
-tokenizer, corpus, out, eos = sys.argv[1:5]
-LocalPipelineExecutor(
-    pipeline=[
-        ParquetReader(str(Path(corpus).parent), glob_pattern=Path(corpus).name, text_key="text"),
-        MegatronDocumentTokenizer(output_folder=out, tokenizer_name_or_path=tokenizer, eos_token=eos, save_filename="doc"),
-    ],
-    tasks=2,
-    workers=2,
-    logging_dir=str(Path(out) / "logs"),
-).run()
+if __name__ == "__main__":  # its workers import this script again
+    tokenizer, corpus, out, eos = sys.argv[1:5]
+    LocalPipelineExecutor(
+        pipeline=[
+            ParquetReader(str(Path(corpus).parent), glob_pattern=Path(corpus).name, text_key="text"),
+            MegatronDocumentTokenizer(
+                output_folder=out, tokenizer_name_or_path=tokenizer, eos_token=eos, save_filename="doc"
+            ),
+        ],
+        tasks=2,
+        workers=2,
+        logging_dir=str(Path(out) / "logs"),
+    ).run()
 """,
     "datasets": """
 import json
@@ -194,9 +197,10 @@ def tokenize(batch):
     return {"input_ids": [encoding.ids + [eos_id] for encoding in tok.encode_batch(batch["text"])]}
 
 
-dataset = Dataset.from_parquet(corpus, cache_dir=str(Path(out) / "cache"))
-tokenized = dataset.map(tokenize, batched=True, num_proc=2, remove_columns=["text"])
-(Path(out) / "files.json").write_text(json.dumps([f["filename"] for f in tokenized.cache_files]))
+if __name__ == "__main__":
+    dataset = Dataset.from_parquet(corpus, cache_dir=str(Path(out) / "cache"))
+    tokenized = dataset.map(tokenize, batched=True, num_proc=2, remove_columns=["text"])
+    (Path(out) / "files.json").write_text(json.dumps([f["filename"] for f in tokenized.cache_files]))
 """,
 }
 
