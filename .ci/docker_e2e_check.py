@@ -23,8 +23,8 @@ import httpx
 import sentencepiece as spm
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenizer_client import TokenizerClient
 from tests.conftest import read_documents
+from tokenizer_client import TokenizerClient
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH = 256
@@ -96,9 +96,9 @@ def promoted(url: str, name: str, headers: dict[str, str]) -> dict[str, object]:
 
 
 def check_library_models(url: str, models: list[str], api_key: str | None) -> None:
-    from tokenizer_service.core.models import find_model_files
     from tests.conftest import read_multilingual
     from tests.test_libraries import Reference
+    from tokenizer_service.core.models import find_model_files
 
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     served = {m["name"]: m for m in httpx.get(f"{url}/v1/models", headers=headers, timeout=10).json()["models"]}
@@ -138,7 +138,10 @@ def check_conversations(client: TokenizerClient, name: str, snapshot: Path, text
     got = client.tokenize_conversations(conversations, model=name)
     for conversation, (ids, mask) in zip(conversations, got, strict=True):
         want = tokenizer.apply_chat_template(
-            conversation, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+            conversation,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
             chat_template=files.template.text,
         )
         assert ids.tolist() == list(want["input_ids"]) and mask.tolist() == list(want["assistant_masks"]), name

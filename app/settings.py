@@ -225,7 +225,9 @@ class Settings(BaseSettings):
     @classmethod
     def _check_name_specs(cls, value: list[str], info: ValidationInfo) -> list[str]:
         flag, example, what = (
-            ("--model", "tok.model", "PATH") if info.field_name == "model" else ("--chat-template", "chat.jinja", "FILE")
+            ("--model", "tok.model", "PATH")
+            if info.field_name == "model"
+            else ("--chat-template", "chat.jinja", "FILE")
         )
         for spec in value:
             name, sep, path = spec.partition("=")
@@ -324,7 +326,9 @@ def models_in(directory: Path) -> dict[str, Path]:
             skipped = (str(directory), path.name)
             if skipped not in _logged_skips:  # the server reads its options more than once: one line each
                 _logged_skips.add(skipped)
-                logging.getLogger("tokenizer").info("--models-dir %s: skipping %s: %s", directory, path.name, _why_skipped(path))
+                logging.getLogger("tokenizer").info(
+                    "--models-dir %s: skipping %s: %s", directory, path.name, _why_skipped(path)
+                )
             continue
         if name in found:
             raise ConfigError(

@@ -52,7 +52,10 @@ def bench_model(corpus: Path, vocab_size: int = 32000) -> Path:
     print(f"training a {vocab_size // 1000}k byte-level BPE on {corpus.name} (once) ...", flush=True)
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(PATTERN), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        [
+            pre_tokenizers.Split(Regex(PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
     )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
@@ -62,7 +65,9 @@ def bench_model(corpus: Path, vocab_size: int = 32000) -> Path:
     tokenizer.add_special_tokens([AddedToken(token, special=True) for token in CONTROL])
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
+    )
     return directory
 
 
@@ -117,7 +122,11 @@ def main() -> None:
 
     model = args.model or bench_model(args.corpus)
     snapshot = model if model.is_dir() else model.parent
-    config = json.loads((snapshot / "tokenizer_config.json").read_text()) if (snapshot / "tokenizer_config.json").exists() else {}
+    config = (
+        json.loads((snapshot / "tokenizer_config.json").read_text())
+        if (snapshot / "tokenizer_config.json").exists()
+        else {}
+    )
     eos = config.get("eos_token")
     eos = eos.get("content") if isinstance(eos, dict) else eos
     stock = args.template.read_text(encoding="utf-8")
@@ -152,8 +161,16 @@ def main() -> None:
         return out
 
     server = ServerProcess(
-        ["--workers", str(args.workers), "--model", f"bench={snapshot}", "--chat-template", f"bench={args.template}",
-         "--log-level", "warning"]
+        [
+            "--workers",
+            str(args.workers),
+            "--model",
+            f"bench={snapshot}",
+            "--chat-template",
+            f"bench={args.template}",
+            "--log-level",
+            "warning",
+        ]
     ).start(timeout=600)
     assert server.process is not None
     tree = psutil.Process(server.process.pid)
@@ -169,7 +186,10 @@ def main() -> None:
 
             want = baseline()
             got = service()
-            differ = sum(ids.tolist() != w_ids or mask.tolist() != w_mask for (ids, mask), (w_ids, w_mask) in zip(got, want, strict=True))
+            differ = sum(
+                ids.tolist() != w_ids or mask.tolist() != w_mask
+                for (ids, mask), (w_ids, w_mask) in zip(got, want, strict=True)
+            )
             tokens = sum(len(ids) for ids, _ in want)
             trained = sum(sum(mask) for _, mask in want)
             print(

@@ -41,12 +41,12 @@ from pathlib import Path
 
 import psutil
 
+from bench.inputs import MULTILINGUAL_CORPUS, RESULTS, ROOT, describe_corpus, load_documents, start_server
+from tokenizer_client import TokenizerClient
 from tokenizer_service.core import libraries
 from tokenizer_service.core.models import find_model_files
 from tokenizer_service.core.reference import InProcess
 from tokenizer_service.settings import BUNDLED
-from bench.inputs import MULTILINGUAL_CORPUS, RESULTS, ROOT, describe_corpus, load_documents, start_server
-from tokenizer_client import TokenizerClient
 
 FALLBACK = ROOT / "tests" / "data" / "multilingual.jsonl"
 BATCH = 256

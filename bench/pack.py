@@ -27,10 +27,10 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
-from tokenizer_service.tools.bench import alternate
 from bench.inputs import describe_corpus, documents_and_model, python_docs_corpus, start_server
 from tokenizer_client import TokenizerClient
 from tokenizer_client.packing import first_fit_rows, pack_best_fit, split_pieces
+from tokenizer_service.tools.bench import alternate
 
 BENCH = Path(__file__).resolve().parent
 

@@ -35,11 +35,9 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import psutil
@@ -93,8 +91,6 @@ def corpus_documents(megabytes: float, corpus: Path = MULTILINGUAL_CORPUS) -> li
 
 def build_corpus(megabytes: float) -> tuple[Path, list[str]]:
     """The Parquet file (one column, text; row groups of 1,000 documents, zstd as FineWeb ships) and its texts."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
 
     documents = corpus_documents(megabytes)
     return write_parquet(PEERS / f"corpus-{megabytes:g}mb" / "corpus.parquet", documents), documents
@@ -308,7 +304,7 @@ class Reference:
     specials: int  # documents holding one
 
     @classmethod
-    def of(cls, model: Path, documents: list[str]) -> "Reference":
+    def of(cls, model: Path, documents: list[str]) -> Reference:
         from tokenizers import Tokenizer
 
         key = hashlib.sha256((model / "tokenizer.json").read_bytes() + "\0".join(documents).encode()).hexdigest()[:16]
@@ -319,7 +315,10 @@ class Reference:
             plain = [np.array(e.ids) for e in tok.encode_batch_fast(documents, add_special_tokens=False)]
             tok.encode_special_tokens = False
             holding = [i for i, doc in enumerate(documents) if any(s in doc for s in SPECIALS)]
-            parsed = [np.array(e.ids) for e in tok.encode_batch_fast([documents[i] for i in holding], add_special_tokens=False)]
+            parsed = [
+                np.array(e.ids)
+                for e in tok.encode_batch_fast([documents[i] for i in holding], add_special_tokens=False)
+            ]
             lengths = np.array([len(x) for x in plain])
             np.savez(
                 cache,
@@ -465,7 +464,9 @@ def run_peers(rounds: int, megabytes: float, model: Path | None, only: list[str]
     us_cpu = median([m.cpu for m in results["us"]]) if "us" in results else float("nan")
     count = len(documents)
     print()
-    print(f"{count:,} documents, {text_mb:.1f} MB of text; medians of {rounds} rounds; {reference.specials} documents hold a special-token string")
+    print(
+        f"{count:,} documents, {text_mb:.1f} MB of text; medians of {rounds} rounds; {reference.specials} documents hold a special-token string"
+    )
     print()
     print("| tool | wall s | CPU s | MB per CPU-s | peak RSS MiB | ids correct | wall vs us | CPU vs us |")
     print("|---|---:|---:|---:|---:|---|---:|---:|")
@@ -479,8 +480,12 @@ def run_peers(rounds: int, megabytes: float, model: Path | None, only: list[str]
             ids = f"{peers:,}/{count:,} as tokenizers with special tokens parsed ({count - ours} became control ids)"
         else:
             ids = f"{max(ours, peers):,}/{count:,}"
-        print(f"| {LABELS[tool]} | {wall:.2f} | {cpu:.2f} | {text_mb / cpu:.2f} | {rss:,.0f} | {ids} | {wall / us_wall:.2f} | {cpu / us_cpu:.2f} |")
-    print(f"| fastokens `encode_batch_flat`, the texts in memory, one process (floor) | | {best:.2f} | {text_mb / best:.1f} | | | | {best / us_cpu:.2f} |")
+        print(
+            f"| {LABELS[tool]} | {wall:.2f} | {cpu:.2f} | {text_mb / cpu:.2f} | {rss:,.0f} | {ids} | {wall / us_wall:.2f} | {cpu / us_cpu:.2f} |"
+        )
+    print(
+        f"| fastokens `encode_batch_flat`, the texts in memory, one process (floor) | | {best:.2f} | {text_mb / best:.1f} | | | | {best / us_cpu:.2f} |"
+    )
     print(f"(the floor's first call: {first:.2f} CPU-s)")
     print()
     print("20 documents (start-up):")

@@ -39,11 +39,11 @@ from pathlib import Path
 import orjson
 import sentencepiece as spm
 
+from bench.inputs import ROOT, describe_corpus, documents_and_model, python_docs_corpus, start_server
+from tokenizer_client.dataset import TokenDataset
 from tokenizer_service.tools.bench import alternate
 from tokenizer_service.tools.pretokenize.ranks import merge
 from tokenizer_service.tools.pretokenize.run import Options, run
-from bench.inputs import ROOT, describe_corpus, documents_and_model, python_docs_corpus, start_server
-from tokenizer_client.dataset import TokenDataset
 
 TARGETS = {"pretokenize --local": 0.8, "pretokenize --local --seq-len 2048": 0.8, "pretokenize --url": 0.7}
 
@@ -82,7 +82,16 @@ def ranks_versus_one_run(docs: list[str], model: Path, ranks: int, rounds: int) 
     corpus.mkdir()
     for part in range(16):
         write_jsonl(docs[part::16], corpus / f"part-{part:02d}.jsonl")
-    base = [sys.executable, "-m", "tokenizer_service.tools.pretokenize", str(corpus), "--local", "--model", str(model), "-q"]
+    base = [
+        sys.executable,
+        "-m",
+        "tokenizer_service.tools.pretokenize",
+        str(corpus),
+        "--local",
+        "--model",
+        str(model),
+        "-q",
+    ]
 
     def one_run() -> float:
         shutil.rmtree(scratch / "one", ignore_errors=True)
@@ -147,9 +156,15 @@ def main() -> None:
     parser.add_argument("--corpus", type=Path, default=python_docs_corpus())
     parser.add_argument("--docs", type=int, default=20000)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--model", type=Path, help="a SentencePiece model (default: train one on the corpus); --peers: a tokenizer.json directory")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        help="a SentencePiece model (default: train one on the corpus); --peers: a tokenizer.json directory",
+    )
     parser.add_argument("--ranks", type=int, help="compare W ranks of --workers 1 with one run of --workers W")
-    parser.add_argument("--peers", action="store_true", help="compare with gigatoken, datatrove, datasets (bench/peers.py)")
+    parser.add_argument(
+        "--peers", action="store_true", help="compare with gigatoken, datatrove, datasets (bench/peers.py)"
+    )
     parser.add_argument("--mb", type=float, default=40, help="--peers: the corpus's size in MB of text")
     parser.add_argument("--only", default="us,gigatoken,datatrove,datasets", help="--peers: the tools to run")
     args = parser.parse_args()

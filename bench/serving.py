@@ -54,6 +54,9 @@ import numpy as np
 import orjson
 import psutil
 
+from bench.floor import measure_floor
+from bench.inputs import default_corpus, describe_corpus, documents_and_model, start_server
+from tokenizer_client import TokenizerClient, wire
 from tokenizer_service.core import channel, libraries
 from tokenizer_service.core.handler import Handler, Limits, TextMarker
 from tokenizer_service.core.models import SENTENCEPIECE, find_model_files
@@ -63,9 +66,6 @@ from tokenizer_service.core.registry import model_info
 from tokenizer_service.core.requests import EncodeOptions
 from tokenizer_service.settings import Settings
 from tokenizer_service.tools.launcher import metric_total, stop
-from bench.floor import measure_floor
-from bench.inputs import default_corpus, describe_corpus, documents_and_model, start_server
-from tokenizer_client import TokenizerClient, wire
 
 BATCH = 256
 # 256-document requests to the bare app for the batch floor: enough that the 10 ms granularity of

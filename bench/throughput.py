@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 import sentencepiece as spm
 
-from tokenizer_service.tools.bench import alternate
 from bench.inputs import default_corpus, describe_corpus, documents_and_model, start_server
 from tokenizer_client import TokenizerClient
+from tokenizer_service.tools.bench import alternate
 
 BATCH = 256
 

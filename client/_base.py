@@ -20,7 +20,13 @@ from typing import Any, Generic, TypeVar
 import httpx
 import numpy as np
 
-from tokenizer_client._answers import batch_from_response, packed_from_response, raise_for_error, read_json, texts_from_document
+from tokenizer_client._answers import (
+    batch_from_response,
+    packed_from_response,
+    raise_for_error,
+    read_json,
+    texts_from_document,
+)
 from tokenizer_client._fingerprints import ModelFingerprints
 from tokenizer_client._json import loads
 from tokenizer_client._outage import OutageLog

@@ -136,7 +136,9 @@ class TokenizeOptions:
 
     def payload(self, texts: Iterable[Any]) -> dict[str, Any]:
         """The request body; options at their defaults are left out."""
-        payload: dict[str, Any] = {self.inputs: texts_list(texts) if self.inputs == "texts" else items_list(texts, self.inputs)}
+        payload: dict[str, Any] = {
+            self.inputs: texts_list(texts) if self.inputs == "texts" else items_list(texts, self.inputs)
+        }
         if self.train_on != "assistant":
             payload["train_on"] = self.train_on
         if self.model is not None:

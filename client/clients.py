@@ -137,7 +137,9 @@ class TokenizerClient(Closing, BaseClient):
         renders it, the mask 1 on the assistant's output (``train_on="last"``: the final turn's only; a message's
         ``"train": false``/``true`` overrides). Special-token strings in the content are text unless
         ``parse_special_tokens``."""
-        options = TokenizeOptions(model, parse_special_tokens=parse_special_tokens, inputs="conversations", train_on=train_on)
+        options = TokenizeOptions(
+            model, parse_special_tokens=parse_special_tokens, inputs="conversations", train_on=train_on
+        )
         return self._run(self._tokenize(conversations, options, format)).masked_list()
 
     def tokenize_records(
@@ -395,7 +397,9 @@ class AsyncTokenizerClient(AsyncClosing, BaseClient):
         renders it, the mask 1 on the assistant's output (``train_on="last"``: the final turn's only; a message's
         ``"train": false``/``true`` overrides). Special-token strings in the content are text unless
         ``parse_special_tokens``."""
-        options = TokenizeOptions(model, parse_special_tokens=parse_special_tokens, inputs="conversations", train_on=train_on)
+        options = TokenizeOptions(
+            model, parse_special_tokens=parse_special_tokens, inputs="conversations", train_on=train_on
+        )
         return (await self._run(self._tokenize(conversations, options, format))).masked_list()
 
     async def tokenize_records(

@@ -61,7 +61,9 @@ def conversations(multilingual: list[str], count: int = 24) -> list[list[dict[st
     for index in range(count):
         messages: list[dict[str, Any]] = []
         if index % 3 == 0:
-            messages.append({"role": "system", "content": "You answer briefly. " + multilingual[index % len(multilingual)][:80]})
+            messages.append(
+                {"role": "system", "content": "You answer briefly. " + multilingual[index % len(multilingual)][:80]}
+            )
         for turn in range(1 + index % 3):
             messages.append({"role": "user", "content": multilingual[(index + turn) % len(multilingual)][:240]})
             answer = multilingual[(index + turn + 11) % len(multilingual)][:320]

@@ -10,6 +10,8 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.client_servers import numbered_texts, ragged
+from tests.conftest import Server
 from tokenizer_client import (
     AsyncTokenizerClient,
     PackSpec,
@@ -17,8 +19,6 @@ from tokenizer_client import (
     TokenizerServiceError,
 )
 from tokenizer_client.packing import pack_concat
-from tests.client_servers import numbered_texts, ragged
-from tests.conftest import Server
 
 
 class CountingTransport(httpx.AsyncHTTPTransport):

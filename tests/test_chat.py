@@ -36,7 +36,9 @@ def library(request, snapshot):
 
 
 def hf_tokenizer(snapshot: Path, bos: str | None, eos: str | None) -> Any:
-    return transformers.PreTrainedTokenizerFast(tokenizer_file=str(snapshot / "tokenizer.json"), bos_token=bos, eos_token=eos)
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(snapshot / "tokenizer.json"), bos_token=bos, eos_token=eos
+    )
 
 
 def flag_template(name: str) -> TemplateFile:
@@ -62,7 +64,9 @@ def expected(tokenizer: Any, template: str, conversation: list[dict[str, Any]]) 
     return list(out["input_ids"]), list(out["assistant_masks"])
 
 
-def ours(template: chat.ChatTemplate, conversation: list[dict[str, Any]], **options: Any) -> tuple[list[int], list[int]] | str:
+def ours(
+    template: chat.ChatTemplate, conversation: list[dict[str, Any]], **options: Any
+) -> tuple[list[int], list[int]] | str:
     try:
         return rows(*template.encode([conversation], chat.ChatOptions(**options)))[0]
     except InvalidField as exc:
@@ -179,11 +183,16 @@ def test_refusals_name_the_conversation_and_the_message(snapshot, library):
         assert caught.value.field == "conversations"
     with pytest.raises(PayloadTooLarge, match=r"conversations\[0\] has 100,000 messages"):
         template.encode([[{"role": "user", "content": "x"}] * 100_000], chat.ChatOptions())
-    raising = TemplateFile("{{ raise_exception('no system role here') }}{% generation %}x{% endgeneration %}", "flag", Path("t"), b"")
+    raising = TemplateFile(
+        "{{ raise_exception('no system role here') }}{% generation %}x{% endgeneration %}", "flag", Path("t"), b""
+    )
     with pytest.raises(InvalidField, match=r"conversations\[0\]: the chat template raised: no system role here"):
         chat.ChatTemplate("m", raising, library, {}).encode([good], chat.ChatOptions())
     looping = TemplateFile(
-        "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}{% generation %}x{% endgeneration %}", "flag", Path("t"), b""
+        "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}{% generation %}x{% endgeneration %}",
+        "flag",
+        Path("t"),
+        b"",
     )
     with pytest.raises(InvalidField, match=r"conversations\[0\]: the chat template"):
         chat.ChatTemplate("m", looping, library, {}).encode([good], chat.ChatOptions())

@@ -44,7 +44,9 @@ def chat_server(tmp_path_factory, documents, multilingual):
 
 
 def reference(snapshot: Path, conversation):
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(snapshot / "tokenizer.json"), eos_token="<|im_end|>")
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(snapshot / "tokenizer.json"), eos_token="<|im_end|>"
+    )
     training = (chat.CATALOGUE / "qwen3_training.jinja").read_text(encoding="utf-8")
     out = tokenizer.apply_chat_template(
         conversation, chat_template=training, tokenize=True, return_dict=True, return_assistant_tokens_mask=True

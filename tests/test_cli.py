@@ -14,10 +14,10 @@ import httpx
 import pytest
 import sentencepiece as spm
 
+from tests.conftest import free_port, stop_server, wait_ready
 from tokenizer_service import cli
 from tokenizer_service.settings import BUNDLED_MODELS_DIR
 from tokenizer_service.tools.launcher import ServerProcess
-from tests.conftest import free_port, stop_server, wait_ready
 
 CLEAN_ENV = {key: value for key, value in os.environ.items() if not key.startswith("TOKENIZER_")}
 

@@ -22,6 +22,7 @@ import numpy as np
 import orjson
 import pytest
 
+from tests.packed_rows import assert_same_rows
 from tokenizer_client import (
     AsyncTokenizerClient,
     MalformedAnswerError,
@@ -37,7 +38,6 @@ from tokenizer_client import (
 )
 from tokenizer_client._retry import Attempt, Replicas
 from tokenizer_client.packing import pack_best_fit, pack_concat
-from tests.packed_rows import assert_same_rows
 
 A, B = "http://replica-a:8000", "http://replica-b:8000"
 SHA = "a" * 64

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from tokenizer_service.tools.launcher import metric_total
+from tests.client_servers import GaugedServer, gauged_server, numbered_texts
+from tests.conftest import Server
 from tokenizer_client import (
     TokenizerClient,
 )
-from tests.client_servers import GaugedServer, gauged_server, numbered_texts
-from tests.conftest import Server
+from tokenizer_service.tools.launcher import metric_total
 
 pytestmark = pytest.mark.slow  # replicas as real servers (the rest: test_client_inprocess.py); .ci/run's slow stage
 

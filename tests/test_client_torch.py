@@ -10,9 +10,9 @@ import warnings
 import numpy as np
 import pytest
 
-from tokenizer_client import PackSpec, TokenizerClient
 from tests.client_servers import numbered_texts
 from tests.conftest import ROOT, Server
+from tokenizer_client import PackSpec, TokenizerClient
 
 torch = pytest.importorskip("torch")
 

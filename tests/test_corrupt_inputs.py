@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import zstandard
 
+from tests.test_pretokenize import write_parquet
+from tokenizer_client.dataset import IDX_HEADER, TokenDataset
 from tokenizer_service.settings import BUNDLED_MODELS_DIR
 from tokenizer_service.tools.pretokenize import main as pretokenize_main
 from tokenizer_service.tools.pretokenize.shards_cli import main as shards
-from tokenizer_client.dataset import IDX_HEADER, TokenDataset
-from tests.test_pretokenize import write_parquet
 
 MODEL = BUNDLED_MODELS_DIR / "default.model"
 COMMON = ["--local", "--model", str(MODEL), "--workers", "1", "-q"]

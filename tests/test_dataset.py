@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from tokenizer_service.tools.pretokenize import main
-from tokenizer_client.dataset import IDX_HEADER, METADATA_FILE, TokenDataset, check_metadata, write_dataset
 from tests.conftest import ROOT
+from tokenizer_client.dataset import IDX_HEADER, METADATA_FILE, TokenDataset, check_metadata, write_dataset
+from tokenizer_service.tools.pretokenize import main
 
 
 def build(directory: Path, texts: list[str], model: Path, *args: str) -> Path:
@@ -245,6 +245,8 @@ def test_a_path_that_is_no_output_says_what_it_is(tmp_path: Path, where: str, me
     with pytest.raises(ValueError, match=message):
         TokenDataset(path)
     result = subprocess.run(
-        [sys.executable, "-m", "tokenizer_service.tools.pretokenize.shards_cli", "info", str(path)], capture_output=True, text=True
+        [sys.executable, "-m", "tokenizer_service.tools.pretokenize.shards_cli", "info", str(path)],
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr

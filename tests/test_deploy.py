@@ -21,9 +21,9 @@ import promql_parser
 import pytest
 import yaml
 
-from tokenizer_service.settings import BUNDLED_MODELS_DIR
-from tokenizer_client.dataset import TokenDataset
 from tests.conftest import ROOT, Server
+from tokenizer_client.dataset import TokenDataset
+from tokenizer_service.settings import BUNDLED_MODELS_DIR
 
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"

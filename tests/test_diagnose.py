@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tokenizer_service.tools.bench import main
 from tests.conftest import Server
+from tokenizer_service.tools.bench import main
 
 METHODS = ["per-sample loop", "batched", "service", "prefetch", "pretokenize", "pre-tokenized read"]
 

@@ -18,10 +18,10 @@ import httpx
 import pytest
 import sentencepiece as spm
 
+from tests.test_libraries import Reference
+from tokenizer_client import wire
 from tokenizer_service.http.factory import create_app
 from tokenizer_service.settings import BUNDLED_MODELS_DIR, Settings
-from tokenizer_client import wire
-from tests.test_libraries import Reference
 
 MODEL = BUNDLED_MODELS_DIR / "default.model"
 KEY = "edge-test-key"

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import read_multilingual
 from tokenizer_service.core import checkset, encoders, libraries
 from tokenizer_service.core.models import find_model_files, tiktoken_ranks
 from tokenizer_service.settings import Settings
-from tests.conftest import read_multilingual
 
 NON_MERGES = 232  # as many tokens that are no merge of two others as Qwen's ranks hold
 
@@ -36,7 +36,9 @@ def qwen_like(source: Path, directory: Path) -> Path:
     count = len(ranks) + len(added)
     sidecar["special_tokens"] = {token: count + index for index, token in enumerate(sidecar["special_tokens"])}
     path = directory / "qwen-like.tiktoken"
-    lines = [f"{base64.b64encode(raw).decode()} {rank}\n" for raw, rank in sorted(ranks.items(), key=lambda item: item[1])]
+    lines = [
+        f"{base64.b64encode(raw).decode()} {rank}\n" for raw, rank in sorted(ranks.items(), key=lambda item: item[1])
+    ]
     lines += [f"{base64.b64encode(raw).decode()} {len(ranks) + index}\n" for index, raw in enumerate(added)]
     path.write_text("".join(lines))
     Path(f"{path}.json").write_text(json.dumps(sidecar))
@@ -87,13 +89,15 @@ def genuine_panic(qwen_ranks: Path) -> type[BaseException]:
 
     try:
         BPETokenizer.from_tiktoken(str(qwen_ranks), "gpt4", None)
-    except BaseException as exc:  # noqa: BLE001 - the point: it is no Exception
+    except BaseException as exc:
         assert not isinstance(exc, Exception)
         return type(exc)
     pytest.skip("gigatoken loads these ranks now")
 
 
-def test_a_panic_at_construction_falls_back_and_is_logged_once(qwen_ranks, library_models, tmp_path, monkeypatch, caplog):
+def test_a_panic_at_construction_falls_back_and_is_logged_once(
+    qwen_ranks, library_models, tmp_path, monkeypatch, caplog
+):
     panic = genuine_panic(qwen_ranks)
 
     class Panicking:
@@ -194,4 +198,6 @@ def test_ranks_to_tokenizer_json_is_what_tokenizers_encodes_as_tiktoken_does(qwe
     )
     texts = read_multilingual()[:40] + non_merge_texts(qwen_ranks)
     converted.encode_special_tokens = True
-    assert [e.ids for e in converted.encode_batch(texts, add_special_tokens=False)] == reference.reference_rows(texts, False)
+    assert [e.ids for e in converted.encode_batch(texts, add_special_tokens=False)] == reference.reference_rows(
+        texts, False
+    )

@@ -8,8 +8,8 @@ import httpx
 import numpy as np
 import pytest
 
-from tokenizer_client import AsyncTokenizerClient, TokenizerClient, TokenizerConnectionError, TokenizerServiceError
 from tests.conftest import MAX_REQUEST_BYTES, MAX_TEXTS, Server, free_port
+from tokenizer_client import AsyncTokenizerClient, TokenizerClient, TokenizerConnectionError, TokenizerServiceError
 
 CASES = [
     # (endpoint, raw body or JSON document, status, error type, field, index)

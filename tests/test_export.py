@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tokenizer_client.dataset import TokenDataset
 from tokenizer_service.settings import BUNDLED_MODELS_DIR
 from tokenizer_service.tools.pretokenize import main as pretokenize
 from tokenizer_service.tools.pretokenize.export import ExportError, check_exportable
 from tokenizer_service.tools.pretokenize.shards_cli import main as shards
-from tokenizer_client.dataset import TokenDataset
 
 MODEL = BUNDLED_MODELS_DIR / "default.model"
 

@@ -14,9 +14,9 @@ import psutil
 import pytest
 import sentencepiece as spm
 
+from tests.conftest import ROOT, start_server, stop_server
 from tokenizer_service.frontends import shares
 from tokenizer_service.tools.launcher import ServerProcess, metric_total
-from tests.conftest import ROOT, start_server, stop_server
 
 pytestmark = pytest.mark.slow  # several server processes; part of .ci/run's slow stage
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_libraries import cl100k_file
 from tokenizer_service.core import checkset, libraries
 from tokenizer_service.core.errors import InvalidField
 from tokenizer_service.core.models import files_sha256, find_model_files
-from tests.test_libraries import cl100k_file
 
 
 def fast_rows(path: Path):
@@ -127,7 +127,9 @@ def test_detokenize_refuses_an_id_no_token_of_a_tokenizer_json_has(tmp_path):
     tokenizer.save(str(path))
     library = libraries.load(find_model_files("holes", path))
     assert library.vocab_size == 200
-    assert library.decode([[1, 2], [149, 151]]) == tokenizer.decode_batch([[1, 2], [149, 151]], skip_special_tokens=False)
+    assert library.decode([[1, 2], [149, 151]]) == tokenizer.decode_batch(
+        [[1, 2], [149, 151]], skip_special_tokens=False
+    )
     with pytest.raises(InvalidField) as caught:
         library.decode([[1, 2], [149, 150, 151]])
     assert caught.value.index == 1 and "150" in caught.value.message

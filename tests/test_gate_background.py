@@ -18,9 +18,9 @@ import httpx
 import numpy as np
 import pytest
 
-from tokenizer_service.core import gatescan, libraries
-from tests.conftest import DATA, read_multilingual, start_server, stop_server
+from tests.conftest import read_multilingual, start_server, stop_server
 from tests.test_libraries import Reference
+from tokenizer_service.core import gatescan, libraries
 
 pytestmark = pytest.mark.slow  # a cold scan of a real model each (tens of CPU-seconds on 2 cores)
 
@@ -34,6 +34,7 @@ def encoder_of(url: str, name: str) -> str:
 
 def wait_for_encoder(url: str, name: str, encoder: str) -> None:
     deadline = time.monotonic() + SCAN_SECONDS
+
     def there(found: str) -> bool:  # "fast": whichever fast encoder the rule chose (tokenizer_service.core.encoders)
         return libraries.is_fast(found) if encoder == "fast" else found == encoder
 
@@ -132,8 +133,8 @@ def test_a_cached_pass_is_fast_from_the_first_request(library_models, tmp_path, 
 def test_the_pretokenizer_switches_to_the_fast_encoder_between_chunks_with_exact_ids(
     library_models, tmp_path, monkeypatch, documents
 ):
-    from tokenizer_service.tools.pretokenize.run import Options, run
     from tokenizer_client.dataset import TokenDataset
+    from tokenizer_service.tools.pretokenize.run import Options, run
 
     hold, counts = tmp_path / "release", tmp_path / "counts"
     counts.mkdir()

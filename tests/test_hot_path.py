@@ -17,6 +17,7 @@ import sentencepiece as spm
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tokenizer_client import wire
 from tokenizer_service.core import channel, process
 from tokenizer_service.core.handler import Handler, Limits, TextMarker
 from tokenizer_service.core.join import join_detokenize, join_tokenize, read_chunk_result, read_done
@@ -24,7 +25,6 @@ from tokenizer_service.core.protocol import CHUNK_HEAD, DETOKENIZE, PACK, REQUES
 from tokenizer_service.core.registry import inspect_model
 from tokenizer_service.http.negotiation import wants_binary
 from tokenizer_service.settings import BUNDLED_MODELS_DIR
-from tokenizer_client import wire
 
 MODEL = BUNDLED_MODELS_DIR / "default.model"
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = {"tokenizer_service": "app", "tokenizer_client": "client"}

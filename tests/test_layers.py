@@ -106,7 +106,12 @@ def _under(names: Iterable[str], prefix: str) -> list[str]:
 
 def test_the_graph_is_read():
     """The walker finds what it must, or the rules below would hold vacuously."""
-    assert {"tokenizer_service.core.handler", "tokenizer_service.http.edge", "tokenizer_client.wire", "tokenizer_service.tools.pretokenize.run"} <= set(modules())
+    assert {
+        "tokenizer_service.core.handler",
+        "tokenizer_service.http.edge",
+        "tokenizer_client.wire",
+        "tokenizer_service.tools.pretokenize.run",
+    } <= set(modules())
     assert "tokenizer_service.core.handler" in imports("tokenizer_service.core.process")
     assert "fastapi" in imports("tokenizer_service.http.factory")
     assert "httpx" in reach(["tokenizer_client"])

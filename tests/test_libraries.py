@@ -17,14 +17,14 @@ import pytest
 import tiktoken
 from tokenizers import Tokenizer
 
+from tests.conftest import EDGE_CASES
+from tests.tokenizer_models import ADDED, BPE_SPECIAL, TIKTOKEN_SPECIAL
+from tokenizer_client import wire
 from tokenizer_service.core import checkset, libraries
 from tokenizer_service.core.errors import InvalidField
 from tokenizer_service.core.models import ModelLoadError, find_model_files
 from tokenizer_service.core.registry import inspect_model
 from tokenizer_service.core.requests import EncodeOptions, SampleOptions
-from tokenizer_client import wire
-from tests.conftest import EDGE_CASES
-from tests.tokenizer_models import ADDED, BPE_SPECIAL, TIKTOKEN_SPECIAL
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "corpus"
 CL100K_HASH = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"

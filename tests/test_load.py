@@ -16,8 +16,8 @@ import httpx
 import numpy as np
 import pytest
 
-from tokenizer_client import wire
 from tests.conftest import Server
+from tokenizer_client import wire
 
 pytestmark = pytest.mark.slow  # load; part of .ci/run's slow stage
 

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import ROOT
 from tokenizer_client.dataset import TokenDataset, write_dataset
 from tokenizer_client.mixture import (
     MAX_PERIOD,
@@ -30,7 +31,6 @@ from tokenizer_client.mixture import (
     exact_weights,
 )
 from tokenizer_client.packing import pack_concat
-from tests.conftest import ROOT
 
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DTYPE = np.dtype("<u4")

@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.test_pretokenize import write_parquet, zstd_open
+from tokenizer_client.dataset import TokenDataset
 from tokenizer_service.settings import BUNDLED_MODELS_DIR
 from tokenizer_service.tools.pretokenize import main as pretokenize_main
 from tokenizer_service.tools.pretokenize.cli import BadRecordLog
 from tokenizer_service.tools.pretokenize.shards_cli import main as shards
-from tokenizer_client.dataset import TokenDataset
-from tests.test_pretokenize import write_parquet, zstd_open
 
 MODEL = BUNDLED_MODELS_DIR / "default.model"
 COMMON = ["--local", "--model", str(MODEL), "--workers", "1", "-q"]

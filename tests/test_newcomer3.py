@@ -40,9 +40,20 @@ def run_into_a_closed_pipe(args: list[str], cwd: Path) -> subprocess.CompletedPr
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     output = tmp_path_factory.mktemp("pipe") / "shards"
     subprocess.run(
-        [installed("tokenizer-pretokenize"), str(CORPUS), "--local", "--output", str(output), "--workers", "1", "-q",
-         "--model", str(BUNDLED_MODELS_DIR / "default.model")],
-        check=True, capture_output=True,
+        [
+            installed("tokenizer-pretokenize"),
+            str(CORPUS),
+            "--local",
+            "--output",
+            str(output),
+            "--workers",
+            "1",
+            "-q",
+            "--model",
+            str(BUNDLED_MODELS_DIR / "default.model"),
+        ],
+        check=True,
+        capture_output=True,
     )
     return output
 
@@ -70,7 +81,10 @@ def test_info_into_head_through_a_shell(shards: Path, tmp_path: Path) -> None:
     installed("tokenizer-shards")
     result = subprocess.run(
         ["bash", "-c", f"tokenizer-shards info '{shards}' | head -1; echo \"status ${{PIPESTATUS[0]}}\" >&2"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
     )
     assert result.stdout.count("\n") == 1
     assert result.stderr.strip() in ("status 0", f"status {CLOSED_PIPE}"), result.stderr

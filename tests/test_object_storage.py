@@ -21,13 +21,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.conftest import ROOT
 from tokenizer_client import storage
 from tokenizer_client.dataset import TokenDataset
 from tokenizer_service.settings import BUNDLED_MODELS_DIR
 from tokenizer_service.tools.pretokenize import main
 from tokenizer_service.tools.pretokenize.remote import MAX_PARTS, part_size
-
-from tests.conftest import ROOT
 
 MODEL = str(BUNDLED_MODELS_DIR / "default.model")
 

@@ -11,11 +11,11 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.conftest import Server
+from tests.packed_rows import assert_same_rows
 from tokenizer_client import AsyncTokenizerClient, TokenizerClient, TokenizerServiceError
 from tokenizer_client.packing import IGNORE_INDEX, pack_best_fit, pack_concat
 from tokenizer_client.wire import ragged_offsets
-from tests.conftest import Server
-from tests.packed_rows import assert_same_rows
 
 
 @pytest.fixture(scope="module")

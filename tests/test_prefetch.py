@@ -15,6 +15,8 @@ import numpy as np
 import psutil
 import pytest
 
+from tests.client_servers import GaugedServer, dead_url, gauged_server, numbered_texts, ragged
+from tests.conftest import Server
 from tokenizer_client import (
     PackSpec,
     PrefetchError,
@@ -24,8 +26,6 @@ from tokenizer_client import (
     TokenizerServiceError,
 )
 from tokenizer_client.packing import pack_best_fit, pack_concat
-from tests.client_servers import GaugedServer, dead_url, gauged_server, numbered_texts, ragged
-from tests.conftest import Server
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,7 +19,7 @@ from tokenizer_client import AsyncTokenizerClient, PackSpec, PrefetchError, Toke
 from tokenizer_client.packing import IGNORE_INDEX, pack_best_fit, pack_concat
 
 pytest.importorskip("transformers")
-from tokenizer_service.core.chat import CATALOGUE  # noqa: E402
+from tokenizer_service.core.chat import CATALOGUE
 
 COUNT = 240  # conversations: 200+, multilingual, one to three turns, some with a system prompt or a final user turn
 

@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
+from tests.conftest import DATA, ROOT, Server
+from tokenizer_client.dataset import TokenDataset
+from tokenizer_client.packing import pack_best_fit, pack_concat
+from tokenizer_client.wire import ragged_offsets
 from tokenizer_service.settings import BUNDLED_MODELS_DIR
 from tokenizer_service.tools.pretokenize import main
 from tokenizer_service.tools.pretokenize.ranks import merge
 from tokenizer_service.tools.pretokenize.sources import DocumentReader, Source
-from tokenizer_client.dataset import TokenDataset
-from tokenizer_client.packing import pack_best_fit, pack_concat
-from tokenizer_client.wire import ragged_offsets
-from tests.conftest import DATA, ROOT, Server
 
 SHARD_TOKENS = "4000"
 

@@ -22,10 +22,10 @@ import sentencepiece as spm
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenizer_service.settings import BUNDLED_MODELS_DIR
-from tokenizer_client import TokenizerClient
 from tests.conftest import ROOT, free_port, read_documents, start_server, stop_server
 from tests.test_deploy import dashboard_queries, metric_names, require_binary
+from tokenizer_client import TokenizerClient
+from tokenizer_service.settings import BUNDLED_MODELS_DIR
 
 pytestmark = pytest.mark.slow  # a real Prometheus; part of .ci/run's slow stage
 

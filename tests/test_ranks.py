@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import ROOT
+from tokenizer_client.dataset import TokenDataset
 from tokenizer_service.settings import BUNDLED_MODELS_DIR
 from tokenizer_service.tools.pretokenize.ranks import RankError, blocks, rank_from_environment
 from tokenizer_service.tools.pretokenize.shards_cli import main as shards
-from tokenizer_client.dataset import TokenDataset
-from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow  # ranks as processes, killed and rerun; part of .ci/run's slow stage
 
@@ -122,7 +122,9 @@ def test_ranks_killed_rerun_and_merged_equal_one_run(inputs: Path, tmp_path: Pat
     assert run_rank(inputs, ranked, {"RANK": "0", "WORLD_SIZE": "3"}).returncode == 0
     assert run_rank(inputs, ranked, {"JOB_COMPLETION_INDEX": "2"}, "--world-size", "3").returncode == 0
     refused = subprocess.run(
-        [sys.executable, "-m", "tokenizer_service.tools.pretokenize.shards_cli", "merge", str(ranked)], capture_output=True, text=True
+        [sys.executable, "-m", "tokenizer_service.tools.pretokenize.shards_cli", "merge", str(ranked)],
+        capture_output=True,
+        text=True,
     )
     assert refused.returncode == 2 and "incomplete: rank-00001" in refused.stderr
     assert run_rank(inputs, ranked, environ).returncode == 0  # resumes

@@ -28,9 +28,9 @@ import psutil
 import pytest
 import sentencepiece as spm
 
+from tests.conftest import start_server, stop_server
 from tokenizer_service.settings import Settings
 from tokenizer_service.tools.launcher import metric_total
-from tests.conftest import start_server, stop_server
 
 pytestmark = pytest.mark.slow  # faults: workers killed, stalled, signals; part of .ci/run's slow stage
 

@@ -11,14 +11,13 @@ import time
 import httpx
 import numpy as np
 import pytest
-import tiktoken
 
+from tests.conftest import start_server, stop_server
+from tests.test_libraries import Reference
 from tokenizer_service.core import libraries
 from tokenizer_service.core.models import find_model_files
 from tokenizer_service.core.requests import EncodeOptions
 from tokenizer_service.core.shadow import Shadow
-from tests.conftest import start_server, stop_server
-from tests.test_libraries import Reference
 
 SNOWMAN = 0x2603
 
@@ -71,9 +70,7 @@ def metric(url: str, name: str, model: str) -> float:
 
 
 @pytest.mark.slow
-def test_a_server_catches_a_mismatch_at_run_time_and_serves_the_reference_ids_in_every_worker(
-    library_models, tmp_path
-):
+def test_a_server_catches_a_mismatch_at_run_time_and_serves_the_reference_ids_in_every_worker(library_models, tmp_path):
     log = tmp_path / "server.log"
     args = ["--workers", "2", "--model", f"tt={library_models['tt']}", "--shadow-rate", "1"]
     url, process = start_server(args, log, env={libraries.PLANT_ENV: "U+2603"})
@@ -94,8 +91,7 @@ def test_a_server_catches_a_mismatch_at_run_time_and_serves_the_reference_ids_in
         time.sleep(0.5)  # the FALLBACK frames reach the other worker
         for _ in range(8):  # both workers, concurrently and in turn
             answers = [
-                httpx.post(f"{url}/v1/tokenize", json={"texts": [text] * 4}, timeout=30).json()["ids"]
-                for _ in range(2)
+                httpx.post(f"{url}/v1/tokenize", json={"texts": [text] * 4}, timeout=30).json()["ids"] for _ in range(2)
             ]
             assert all(ids == reference.encode(text) for answer in answers for ids in answer)
         assert metric(url, "tokenizer_shadow_mismatches_total", "tt") == 1  # the reference library is not watched
@@ -109,9 +105,9 @@ def test_a_server_catches_a_mismatch_at_run_time_and_serves_the_reference_ids_in
 def test_the_pretokenizer_restarts_the_shard_with_the_reference_library_on_a_mismatch(
     library_models, tmp_path, monkeypatch, multilingual
 ):
-    from tokenizer_service.tools.pretokenize.run import Options, run
-    from tokenizer_client.dataset import TokenDataset
     from tests.conftest import DATA
+    from tokenizer_client.dataset import TokenDataset
+    from tokenizer_service.tools.pretokenize.run import Options, run
 
     # U+00F2 (ò) first appears in document 61 of 120: shards before it are written, the one it falls in is not
     monkeypatch.setenv(libraries.PLANT_ENV, "U+00F2")

@@ -8,7 +8,6 @@ as the installed ``tokenizer-shards`` where the point is what a user sees on a t
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -18,11 +17,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tokenizer_client.dataset import TokenDataset, write_dataset
+from tokenizer_client.mixture import Mixture
 from tokenizer_service.settings import BUNDLED_MODELS_DIR
 from tokenizer_service.tools.pretokenize import main as pretokenize
 from tokenizer_service.tools.pretokenize.shards_cli import main as shards
-from tokenizer_client.dataset import TokenDataset, write_dataset
-from tokenizer_client.mixture import Mixture
 
 MODEL = BUNDLED_MODELS_DIR / "default.model"
 COMMAND = shutil.which("tokenizer-shards") or str(Path(sys.executable).parent / "tokenizer-shards")

@@ -27,7 +27,6 @@ import httpx
 import llama_models
 import mistral_common
 import pytest
-import sentencepiece as spm
 import tiktoken
 from llama_models.llama3.tokenizer import Tokenizer as Llama3Tokenizer
 from llama_models.llama4.tokenizer import Tokenizer as Llama4Tokenizer
@@ -35,6 +34,8 @@ from llama_models.tokenizer_utils import load_bpe_file
 from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy
 from mistral_common.tokens.tokenizers.tekken import Tekkenizer
 
+from tests.conftest import EDGE_CASES, start_server, stop_server
+from tests.tokenizer_models import BPE_SPECIAL, byte_level_bpe, bytes_to_unicode, training_texts
 from tokenizer_client import TokenizerClient
 from tokenizer_service.core import checkset, libraries
 from tokenizer_service.core.models import (
@@ -46,12 +47,13 @@ from tokenizer_service.core.models import (
     tiktoken_spec,
 )
 from tokenizer_service.settings import models_in
-from tests.conftest import EDGE_CASES, start_server, stop_server
-from tests.tokenizer_models import BPE_SPECIAL, byte_level_bpe, bytes_to_unicode, training_texts
 
 LLAMA = Path(llama_models.__file__).parent
 MISTRAL = Path(mistral_common.__file__).parent / "data"
-META = {"llama3": (LLAMA / "llama3" / "tokenizer.model", Llama3Tokenizer), "llama4": (LLAMA / "llama4" / "tokenizer.model", Llama4Tokenizer)}
+META = {
+    "llama3": (LLAMA / "llama3" / "tokenizer.model", Llama3Tokenizer),
+    "llama4": (LLAMA / "llama4" / "tokenizer.model", Llama4Tokenizer),
+}
 TEKKEN_RELEASED = ["tekken_240718.json", "tekken_240911.json"]
 SENTENCEPIECE_RELEASED = [
     "tokenizer.model.v1",
@@ -103,7 +105,11 @@ def made(tmp_path_factory: pytest.TempPathFactory, documents: list[str], multili
             "version": "v13",
         },
         "vocab": [
-            {"rank": rank, "token_bytes": base64.b64encode(token).decode(), "token_str": token.decode("utf-8", "replace")}
+            {
+                "rank": rank,
+                "token_bytes": base64.b64encode(token).decode(),
+                "token_str": token.decode("utf-8", "replace"),
+            }
             for rank, token in enumerate(tokens)
         ],
         "special_tokens": [
@@ -129,7 +135,10 @@ def meta_files(made: dict[str, Path]) -> dict[str, tuple[Path, str]]:
 
 
 def tekken_files(made: dict[str, Path]) -> dict[str, Path]:
-    return {**{name.removesuffix(".json"): MISTRAL / name for name in TEKKEN_RELEASED}, "tekken_made": made["tekken_made"]}
+    return {
+        **{name.removesuffix(".json"): MISTRAL / name for name in TEKKEN_RELEASED},
+        "tekken_made": made["tekken_made"],
+    }
 
 
 def long_texts() -> list[str]:
@@ -188,7 +197,14 @@ def test_meta_ids_equal_metas_tokenizer_and_tiktoken_built_the_same_way(made, mu
         mergeable_ranks=load_bpe_file(path),
         special_tokens=reference.special_tokens,
     )
-    tokens = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|eot|>", "<|reserved_special_token_250|>", "<|image|>"]
+    tokens = [
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|eot_id|>",
+        "<|eot|>",
+        "<|reserved_special_token_250|>",
+        "<|image|>",
+    ]
     texts = texts_for(multilingual, tokens)
     library = libraries.load(find_model_files(name, path), libraries.REFERENCE)
     assert type(library) is libraries.MetaTiktoken
@@ -250,7 +266,9 @@ def test_a_directory_holding_only_original_tokenizer_model_is_served_from_it(mad
     (snapshot / "config.json").write_text("{}")  # what else a snapshot holds: not read
     for directory, recognized in ((snapshot, "its sha256"), (made["llama3like"], 'tokenizer.model.json\'s "like"')):
         files = find_model_files("x", directory)
-        assert files.path == directory.absolute() and files.main == directory.absolute() / "original" / "tokenizer.model"
+        assert (
+            files.path == directory.absolute() and files.main == directory.absolute() / "original" / "tokenizer.model"
+        )
         assert files.library == TIKTOKEN and f"Meta's Llama 3 (recognized by {recognized})" in files.recognized()
     assert len(find_model_files("x", made["llama3like"]).files) == 2  # the sidecar, hashed with it
     # a tokenizer.json beside it wins, as before; a directory with none of the three is refused naming them
@@ -316,14 +334,19 @@ def test_tekken_ids_and_decode_equal_mistral_commons(made, multilingual, name):
     for parse_special in (False, True):
         got = libraries.flatten_rows(*library.encode_plain(texts, parse_special))
         assert [row.tolist() for row in got] == tekken_reference_rows(reference, texts, parse_special), parse_special
-    rows = tekken_reference_rows(reference, texts, True)[:60] + [[1, 3, *reference.encode("½ π", False, False)[:1], 4, 2]]
+    rows = tekken_reference_rows(reference, texts, True)[:60] + [
+        [1, 3, *reference.encode("½ π", False, False)[:1], 4, 2]
+    ]
     assert library.decode(rows) == [reference.decode(row, special_token_policy=SpecialTokenPolicy.KEEP) for row in rows]
 
 
 def test_tekken_files_mistral_common_refuses_are_refused_in_one_line(made, tmp_path):
     document = json.loads(made["tekken_made"].read_bytes())
     cases = {
-        "v11-unlisted": ({**document, "special_tokens": None}, "a tekken.json of version v13 must list its special_tokens"),
+        "v11-unlisted": (
+            {**document, "special_tokens": None},
+            "a tekken.json of version v13 must list its special_tokens",
+        ),
         "bad-version": ({**document, "config": {**document["config"], "version": "13"}}, "is not a tokenizer version"),
         "too-many": ({**document, "config": {**document["config"], "default_num_special_tokens": 3}}, "at most"),
     }
@@ -361,7 +384,9 @@ def _models_folder(root: Path, made: dict[str, Path]) -> Path:
     (models / "nemo").mkdir()
     shutil.copy(MISTRAL / "tekken_240911.json", models / "nemo" / "tekken.json")
     shutil.copy(made["tekken_made"], models / "tekken_made.json")
-    shutil.copy(MISTRAL / "mistral_instruct_tokenizer_240323.model.v3", models / "mistral_instruct_tokenizer_240323.model.v3")
+    shutil.copy(
+        MISTRAL / "mistral_instruct_tokenizer_240323.model.v3", models / "mistral_instruct_tokenizer_240323.model.v3"
+    )
     (models / "notes.txt").write_text("")
     (models / "weights").mkdir()
     (models / "weights" / "config.json").write_text("{}")
@@ -441,7 +466,10 @@ def test_the_server_serves_them_with_the_makers_ids(shipped_server, multilingual
         "tekken_made": ("mistral-common", 1, 2),
     }
     text = log.read_text()
-    assert f"model 'llama3': {models}/llama3/original/tokenizer.model: tiktoken BPE ranks of Meta's Llama 3 (recognized by its sha256)" in text
+    assert (
+        f"model 'llama3': {models}/llama3/original/tokenizer.model: tiktoken BPE ranks of Meta's Llama 3 (recognized by its sha256)"
+        in text
+    )
     assert f"model 'nemo': {models}/nemo/tekken.json: a Mistral tekken.json" in text
     for skip in EXPECTED_SKIPS:
         assert text.count(f"--models-dir {models}: {skip}") == 1, skip
@@ -451,7 +479,10 @@ def test_the_server_serves_them_with_the_makers_ids(shipped_server, multilingual
             for parse_special in (False, True):
                 for format in ("binary", "json"):
                     got = client.tokenize(texts, model=name, format=format, parse_special_tokens=parse_special)
-                    assert [ids.tolist() for ids in got] == _want(reference, texts, parse_special), (name, parse_special)
+                    assert [ids.tolist() for ids in got] == _want(reference, texts, parse_special), (
+                        name,
+                        parse_special,
+                    )
             rows = _want(reference, texts[:30], True)
             decoded = [
                 reference.decode(row, special_token_policy=SpecialTokenPolicy.KEEP)  # type: ignore[call-arg]
@@ -471,9 +502,9 @@ def test_the_server_serves_them_with_the_makers_ids(shipped_server, multilingual
 
 @pytest.mark.slow  # runs of the pre-tokenizer; .ci/run's slow stage
 def test_pretokenize_verify_and_export_take_the_new_kinds(shipped_server, made, multilingual, tmp_path):
+    from tokenizer_client import TokenDataset
     from tokenizer_service.tools.pretokenize.cli import main as pretokenize
     from tokenizer_service.tools.pretokenize.shards_cli import main as shards
-    from tokenizer_client import TokenDataset
 
     url, models, _ = shipped_server
     corpus = tmp_path / "corpus.jsonl"

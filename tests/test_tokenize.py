@@ -11,9 +11,9 @@ import sentencepiece as spm
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import EDGE_CASES, Server
 from tokenizer_client import TokenizerClient
 from tokenizer_client.wire import MEDIA_TYPE, decode
-from tests.conftest import EDGE_CASES, Server
 
 MODELS = ["uni", "bpe", "default"]
 OPTIONS = [

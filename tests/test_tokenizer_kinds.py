@@ -13,11 +13,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tokenizer_client import TokenizerClient
-from tokenizer_service.core import libraries
 from tests.conftest import EDGE_CASES, settle_gates, start_server, stop_server
 from tests.test_libraries import Reference, cl100k_file, special_texts
 from tests.tokenizer_models import BPE_SPECIAL
+from tokenizer_client import TokenizerClient
+from tokenizer_service.core import libraries
 
 pytestmark = pytest.mark.slow  # a real server of every kind (in-process: test_edge_inprocess.py); slow stage
 

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tokenizer_client import wire
 from tokenizer_service.core.handler import DECOMPOSING_BELOW, NFKC_MAX_GROWTH, chunk_bounds, growth_bound
 from tokenizer_service.core.libraries import frame, truncate
 from tokenizer_service.settings import BUNDLED_MODELS_DIR, ConfigError, Settings
-from tokenizer_client import wire
 
 
 @given(lengths=st.lists(st.integers(0, 50), max_size=30), extra=st.integers(0, 1000))
@@ -255,7 +255,9 @@ def test_client_modules_import_each_other_without_a_cycle():
     for name in prefetch:
         assert not graph[name] & {"tokenizer_client.clients", "tokenizer_client._base"}, f"{name} knows no client class"
     assert not graph["tokenizer_client._torch"], "tokenizer_client._torch knows arrays only"
-    assert not graph["tokenizer_client._base"] & {"tokenizer_client.clients", "tokenizer_client.prefetch"}, "the I/O-free base knows no I/O class"
+    assert not graph["tokenizer_client._base"] & {"tokenizer_client.clients", "tokenizer_client.prefetch"}, (
+        "the I/O-free base knows no I/O class"
+    )
     assert not graph["tokenizer_client._outage"] & {"tokenizer_client._base", "tokenizer_client.clients"}
     cycle = import_cycle(graph)
     assert cycle is None, " -> ".join(cycle)

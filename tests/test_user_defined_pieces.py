@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import sentencepiece as spm
 
-from tokenizer_service.core.models import ModelInfo
-from tokenizer_service.core.registry import inspect_model
 from tests.conftest import DATA
 from tests.test_edge_inprocess import Edge
+from tokenizer_service.core.models import ModelInfo
+from tokenizer_service.core.registry import inspect_model
 
 USER_DEFINED = ["[INST]", "[/INST]", "[REF]", "<tool_call>"]
 CONTROL = ["<ctl>"]
@@ -56,9 +56,12 @@ def edge(user_defined_model: Path) -> Iterator[Edge]:
 def test_models_says_which_pieces_match_in_text(edge: Edge) -> None:
     described = edge.request("GET", "/v1/models").json()["models"]
     assert [model["user_defined_pieces"] for model in described] == [USER_DEFINED]  # no CONTROL piece
-    assert edge.request("GET", "/openapi.json").json()["components"]["schemas"]["ModelDescription"]["properties"][
-        "user_defined_pieces"
-    ]["type"] == "array"
+    assert (
+        edge.request("GET", "/openapi.json").json()["components"]["schemas"]["ModelDescription"]["properties"][
+            "user_defined_pieces"
+        ]["type"]
+        == "array"
+    )
 
 
 @pytest.mark.parametrize("parse_special_tokens", [False, True])

@@ -209,7 +209,9 @@ class Tokens:
             for token, rank in self.special.items():
                 lengths[rank] = len(token.encode("utf-8"))
             self.byte_lengths = lengths
-        elif self.kind == TEKKEN:  # a tiktoken encoding, its special tokens first (tokenizer_service.core.libraries.Tekken)
+        elif (
+            self.kind == TEKKEN
+        ):  # a tiktoken encoding, its special tokens first (tokenizer_service.core.libraries.Tekken)
             self.kind = TIKTOKEN
             self.special = {token: index for index, token in enumerate(library.spec.special)}
             lengths = np.full(library.vocab_size, -1, dtype=np.int64)
@@ -263,7 +265,9 @@ class Tokens:
             return out
         return self._reference(texts, parse_special)
 
-    def encode_flat(self, texts: list[str], parse_special: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def encode_flat(
+        self, texts: list[str], parse_special: bool
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(flat ids, lengths, flat char starts, flat char ends) of a batch, the offsets counted from the start of
         the texts joined end to end: for lossless byte-level models a few numpy passes over the whole batch."""
         if self.byte_lengths is None or not texts:
@@ -295,7 +299,9 @@ class Tokens:
             reference = self.library.reference
             out = []
             for text in texts:
-                ids = reference.encode(text, allowed_special="all") if parse_special else reference.encode_ordinary(text)
+                ids = (
+                    reference.encode(text, allowed_special="all") if parse_special else reference.encode_ordinary(text)
+                )
                 widths = np.array([len(reference.decode_single_token_bytes(i)) for i in ids], dtype=np.int64)
                 starts, ends = _char_offsets(text, np.cumsum(widths)) if ids else (np.zeros(0, np.int64),) * 2
                 out.append((np.asarray(ids, dtype=np.int32), starts, ends))
@@ -392,7 +398,12 @@ def special_tokens(files: Any, library: Any) -> dict[str, str | None]:
     found = dict(files.special_tokens())
     if library.library not in (TOKENIZERS, TIKTOKEN, TEKKEN):  # sentencepiece: its own pieces
         processor = library.processor
-        for role, token in (("bos", library.bos_id), ("eos", library.eos_id), ("pad", library.pad_id), ("unk", library.unk_id)):
+        for role, token in (
+            ("bos", library.bos_id),
+            ("eos", library.eos_id),
+            ("pad", library.pad_id),
+            ("unk", library.unk_id),
+        ):
             found[role] = processor.id_to_piece(token) if token >= 0 else None
     return found
 
@@ -451,7 +462,7 @@ def _checked_message(message: Any, index: int, position: int) -> dict[str, Any]:
             for part in content
         ):
             raise InvalidField(
-                f"{where}.content must be a string or a list of {{\"type\": \"text\", \"text\": string}} parts",
+                f'{where}.content must be a string or a list of {{"type": "text", "text": string}} parts',
                 field="conversations",
                 index=index,
             )
@@ -491,7 +502,7 @@ def _replace(value: Any, table: list[tuple[str, str]]) -> Any:
 
 
 PLACEHOLDER_BASE = 0x10FF00  # private use, plane 16: placeholders for special-token strings inside content
-_PRIVATE = re.compile("[\U0010FF00-\U0010FFFF]")
+_PRIVATE = re.compile("[\U0010ff00-\U0010ffff]")
 
 
 @functools.cache
@@ -561,7 +572,10 @@ class ChatTemplate:
         ids: list[np.ndarray | None] = []
         masks: list[np.ndarray | None] = []
         plain: list[tuple[int, str, list[tuple[int, int]]]] = []  # conversations tokenized together, below
-        checked = [check_conversation(conversation, first_index + position) for position, conversation in enumerate(conversations)]
+        checked = [
+            check_conversation(conversation, first_index + position)
+            for position, conversation in enumerate(conversations)
+        ]
         anywhere = self._special_anywhere(checked, options)
         for position, (conversation, messages) in enumerate(zip(conversations, checked, strict=True)):
             index = first_index + position

@@ -130,8 +130,15 @@ def ranks_to_tokenizer_json(ranks: dict[bytes, int], pat_str: str, special_token
         "truncation": None,
         "padding": None,
         "added_tokens": [
-            {"id": token_id, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
-             "normalized": False, "special": True}
+            {
+                "id": token_id,
+                "content": content,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
             for content, token_id in sorted(special_tokens.items(), key=lambda item: item[1])
         ],  # fmt: skip
         "normalizer": None,
@@ -259,7 +266,7 @@ def build(library: Any, name: str, module: Any) -> Any:
         fast.no_padding()
         return fast
     if encoder == GIGATOKEN:
-        BPETokenizer, load_hf_json = module.BPETokenizer, module.load_hf_json  # noqa: N806
+        BPETokenizer, load_hf_json = module.BPETokenizer, module.load_hf_json
 
         if kind == "tiktoken":
             special = dict(library.spec.special_tokens)
@@ -270,7 +277,11 @@ def build(library: Any, name: str, module: Any) -> Any:
                 return Gigatoken(BPETokenizer.from_tiktoken(str(library.files.main), scheme, None), special)
             return Gigatoken(load_hf_json(_document(library, True, specials=False)), special)
         document = library.files.contents[0].decode("utf-8")
-        special = {added["content"]: added["id"] for added in json.loads(document).get("added_tokens") or [] if added.get("special")}
+        special = {
+            added["content"]: added["id"]
+            for added in json.loads(document).get("added_tokens") or []
+            if added.get("special")
+        }
         backend = load_hf_json(without_special_tokens(document))
         if type(backend).__name__ != "BPETokenizer":
             raise ValueError(f"gigatoken loads it as a {type(backend).__name__}, not byte-level BPE")

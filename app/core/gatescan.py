@@ -59,7 +59,10 @@ class GateScan:
         sending.close()
         self.connection = receiving
         names = ", ".join(repr(info.name) for _, info in self.models)
-        logger.info("fast encoder's gate: scanning %s in the background (nice 19); the reference library serves meanwhile", names)
+        logger.info(
+            "fast encoder's gate: scanning %s in the background (nice 19); the reference library serves meanwhile",
+            names,
+        )
         return self
 
     def poll(self) -> list[Verdict]:
@@ -96,7 +99,10 @@ class GateScan:
 
     def _gone(self) -> None:
         if self.pending and self.process is not None and self.process.exitcode not in (None, 0, -15, -9):
-            logger.warning("fast encoder's gate: the scan process ended (exit %s); the reference library serves", self.process.exitcode)
+            logger.warning(
+                "fast encoder's gate: the scan process ended (exit %s); the reference library serves",
+                self.process.exitcode,
+            )
         self.pending.clear()
 
     def close(self) -> None:

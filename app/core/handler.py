@@ -31,6 +31,9 @@ from typing import Any
 import numpy as np
 import orjson
 
+from tokenizer_client import wire
+from tokenizer_client.packing import PackedRows, pack_best_fit, pack_concat
+from tokenizer_client.wire import ragged_offsets, split_ragged
 from tokenizer_service.core import channel, chat
 from tokenizer_service.core.errors import (
     InvalidField,
@@ -60,10 +63,13 @@ from tokenizer_service.core.protocol import (
     result_blobs,
     split_payload,
 )
-from tokenizer_service.core.requests import DetokenizeRequest, EncodeOptions, PackRequest, TokenizeRequest, parse_request
-from tokenizer_client import wire
-from tokenizer_client.packing import PackedRows, pack_best_fit, pack_concat
-from tokenizer_client.wire import ragged_offsets, split_ragged
+from tokenizer_service.core.requests import (
+    DetokenizeRequest,
+    EncodeOptions,
+    PackRequest,
+    TokenizeRequest,
+    parse_request,
+)
 
 NO_OPTIONS = EncodeOptions()  # what a detokenize chunk carries
 
@@ -270,7 +276,9 @@ class Handler:
         offsets = ragged_offsets(lengths)
         count, tokens = len(lengths), int(offsets[-1])
         if isinstance(request, PackRequest):
-            context, packed = pack_dialogue(request, info, position, binary, self.limits.max_seq_len, ids, offsets, mask)
+            context, packed = pack_dialogue(
+                request, info, position, binary, self.limits.max_seq_len, ids, offsets, mask
+            )
             padding = packed.stats.padding_fraction if packed.stats.rows else math.nan
             parts = pack_answer(info.name, context, packed)
             return channel.DONE, Result(position, binary, count, tokens, started, seconds, padding, parts).payload()

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import orjson
 
-from tokenizer_service.core.protocol import BINARY, read_result_head, result_blobs, result_body
 from tokenizer_client import wire
 from tokenizer_client.wire import ragged_offsets
+from tokenizer_service.core.protocol import BINARY, read_result_head, result_blobs, result_body
 
 Buffer = bytes | bytearray | memoryview
 

@@ -44,6 +44,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from tokenizer_client.wire import ragged_offsets
 from tokenizer_service.core import checkset, encoders
 from tokenizer_service.core.errors import InvalidField, PayloadTooLarge
 from tokenizer_service.core.models import (
@@ -61,7 +62,6 @@ from tokenizer_service.core.models import (
     tiktoken_ranks,
     tiktoken_spec,
 )
-from tokenizer_client.wire import ragged_offsets
 
 logger = logging.getLogger("tokenizer")
 
@@ -364,7 +364,9 @@ def _differing(reference: Rows, fast: Rows, texts: list[str], parse_special: boo
     return found
 
 
-def _culprits(items: list[Any], make: Callable[[list[Any]], str], reference: Rows, fast: Rows, parse: bool) -> list[Any]:
+def _culprits(
+    items: list[Any], make: Callable[[list[Any]], str], reference: Rows, fast: Rows, parse: bool
+) -> list[Any]:
     """The items whose text (`make`) alone differs, by bisection; all of them when only together they differ."""
     if len(items) <= 1:
         return list(items)
@@ -752,6 +754,7 @@ def _try_candidates(library: Any, encoder: str) -> tuple[list[dict[str, Any]], d
             if fast is None:
                 results.append({"route": route, "passed": False, "differs": differs})
                 continue  # the converted ranks next, where there are
+
             def encode(texts: list[str], fast: Any = fast) -> int:
                 return len(_fast_flat(fast, texts, False)[0])
 
@@ -768,7 +771,9 @@ def _try_candidates(library: Any, encoder: str) -> tuple[list[dict[str, Any]], d
             if found is None:
                 found = scan(reference, rows, special, separator)
             if found is not None:
-                results.append({"route": route, "passed": False, "differs": f"{route} differs from {library.library} ({found})"})
+                results.append(
+                    {"route": route, "passed": False, "differs": f"{route} differs from {library.library} ({found})"}
+                )
                 break
             measured = _measure_apart(library.files, route)
             if measured is not None:
@@ -795,7 +800,9 @@ def _measure_apart(files: ModelFiles, route: str) -> tuple[float, float, float] 
 
     command = [sys.executable, "-c", "from tokenizer_service.core import libraries; libraries._measure_main()"]
     try:
-        done = subprocess.run(command, input=pickle.dumps((files, route)), capture_output=True, timeout=600, check=False)
+        done = subprocess.run(
+            command, input=pickle.dumps((files, route)), capture_output=True, timeout=600, check=False
+        )
         found = json.loads(done.stdout.decode().strip().splitlines()[-1]) if done.returncode == 0 else None
     except (OSError, ValueError, IndexError, subprocess.SubprocessError):
         return None
@@ -811,7 +818,7 @@ def _measure_main() -> None:
     single_threaded()
     with contextlib.suppress(OSError):
         os.nice(19)
-    files, route = pickle.loads(sys.stdin.buffer.read())  # noqa: S301  # from the process that started this one
+    files, route = pickle.loads(sys.stdin.buffer.read())  # from the process that started this one
     library = LIBRARIES[files.library].variant(files)(files, REFERENCE)
     sample = encoders.sample_texts()
     before, started = encoders.rss_mib(), time.perf_counter()
@@ -880,7 +887,9 @@ def gate_verdict(
         for name in names:
             fast, differs = _build_fast(library, name)
             if fast is not None:
-                differs = gate(str(library.files.path), library._reference_rows, _safe_rows(fast), checkset.texts(library.special))
+                differs = gate(
+                    str(library.files.path), library._reference_rows, _safe_rows(fast), checkset.texts(library.special)
+                )
                 if differs is None:
                     if report is not None:
                         report(None, 0.0, name)
@@ -1246,7 +1255,9 @@ class MetaTiktoken(Tiktoken):
                 pieces.append(piece)
                 owners.append(index)
         ids, lengths = encode(pieces, parse_special)  # a text's pieces are side by side: its ids are too
-        return ids, np.bincount(np.asarray(owners, dtype=np.int64), weights=lengths, minlength=len(texts)).astype(np.int64)
+        return ids, np.bincount(np.asarray(owners, dtype=np.int64), weights=lengths, minlength=len(texts)).astype(
+            np.int64
+        )
 
     def _reference_rows(self, texts: list[str], parse_special: bool) -> list[list[int]]:
         if all(len(text) <= META_MAX_RUN for text in texts):
@@ -1285,7 +1296,8 @@ class Tekken(Library):
         self.num_special = self.spec.num_special
         ids = {token: index for index, token in enumerate(self.spec.special)}
         self.bos_id, self.eos_id, self.pad_id, self.unk_id = (
-            ids[token] if token is not None else -1 for token in (self.spec.tokens[r] for r in ("bos", "eos", "pad", "unk"))
+            ids[token] if token is not None else -1
+            for token in (self.spec.tokens[r] for r in ("bos", "eos", "pad", "unk"))
         )
         self.normalizes = False
         self.encoder = TIKTOKEN

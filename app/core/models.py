@@ -70,7 +70,9 @@ class ModelLoadError(RuntimeError):
     """A configured model file is missing, unreadable, or none of the kinds this service serves."""
 
 
-SERVER_ONLY = frozenset({"path", "files", "chat_template_path", "gate", "select"})  # ModelInfo's fields that /v1/models and metadata.json leave out
+SERVER_ONLY = frozenset(
+    {"path", "files", "chat_template_path", "gate", "select"}
+)  # ModelInfo's fields that /v1/models and metadata.json leave out
 
 
 @dataclass(frozen=True)
@@ -182,7 +184,7 @@ class ModelFiles:
         if self.library == TIKTOKEN:
             spec = tiktoken_spec(self)
             if spec.encoding in META_ENCODINGS:
-                how = "its sha256" if spec.known else f"{self.main.name}.json's \"like\""
+                how = "its sha256" if spec.known else f'{self.main.name}.json\'s "like"'
                 what += f" of Meta's {META_ENCODINGS[spec.encoding].title} (recognized by {how})"
             elif spec.encoding is not None:
                 what += f" of OpenAI's {spec.encoding} (recognized by its sha256)"
@@ -433,9 +435,7 @@ def _numbered(kind: str, start: int, count: int) -> tuple[str, ...]:
     return tuple(f"<|{kind}_reserved_special_token_{i}|>" for i in range(start, start + count))
 
 
-_LLAMA3_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+_LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _LLAMA4_PATTERN = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
@@ -446,9 +446,18 @@ META_ENCODINGS = {
         "Llama 3",
         _LLAMA3_PATTERN,
         (
-            "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
-            "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
-            "<|eot_id|>", "<|python_tag|>", "<|image|>",
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+            "<|reserved_special_token_0|>",
+            "<|reserved_special_token_1|>",
+            "<|finetune_right_pad_id|>",
+            "<|step_id|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eom_id|>",
+            "<|eot_id|>",
+            "<|python_tag|>",
+            "<|image|>",
         ),  # fmt: skip
         256,
         2,
@@ -458,17 +467,37 @@ META_ENCODINGS = {
         "Llama 4",
         _LLAMA4_PATTERN,
         (
-            "<|begin_of_text|>", "<|end_of_text|>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+            "<|fim_prefix|>",
+            "<|fim_middle|>",
+            "<|fim_suffix|>",
             # text post-training
-            "<|header_start|>", "<|header_end|>", "<|eom|>", "<|eot|>", "<|step|>",
-            *_numbered("text_post_train", 0, 6), "<|python_start|>", "<|python_end|>", "<|finetune_right_pad|>",
+            "<|header_start|>",
+            "<|header_end|>",
+            "<|eom|>",
+            "<|eot|>",
+            "<|step|>",
+            *_numbered("text_post_train", 0, 6),
+            "<|python_start|>",
+            "<|python_end|>",
+            "<|finetune_right_pad|>",
             *_numbered("text_post_train", 8, 61),
             # vision
-            "<|image_start|>", "<|image_end|>", *_numbered("vision", 0, 2), "<|tile_x_separator|>",
-            "<|tile_y_separator|>", *_numbered("vision", 2, 4), "<|image|>", *_numbered("vision", 6, 1), "<|patch|>",
+            "<|image_start|>",
+            "<|image_end|>",
+            *_numbered("vision", 0, 2),
+            "<|tile_x_separator|>",
+            "<|tile_y_separator|>",
+            *_numbered("vision", 2, 4),
+            "<|image|>",
+            *_numbered("vision", 6, 1),
+            "<|patch|>",
             *_numbered("vision", 7, 1041),
             # reasoning
-            *_numbered("reasoning", 0, 8), "<|reasoning_thinking_start|>", "<|reasoning_thinking_end|>",
+            *_numbered("reasoning", 0, 8),
+            "<|reasoning_thinking_start|>",
+            "<|reasoning_thinking_end|>",
         ),  # fmt: skip
         2048,
         0,
@@ -583,7 +612,10 @@ def tiktoken_spec(files: ModelFiles, name: str | None = None) -> TiktokenSpec:
     default_eos = "<|endoftext|>" if known is not None and "<|endoftext|>" in special_tokens else None
     defaults: dict[str, str | None] = {"bos": None, "eos": default_eos, "pad": None}
     if encoding in META_ENCODINGS:
-        defaults = {role: (token if token in special_tokens else None) for role, token in META_ENCODINGS[encoding].tokens.items()}
+        defaults = {
+            role: (token if token in special_tokens else None)
+            for role, token in META_ENCODINGS[encoding].tokens.items()
+        }
     tokens: dict[str, str | None] = {role: sidecar.get(f"{role}_token", default) for role, default in defaults.items()}
     for role, token in tokens.items():
         if token is not None and not isinstance(token, str):
@@ -660,7 +692,9 @@ def tekken_spec(files: ModelFiles, name: str | None = None) -> TekkenSpec:
             raise ModelLoadError(f"{where}: special_tokens must be a list of {{rank, token_str, is_control}}")
         for position, token in enumerate(listed):
             if token.get("rank") != position:
-                raise ModelLoadError(f"{where}: special token {token['token_str']!r} has rank {token.get('rank')}, not {position}")
+                raise ModelLoadError(
+                    f"{where}: special token {token['token_str']!r} has rank {token.get('rank')}, not {position}"
+                )
         special = [token["token_str"] for token in listed]
     if len(set(special)) != len(special) or len(special) > num_special:
         raise ModelLoadError(
@@ -681,7 +715,9 @@ def tekken_spec(files: ModelFiles, name: str | None = None) -> TekkenSpec:
         except (KeyError, TypeError, binascii.Error):
             raise ModelLoadError(f"{where}: vocab[{rank}] has no base64 token_bytes") from None
         if entry.get("rank") != rank or (rank < 256 and raw != bytes([rank])):
-            raise ModelLoadError(f"{where}: vocab[{rank}] has rank {entry.get('rank')} (ranks run 0, 1, ... from the 256 bytes)")
+            raise ModelLoadError(
+                f"{where}: vocab[{rank}] has rank {entry.get('rank')} (ranks run 0, 1, ... from the 256 bytes)"
+            )
         tokens.append(token)
     roles = {role: (token if token in special else None) for role, token in _TEKKEN_ROLES.items()}
     spec = TekkenSpec(pattern, version, tuple(special), tuple(tokens), vocab_size, roles)

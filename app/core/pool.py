@@ -27,7 +27,14 @@ import orjson
 from tokenizer_service.core import channel
 from tokenizer_service.core.errors import PoisonInput, ServiceError, Unavailable
 from tokenizer_service.core.handler import Limits
-from tokenizer_service.core.join import Answer, ChunkResult, join_detokenize, join_tokenize, read_chunk_result, read_done
+from tokenizer_service.core.join import (
+    Answer,
+    ChunkResult,
+    join_detokenize,
+    join_tokenize,
+    read_chunk_result,
+    read_done,
+)
 from tokenizer_service.core.lanes import Lane, WorkerCrashed
 from tokenizer_service.core.libraries import is_fast, refusal_line
 from tokenizer_service.core.models import SENTENCEPIECE, ModelInfo

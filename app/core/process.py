@@ -39,13 +39,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import orjson
 
+from tokenizer_client.wire import ragged_offsets
 from tokenizer_service.core import channel, libraries, memory, protocol
 from tokenizer_service.core.handler import Handler, Limits, TextMarker
 from tokenizer_service.core.libraries import Library
 from tokenizer_service.core.models import ModelInfo, find_model_files
 from tokenizer_service.core.requests import EncodeOptions
 from tokenizer_service.core.shadow import Shadow, ShadowMismatch
-from tokenizer_client.wire import ragged_offsets
 
 if TYPE_CHECKING:
     from tokenizer_client.batches import TokenizedBatch

@@ -87,7 +87,9 @@ def model_info(
         sha256=files.sha256,
         files=files.files,
         chat_template=chat.announce(files.template),
-        chat_template_path=files.template.path if files.template is not None and files.template.source == "flag" else None,
+        chat_template_path=files.template.path
+        if files.template is not None and files.template.source == "flag"
+        else None,
     )
 
 

@@ -87,7 +87,7 @@ class Shadow:
         pending, self.pending = self.pending, []
         reports: dict[int, Report] = {}
         for library, text, parse_special, got in pending:
-            report = reports.setdefault(id(library), Report(self.names.get(id(library), '?'), 0))
+            report = reports.setdefault(id(library), Report(self.names.get(id(library), "?"), 0))
             if library.fast is None:  # fell back meanwhile: nothing to check
                 continue
             (want,) = library.reference_rows([text], parse_special)

@@ -24,6 +24,7 @@ from typing import Any
 from prometheus_client import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tokenizer_client import wire
 from tokenizer_service.core import memory
 from tokenizer_service.core.errors import (
     Overloaded,
@@ -43,7 +44,6 @@ from tokenizer_service.http.auth import OPEN_PATHS, ApiKeys, bearer_token, route
 from tokenizer_service.http.negotiation import MODEL_SHA256_HEADER, wants_binary
 from tokenizer_service.http.status import CLIENT_CLOSED_REQUEST, send_error
 from tokenizer_service.metrics import Metrics
-from tokenizer_client import wire
 
 logger = logging.getLogger("tokenizer.edge")
 

@@ -69,9 +69,13 @@ def create_app(settings: Settings | None = None, registry: ModelRegistry | None 
         )
         service = Service(settings=settings, registry=models, metrics=metrics, state=state)
 
-        def fallen_back(info: ModelInfo) -> None:  # fastokens found wrong (shadow) or promoted (gate): /v1/models says so
+        def fallen_back(
+            info: ModelInfo,
+        ) -> None:  # fastokens found wrong (shadow) or promoted (gate): /v1/models says so
             before = models.models[info.name]
-            metrics.model_info.remove(before.name, before.sha256, str(before.vocab_size), before.library, before.encoder)
+            metrics.model_info.remove(
+                before.name, before.sha256, str(before.vocab_size), before.library, before.encoder
+            )
             metrics.model_info.labels(info.name, info.sha256, str(info.vocab_size), info.library, info.encoder).set(1)
             models.models[info.name] = info
 

@@ -11,11 +11,11 @@ from typing import Any, Literal, get_type_hints
 from fastapi import FastAPI
 from pydantic import BaseModel, Field, create_model
 
+from tokenizer_client.packing import PackStats
+from tokenizer_client.wire import MEDIA_TYPE as BINARY_MEDIA_TYPE
 from tokenizer_service.core.models import SERVER_ONLY, ModelInfo
 from tokenizer_service.http.auth import OPEN_PATHS
 from tokenizer_service.http.negotiation import MODEL_SHA256_HEADER
-from tokenizer_client.packing import PackStats
-from tokenizer_client.wire import MEDIA_TYPE as BINARY_MEDIA_TYPE
 
 
 class ErrorDetail(BaseModel):

@@ -34,6 +34,9 @@ from pathlib import Path
 
 import orjson
 
+from tokenizer_client import TokenizerClient, TokenizerError
+from tokenizer_client.dataset import TokenDataset
+from tokenizer_client.urls import parse_urls
 from tokenizer_service.core.models import find_model_files
 from tokenizer_service.core.reference import InProcess
 from tokenizer_service.core.registry import inspect_model
@@ -41,9 +44,6 @@ from tokenizer_service.settings import usable_cpus
 from tokenizer_service.tools.launcher import ServerNotReady, ServerProcess
 from tokenizer_service.tools.pretokenize.run import Options, run
 from tokenizer_service.tools.pretokenize.sources import DocumentReader, InputError, Source
-from tokenizer_client import TokenizerClient, TokenizerError
-from tokenizer_client.dataset import TokenDataset
-from tokenizer_client.urls import parse_urls
 
 BATCH = 256
 BASELINE = "batched"

@@ -11,7 +11,14 @@ from fastapi import APIRouter
 from starlette.responses import Response
 
 from tokenizer_service.core.requests import DetokenizeRequest, PackRequest, TokenizeRequest, openapi_body
-from tokenizer_service.http.openapi import BODY_ERRORS, DetokenizeAnswer, PackAnswer, TokenizeAnswer, answer, error_responses
+from tokenizer_service.http.openapi import (
+    BODY_ERRORS,
+    DetokenizeAnswer,
+    PackAnswer,
+    TokenizeAnswer,
+    answer,
+    error_responses,
+)
 
 router = APIRouter(prefix="/v1", tags=["tokenize"])
 

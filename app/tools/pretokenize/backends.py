@@ -20,13 +20,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from tokenizer_service.core import process
-from tokenizer_service.core.models import SENTENCEPIECE, ModelInfo
-from tokenizer_service.core.requests import EncodeOptions
 from tokenizer_client import TokenizedBatch, TokenizerClient
 from tokenizer_client._requests import TokenizeOptions
 from tokenizer_client.errors import TokenizerServiceError
 from tokenizer_client.wire import ragged_offsets
+from tokenizer_service.core import process
+from tokenizer_service.core.models import SENTENCEPIECE, ModelInfo
+from tokenizer_service.core.requests import EncodeOptions
 
 Result = TypeVar("Result")
 

@@ -19,6 +19,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from tokenizer_client.errors import TokenizerError
+from tokenizer_client.storage import ENVIRONMENT, StorageError, configure, configured, is_url
 from tokenizer_service.core.models import ModelLoadError
 from tokenizer_service.settings import usable_cpus
 from tokenizer_service.tools.pretokenize.backends import ServedModelChanged
@@ -37,8 +39,6 @@ from tokenizer_service.tools.pretokenize.sources import (
 )
 from tokenizer_service.tools.pretokenize.sources import record_reason as chat_reason
 from tokenizer_service.tools.pretokenize.store import OutputError
-from tokenizer_client.errors import TokenizerError
-from tokenizer_client.storage import ENVIRONMENT, StorageError, configure, configured, is_url
 
 EPILOG = """\
 Inputs: .jsonl or .json (one JSON object a line; the text in --text-field), .txt (one document per

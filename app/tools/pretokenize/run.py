@@ -22,6 +22,9 @@ from typing import Any
 import numpy as np
 from pydantic import ValidationError
 
+from tokenizer_client import TokenizedBatch, TokenizerClient, storage
+from tokenizer_client.dataset import FORMAT_NAME, format_version, id_dtype
+from tokenizer_client.urls import parse_urls
 from tokenizer_service.core import libraries
 from tokenizer_service.core.gatescan import GateScan
 from tokenizer_service.core.models import ModelInfo, ModelLoadError
@@ -38,6 +41,7 @@ from tokenizer_service.tools.pretokenize.backends import (
     tokenize_via_service,
 )
 from tokenizer_service.tools.pretokenize.ranks import blocks, rank_directory
+from tokenizer_service.tools.pretokenize.remote import output_for
 from tokenizer_service.tools.pretokenize.shards import BestFitShards, ConcatShards, RaggedShards, ShardSink
 from tokenizer_service.tools.pretokenize.sources import (
     CONVERSATIONS,
@@ -46,8 +50,8 @@ from tokenizer_service.tools.pretokenize.sources import (
     PROMPT_COMPLETION,
     TEXT,
     BadRecordError,
-    InputRefused,
     DocumentReader,
+    InputRefused,
     NoTextError,
     Position,
     Source,
@@ -55,11 +59,7 @@ from tokenizer_service.tools.pretokenize.sources import (
     holds_text,
     record_reason,
 )
-from tokenizer_service.tools.pretokenize.remote import output_for
 from tokenizer_service.tools.pretokenize.store import OutputDir, OutputError, differences
-from tokenizer_client import TokenizedBatch, TokenizerClient, storage
-from tokenizer_client.dataset import FORMAT_NAME, format_version, id_dtype
-from tokenizer_client.urls import parse_urls
 
 DEFAULT_SHARD_TOKENS = 1 << 24
 SERVICE_BATCH = 256
@@ -85,7 +85,9 @@ class Options:
     add_bos: bool = False
     add_eos: bool | None = None  # EOS after each document when the model has one
     parse_special_tokens: bool = False
-    rank: int | None = None  # with world_size: this run is rank `rank` of `world_size` (tokenizer_service.tools.pretokenize.ranks)
+    rank: int | None = (
+        None  # with world_size: this run is rank `rank` of `world_size` (tokenizer_service.tools.pretokenize.ranks)
+    )
     world_size: int | None = None
     kind: str = TEXT  # what a record holds: text, conversations (--conversations), prompt_completion
     chat_template: Path | None = None  # --chat-template FILE: overrides the model's own template
@@ -581,7 +583,9 @@ def _tokenize(
     )
 
 
-def _gate_beside(model: ModelInfo, remaining: int, stack: ExitStack, warn: Callable[[str], None]) -> Callable[[], str | None]:
+def _gate_beside(
+    model: ModelInfo, remaining: int, stack: ExitStack, warn: Callable[[str], None]
+) -> Callable[[], str | None]:
     """What the next chunk is to be encoded with: with no cached gate verdict (the model announced with its
     library, gate pending), the gate runs beside the workers (tokenizer_service.core.gatescan) and, once it
     passes, fastokens encodes every later chunk (ids are the same either way). An input under
@@ -599,7 +603,9 @@ def _gate_beside(model: ModelInfo, remaining: int, stack: ExitStack, warn: Calla
         for _, differs, seconds, route in scan.poll():
             if differs is None:
                 encoder = route or libraries.FASTOKENS
-                warn(f"model {model.name!r}: the fast encoder's gate passed ({seconds:.1f}s of scan); later chunks are encoded by {encoder}")
+                warn(
+                    f"model {model.name!r}: the fast encoder's gate passed ({seconds:.1f}s of scan); later chunks are encoded by {encoder}"
+                )
             else:
                 warn(libraries.refusal_line(model.path, model.library, differs))
         return encoder

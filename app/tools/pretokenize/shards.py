@@ -17,12 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from tokenizer_service.tools.pretokenize.sources import Position, Source, source_at
-from tokenizer_service.tools.pretokenize.store import OutputDir
 from tokenizer_client.dataset import MASK_DTYPE, is_masked, shard_name, write_shard
 from tokenizer_client.packing import IGNORE_INDEX, pack_best_fit, pack_concat
 from tokenizer_client.wire import ragged_offsets
-
+from tokenizer_service.tools.pretokenize.sources import Position, Source, source_at
+from tokenizer_service.tools.pretokenize.store import OutputDir
 
 Leftover = tuple[np.ndarray, np.ndarray, np.ndarray | None]  # concat's carry: ids, document starts, mask
 

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tqdm import tqdm
 
+from tokenizer_client.dataset import TokenDataset
+from tokenizer_client.storage import ENVIRONMENT, StorageError, configure, filesystem, is_url
 from tokenizer_service.tools.pretokenize.export import (
     DEFAULT_LLMC_SHARD_TOKENS,
     FORMATS,
@@ -36,8 +38,6 @@ from tokenizer_service.tools.pretokenize.export import (
     export,
 )
 from tokenizer_service.tools.pretokenize.ranks import RankError, merge
-from tokenizer_client.dataset import TokenDataset
-from tokenizer_client.storage import ENVIRONMENT, StorageError, configure, filesystem, is_url
 
 # info, merge and export read shards only: the model and tokenizer code (the pre-tokenizer's reader and run, the
 # libraries) is imported where verify needs it, which keeps those commands' start-up at a fraction of a second

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
 import orjson
+
 from tokenizer_client.storage import StorageError, filesystem, is_url
 from tokenizer_client.storage import describe as describe_storage_error
 
