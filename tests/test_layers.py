@@ -33,7 +33,8 @@ def module_name(path: Path) -> str:
 
 @cache
 def modules() -> dict[str, Path]:
-    return {module_name(path): path for folder in IMPORT_NAMES for path in sorted((ROOT / folder).rglob("*.py"))}
+    found = (path for folder in IMPORT_NAMES for path in sorted((ROOT / folder).rglob("*.py")))
+    return {module_name(path): path for path in found if "results" not in path.parts}  # bench/results: git-ignored
 
 
 def _type_checking(node: ast.If) -> bool:
