@@ -16,6 +16,7 @@ MODEL...` settles verdicts ahead, in the foreground).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -125,14 +126,14 @@ def _main(connection: Connection, models: Sequence[tuple[int, ModelInfo]]) -> No
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the parent ends this process
     exit_with_parent()
-    try:
+    with contextlib.suppress(OSError):
         os.nice(19)
-    except OSError:
-        pass
     for index, info in models:
         sent: list[bool] = []
 
-        def send(differs: str | None, seconds: float, route: str | None, index: int = index) -> None:
+        def send(
+            differs: str | None, seconds: float, route: str | None, index: int = index, sent: list[bool] = sent
+        ) -> None:
             connection.send((index, differs, seconds, route))  # before the verdict is cached: the run hears it first
             sent.append(True)
 
@@ -175,16 +176,26 @@ def settle(
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m tokenizer_service.core.gatescan MODEL...`: settle each model's verdict now, in the foreground."""
+    import argparse
+
+    from tokenizer_service.core.models import ModelLoadError
     from tokenizer_service.core.registry import inspect_model
 
-    paths = sys.argv[1:] if argv is None else argv
-    if not paths:
-        print("usage: python -m tokenizer_service.core.gatescan MODEL_PATH...", file=sys.stderr)
-        return 2
+    parser = argparse.ArgumentParser(
+        prog="python -m tokenizer_service.core.gatescan",
+        description="Settle the fast encoder's gate for each model now (its verdict cached, as a server would "
+        "cache it), so that servers and pre-tokenizer runs start on the fast encoder. Exit 1 if one is refused.",
+    )
+    parser.add_argument("models", nargs="+", metavar="MODEL_PATH", help="a tokenizer.json, snapshot or ranks file")
+    paths = parser.parse_args(argv).models
     status = 0
     for given in paths:
         path = Path(given).expanduser()
-        info = inspect_model(path.name if path.is_dir() else path.stem, path)
+        try:
+            info = inspect_model(path.name if path.is_dir() else path.stem, path)
+        except ModelLoadError as exc:
+            print(f"{parser.prog}: {exc}", file=sys.stderr)
+            return 2
         started = time.monotonic()
         differs, _, route = settle(info, hold=False)
         verdict = f"passed: {route}" if differs is None else f"refused: {differs}"
