@@ -3,7 +3,8 @@
 Corpora: the shared multilingual one (10 languages, most documents not NFKC-normalized, like web text) or
 the shared Python docs where ../shared has them, else the repository's Botchan. Documents: paragraphs
 joined into 1-2 KB. Models: a unigram SentencePiece model trained on the corpus once, cached under
-bench/results/ (git-ignored). Server: tokenizer_service.tools.launcher on a free loopback port, as the tests start theirs.
+bench/results/ (git-ignored). Server: tokenizer_service.tools.launcher on a free loopback port, as the tests
+start theirs.
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ def documents_and_model(
 
 
 def start_server(model: Path, workers: int, *extra: str) -> tuple[str, subprocess.Popen[bytes]]:
-    """A server on a free loopback port serving `model` as "bench" (tokenizer_service.tools.launcher, as the tests start theirs)."""
+    """A server on a free loopback port serving `model` as "bench"
+    (tokenizer_service.tools.launcher, as the tests start theirs)."""
     args = ["--workers", str(workers), "--model", f"bench={model}", "--log-level", "warning", *extra]
     server = ServerProcess(args).start(timeout=120)
     assert server.process is not None

@@ -297,7 +297,8 @@ def main() -> None:
         for c in r["candidates"]:
             if c["passed"]:
                 print(
-                    f"| {r['model']} | {c['route']} | exact | {c['mtps']:.1f} | {c['rss_mib']:.0f} MiB | {c['load_seconds']:.2f} s "
+                    f"| {r['model']} | {c['route']} | exact | {c['mtps']:.1f} | {c['rss_mib']:.0f} MiB "
+                    f"| {c['load_seconds']:.2f} s "
                     f"| {'**yes**' if c['route'] == r['encoder'] else ''} |"
                 )
             else:

@@ -331,7 +331,9 @@ class Reference:
         data = np.load(cache)
         plain = np.split(data["ids"], np.cumsum(data["lengths"])[:-1])
         parsed = list(plain)
-        for index, ids in zip(data["holding"], np.split(data["parsed"], np.cumsum(data["parsed_lengths"])[:-1])):
+        # not strict: with no document holding a special-token string, np.split still yields one (empty) piece
+        pieces = np.split(data["parsed"], np.cumsum(data["parsed_lengths"])[:-1])
+        for index, ids in zip(data["holding"], pieces, strict=False):
             parsed[int(index)] = ids
         return cls(plain, parsed, len(data["holding"]))
 
@@ -341,7 +343,7 @@ class Reference:
             return 0, 0
         rows = np.split(ids, np.cumsum(lengths)[:-1])
         ours = peers = 0
-        for row, plain, parsed in zip(rows, self.ids, self.parsed):
+        for row, plain, parsed in zip(rows, self.ids, self.parsed, strict=True):
             if eos is not None:
                 if not len(row) or row[-1] != eos:
                     continue
@@ -412,7 +414,8 @@ def run_peers(rounds: int, megabytes: float, model: Path | None, only: list[str]
     out = PEERS / "out"
     print(
         f"{platform.node()}: {os.cpu_count()} cores ({len(os.sched_getaffinity(0))} usable), "
-        f"{psutil.virtual_memory().total / 2**30:.0f} GiB, {platform.python_implementation()} {platform.python_version()}, "
+        f"{psutil.virtual_memory().total / 2**30:.0f} GiB, "
+        f"{platform.python_implementation()} {platform.python_version()}, "
         f"load average {os.getloadavg()[0]:.1f}; corpus {corpus} ({len(documents):,} documents, {text_mb:.1f} MB of "
         f"text, {corpus.stat().st_size / 1e6:.1f} MB of Parquet), model {model.name}",
         flush=True,
@@ -465,7 +468,8 @@ def run_peers(rounds: int, megabytes: float, model: Path | None, only: list[str]
     count = len(documents)
     print()
     print(
-        f"{count:,} documents, {text_mb:.1f} MB of text; medians of {rounds} rounds; {reference.specials} documents hold a special-token string"
+        f"{count:,} documents, {text_mb:.1f} MB of text; medians of {rounds} rounds; "
+        f"{reference.specials} documents hold a special-token string"
     )
     print()
     print("| tool | wall s | CPU s | MB per CPU-s | peak RSS MiB | ids correct | wall vs us | CPU vs us |")
@@ -481,10 +485,12 @@ def run_peers(rounds: int, megabytes: float, model: Path | None, only: list[str]
         else:
             ids = f"{max(ours, peers):,}/{count:,}"
         print(
-            f"| {LABELS[tool]} | {wall:.2f} | {cpu:.2f} | {text_mb / cpu:.2f} | {rss:,.0f} | {ids} | {wall / us_wall:.2f} | {cpu / us_cpu:.2f} |"
+            f"| {LABELS[tool]} | {wall:.2f} | {cpu:.2f} | {text_mb / cpu:.2f} | {rss:,.0f} | {ids} "
+            f"| {wall / us_wall:.2f} | {cpu / us_cpu:.2f} |"
         )
     print(
-        f"| fastokens `encode_batch_flat`, the texts in memory, one process (floor) | | {best:.2f} | {text_mb / best:.1f} | | | | {best / us_cpu:.2f} |"
+        f"| fastokens `encode_batch_flat`, the texts in memory, one process (floor) | | {best:.2f} "
+        f"| {text_mb / best:.1f} | | | | {best / us_cpu:.2f} |"
     )
     print(f"(the floor's first call: {first:.2f} CPU-s)")
     print()

@@ -3,8 +3,8 @@
 This docstring is the one description of the format and this module its one implementation: the constants,
 ``write_shard`` (one shard's files, byte for byte), ``read_shard`` and ``TokenDataset`` (reading them back),
 ``check_metadata``; ``write_dataset`` (a whole output of ids tokenized elsewhere, for tests and benchmarks).
-``tokenizer_service.tools.pretokenize`` decides what goes into which shard, has ``write_shard`` write it under temporary names,
-and keeps ``metadata.json``. Everything is little-endian.
+``tokenizer_service.tools.pretokenize`` decides what goes into which shard, has ``write_shard`` write it under
+temporary names, and keeps ``metadata.json``. Everything is little-endian.
 
 An output directory holds::
 

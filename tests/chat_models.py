@@ -1,3 +1,4 @@
+# ruff: noqa: RUF001, RUF002  (DeepSeek's real control tokens are spelled with full-width vertical bars, on purpose)
 """A chat model trained at test time, with the special tokens real chat models ship, and conversations to test on.
 
 ``write_chat_snapshot`` trains a byte-level BPE ``tokenizer.json`` (Llama 3 / Qwen style: a split pattern,

@@ -1,6 +1,6 @@
-"""Servers of the client tests' own (tokenizer_service.tools.launcher.ServerProcess: a fixed port, so a restarted one comes
-back on the same URL; a process group of its own, so SIGKILL takes the worker processes too), running
-tests/gauged_server.py, which counts the /v1/ requests being handled at once, where they are handled.
+"""Servers of the client tests' own (tokenizer_service.tools.launcher.ServerProcess: a fixed port, so a
+restarted one comes back on the same URL; a process group of its own, so SIGKILL takes the worker processes
+too), running tests/gauged_server.py, which counts the /v1/ requests being handled at once, where they are handled.
 """
 
 from __future__ import annotations

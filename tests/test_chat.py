@@ -251,7 +251,10 @@ def test_records_are_tokenized_as_trl_sft_trainer_does(library_models, multiling
             completion += special["eos"]
         prompt_ids = tokenizer(record["prompt"])["input_ids"]
         full = tokenizer(record["prompt"] + completion)["input_ids"]
-        common = next((i for i, (a, b) in enumerate(zip(prompt_ids, full)) if a != b), min(len(prompt_ids), len(full)))
+        common = next(
+            (i for i, (a, b) in enumerate(zip(prompt_ids, full, strict=False)) if a != b),
+            min(len(prompt_ids), len(full)),
+        )
         assert ids == full
         assert mask == [0] * common + [1] * (len(full) - common)
     with pytest.raises(InvalidField, match=r"records\[1\] must be"):

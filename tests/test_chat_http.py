@@ -119,17 +119,51 @@ def test_records_through_the_service(chat_server):
 @pytest.mark.parametrize(
     ("body", "status", "message"),
     [
-        ({"conversations": [[{"role": "user", "content": "a"}, {"content": "b"}]]}, 422, r"conversations\[0\]\.messages\[1\] has no role"),
-        ({"conversations": [[{"role": "user", "content": 7}]]}, 422, r"conversations\[0\]\.messages\[0\]\.content must be"),
-        ({"conversations": [[{"role": "user", "content": "question only"}]]}, 422, r"conversations\[0\] has no token to train on"),
-        ({"conversations": [[{"role": "user", "content": "x"}] * 100_000]}, 413, r"conversations\[0\] has 100,000 messages"),
-        ({"conversations": [[{"role": "user", "content": "x"}]], "add_eos": True}, 422, r"add_eos cannot be used with conversations"),
+        (
+            {"conversations": [[{"role": "user", "content": "a"}, {"content": "b"}]]},
+            422,
+            r"conversations\[0\]\.messages\[1\] has no role",
+        ),
+        (
+            {"conversations": [[{"role": "user", "content": 7}]]},
+            422,
+            r"conversations\[0\]\.messages\[0\]\.content must be",
+        ),
+        (
+            {"conversations": [[{"role": "user", "content": "question only"}]]},
+            422,
+            r"conversations\[0\] has no token to train on",
+        ),
+        (
+            {"conversations": [[{"role": "user", "content": "x"}] * 100_000]},
+            413,
+            r"conversations\[0\] has 100,000 messages",
+        ),
+        (
+            {"conversations": [[{"role": "user", "content": "x"}]], "add_eos": True},
+            422,
+            r"add_eos cannot be used with conversations",
+        ),
         ({"conversations": [], "texts": ["a"]}, 422, r"exactly one of texts, conversations and records"),
-        ({"conversations": [[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]], "model": "bare"}, 422, r"model 'bare' has no chat template; pass --chat-template bare=FILE"),
-        ({"conversations": [[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]], "model": "unknown"}, 422, r"pass --chat-template unknown=FILE"),
+        (
+            {
+                "conversations": [[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]],
+                "model": "bare",
+            },
+            422,
+            r"model 'bare' has no chat template; pass --chat-template bare=FILE",
+        ),
+        (
+            {
+                "conversations": [[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]],
+                "model": "unknown",
+            },
+            422,
+            r"pass --chat-template unknown=FILE",
+        ),
         ({"records": [{"prompt": "a"}]}, 422, r"records\[0\] must be"),
     ],
-)  # fmt: skip
+)
 def test_bad_conversations_are_4xx_naming_where_and_the_server_stays_up(chat_server, body, status, message):
     import re
 

@@ -197,7 +197,8 @@ def _models(tmp_path, kind: str) -> dict[str, str]:
     ],
 )
 def test_a_start_it_cannot_serve_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, args, env, setup, expected):
-    """tokenizer_service.cli.main in this process, as the command runs it (the installed command itself: the test below)."""
+    """tokenizer_service.cli.main in this process, as the command runs it
+    (the installed command itself: the test below)."""
     if setup:
         _models(tmp_path, setup)
     for key in [key for key in os.environ if key.startswith("TOKENIZER_")]:

@@ -75,7 +75,7 @@ def test_converted_ranks_pass_the_whole_gate_where_direct_loading_cannot(qwen_ra
     monkeypatch.setattr(checkset, "code_points", lambda: list(range(0x3000)) + list(range(0x4E00, 0x5000)))
     files = find_model_files("qwen", qwen_ranks)
     library = libraries.load(files, libraries.REFERENCE)
-    fast, differs, route = libraries.gate_verdict(library, encoder="gigatoken")
+    _fast, differs, route = libraries.gate_verdict(library, encoder="gigatoken")
     assert differs is None and route == "gigatoken(converted)", differs
     verdict = libraries.cached_verdict(libraries.gate_key(files, "gigatoken"))
     assert verdict["encoder"] == "gigatoken(converted)"
@@ -135,7 +135,7 @@ def test_a_planted_difference_refuses_that_candidate_only(library_models, tmp_pa
         return fast, why
 
     monkeypatch.setattr(libraries, "_build_fast", planted)
-    fast, differs, route = libraries.gate_verdict(library)
+    _fast, differs, route = libraries.gate_verdict(library)
     other = "gigatoken" if refused == "fastokens" else "fastokens"
     assert differs is None and route == other
     verdict = libraries.cached_verdict(libraries.gate_key(files))
@@ -176,7 +176,7 @@ def test_encoder_gigatoken_pins_it(library_models, tmp_path, monkeypatch):
     monkeypatch.setattr(checkset, "code_points", lambda: list(range(0x1000)))
     files = find_model_files("hfbpe", library_models["hfbpe"])
     library = libraries.load(files, libraries.REFERENCE)
-    fast, differs, route = libraries.gate_verdict(library, encoder="gigatoken")
+    _fast, differs, route = libraries.gate_verdict(library, encoder="gigatoken")
     assert differs is None and route == "gigatoken"
     verdict = libraries.cached_verdict(libraries.gate_key(files, "gigatoken"))
     assert [c["route"] for c in verdict["candidates"]] == ["gigatoken"]  # fastokens was not even tried

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -85,13 +86,13 @@ def frontend_children(pid: int) -> list[int]:
     """The supervisor's children that run a front-end (spawn_main; not multiprocessing's resource tracker),
     from the moment each has started Python (read from /proc: a few microseconds a look)."""
     try:
-        children = open(f"/proc/{pid}/task/{pid}/children").read().split()
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     except OSError:
         return []
     found = []
     for child in children:
         try:
-            command = open(f"/proc/{child}/cmdline", "rb").read()
+            command = Path(f"/proc/{child}/cmdline").read_bytes()
         except OSError:
             continue
         if b"spawn_main" in command:

@@ -70,7 +70,7 @@ def held_server(library_models, tmp_path_factory) -> Iterator[tuple[str, object,
 
 
 def test_the_server_is_ready_before_the_scan_and_promotes_when_it_passes(held_server, library_models, documents):
-    url, process, hold, _ = held_server
+    url, _process, hold, _ = held_server
     assert not hold.exists()  # ready (start_server waited for /readyz) while the scan cannot have reported
     assert encoder_of(url, "hfbpe") == "tokenizers"
     assert 'encoder="tokenizers"' in httpx.get(f"{url}/metrics", timeout=10).text

@@ -1,7 +1,8 @@
 """The layers of the tree, held by walking its import graph (every import statement, lazy ones in functions
 included; only `if TYPE_CHECKING:` blocks, which never run, are left out).
 
-- tokenizer_service.core, the serving core, imports nothing of the HTTP edge (tokenizer_service.http) nor of fastapi, starlette, uvicorn;
+- tokenizer_service.core, the serving core, imports nothing of the HTTP edge (tokenizer_service.http)
+  nor of fastapi, starlette, uvicorn;
 - client imports nothing of app (it is what a training job installs: numpy and httpx);
 - a worker process (what tokenizer_service.core.process imports, the entry point of the server's workers and of the
   pre-tokenizer's pool) never imports httpx;

@@ -409,7 +409,7 @@ def test_token_dataset_at_a_url_needs_a_cache_and_equals_the_local_one(
     again = pickle.loads(pickle.dumps(remote))  # DataLoader workers: by URL and cache
     assert again.url == url and again.path == remote.path and documents_of(again) == documents_of(local)
     missing = f"file://{tmp_path}/nothing"
-    with pytest.raises(ValueError, match="holds no metadata.json"):
+    with pytest.raises(ValueError, match=r"holds no metadata\.json"):
         TokenDataset(missing, cache_dir=tmp_path / "cache")
 
 
@@ -463,7 +463,7 @@ def test_token_dataset_and_a_mixture_over_bucket_urls_equal_local_ones(
         np.testing.assert_array_equal(getattr(ours, field), getattr(theirs, field))
     rows_here = here.loader(rank=0, world_size=1, batch_size=4)
     rows_there = there.loader(rank=0, world_size=1, batch_size=4)
-    for mine, yours, _ in zip(rows_here, rows_there, range(3)):
+    for mine, yours, _ in zip(rows_here, rows_there, range(3), strict=False):
         np.testing.assert_array_equal(mine.input_ids, yours.input_ids)
     assert rows_here.state_dict() == rows_there.state_dict()  # a dataset copied elsewhere resumes the same stream
 

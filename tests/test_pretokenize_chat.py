@@ -84,7 +84,7 @@ def local_output(setup, tmp_path_factory):
 
 
 def test_local_conversations_equal_transformers_and_bad_ones_are_bad_records(setup, local_output):
-    directory, snapshot, chats, _, _, expected = setup
+    _directory, _snapshot, chats, _, _, expected = setup
     dataset = TokenDataset(local_output)
     assert dataset.metadata["version"] == 2 and dataset.masked
     assert contents(dataset) == expected
@@ -143,7 +143,7 @@ def test_url_writes_the_same_shards_as_local(setup, local_output, tmp_path):
 
 
 def test_sharegpt_and_packed_rows(setup, local_output, tmp_path):
-    directory, snapshot, chats, _, _, expected = setup
+    directory, snapshot, _chats, _, _, expected = setup
     out = tmp_path / "sharegpt"
     args = [str(directory / "sharegpt.jsonl"), "--conversations", "--local", "--model", str(snapshot)]
     args += ["--chat-template", str(STOCK)]
@@ -176,7 +176,9 @@ def test_prompt_completion_records_as_trl_tokenizes_them(setup, tmp_path):
     for index, record in enumerate(records):
         prompt = tokenizer(record["prompt"])["input_ids"]
         full = tokenizer(record["prompt"] + record["completion"] + EOS)["input_ids"]
-        common = next((i for i, (a, b) in enumerate(zip(prompt, full)) if a != b), min(len(prompt), len(full)))
+        common = next(
+            (i for i, (a, b) in enumerate(zip(prompt, full, strict=False)) if a != b), min(len(prompt), len(full))
+        )
         assert dataset[index].tolist() == full
         assert dataset.loss_mask(index).tolist() == [0] * common + [1] * (len(full) - common)
     assert shards_cli.main(["verify", str(out), "--sample", "20"]) == 0

@@ -34,7 +34,7 @@ def test_a_sampled_text_that_differs_falls_the_model_back(library_models):
     assert report.model == "tt" and report.checks == 2  # the third after the fall-back: not checked
     assert report.mismatch is not None and "U+2603" in report.mismatch
     assert library.encoder == "tiktoken" and library.fast is None
-    right, lengths = library.encode(texts, EncodeOptions())
+    right, _lengths = library.encode(texts, EncodeOptions())
     reference = Reference(library_models["tt"])
     assert right.tolist() == [i for text in texts for i in reference.encode(text)]
     assert right.tolist() != wrong.tolist()

@@ -273,7 +273,7 @@ def test_a_directory_holding_only_original_tokenizer_model_is_served_from_it(mad
     assert len(find_model_files("x", made["llama3like"]).files) == 2  # the sidecar, hashed with it
     # a tokenizer.json beside it wins, as before; a directory with none of the three is refused naming them
     (snapshot / "tokenizer.json").write_text("{}")  # read first: JSON, but not a tokenizer.json
-    with pytest.raises(ModelLoadError, match="tokenizer.json is not a model file"):
+    with pytest.raises(ModelLoadError, match=r"tokenizer\.json is not a model file"):
         find_model_files("x", snapshot)
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -334,8 +334,9 @@ def test_tekken_ids_and_decode_equal_mistral_commons(made, multilingual, name):
     for parse_special in (False, True):
         got = libraries.flatten_rows(*library.encode_plain(texts, parse_special))
         assert [row.tolist() for row in got] == tekken_reference_rows(reference, texts, parse_special), parse_special
-    rows = tekken_reference_rows(reference, texts, True)[:60] + [
-        [1, 3, *reference.encode("½ π", False, False)[:1], 4, 2]
+    rows = [
+        *tekken_reference_rows(reference, texts, True)[:60],
+        [1, 3, *reference.encode("½ π", False, False)[:1], 4, 2],
     ]
     assert library.decode(rows) == [reference.decode(row, special_token_policy=SpecialTokenPolicy.KEEP) for row in rows]
 
@@ -467,8 +468,8 @@ def test_the_server_serves_them_with_the_makers_ids(shipped_server, multilingual
     }
     text = log.read_text()
     assert (
-        f"model 'llama3': {models}/llama3/original/tokenizer.model: tiktoken BPE ranks of Meta's Llama 3 (recognized by its sha256)"
-        in text
+        f"model 'llama3': {models}/llama3/original/tokenizer.model: "
+        "tiktoken BPE ranks of Meta's Llama 3 (recognized by its sha256)" in text
     )
     assert f"model 'nemo': {models}/nemo/tekken.json: a Mistral tekken.json" in text
     for skip in EXPECTED_SKIPS:

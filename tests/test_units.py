@@ -192,8 +192,9 @@ def client_import_graph() -> dict[str, set[str]]:
     modules = {module_name(path): path for path in package.rglob("*.py")}
 
     def with_packages(module: str, importer: str) -> list[str]:
-        """`module` and the subpackages of tokenizer_client it lies in: not tokenizer_client itself (its imports are all lazy), nor
-        a package the importer lies in (Python has begun importing that one before the importer runs)."""
+        """`module` and the subpackages of tokenizer_client it lies in: not tokenizer_client itself
+        (its imports are all lazy), nor a package the importer lies in (Python has begun importing that one before
+        the importer runs)."""
         parts = module.split(".")
         names = [".".join(parts[:end]) for end in range(2, len(parts) + 1)]
         return [name for name in names if name == module or not importer.startswith(f"{name}.")]

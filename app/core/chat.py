@@ -456,16 +456,22 @@ def _checked_message(message: Any, index: int, position: int) -> dict[str, Any]:
     if not isinstance(role, str) or not role:
         raise InvalidField(f"{where} has no role (a string)", field="conversations", index=index)
     content = message.get("content")
-    if content is not None and not isinstance(content, str):
-        if not isinstance(content, list) or not all(
-            isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-            for part in content
-        ):
-            raise InvalidField(
-                f'{where}.content must be a string or a list of {{"type": "text", "text": string}} parts',
-                field="conversations",
-                index=index,
+    if (
+        content is not None
+        and not isinstance(content, str)
+        and (
+            not isinstance(content, list)
+            or not all(
+                isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                for part in content
             )
+        )
+    ):
+        raise InvalidField(
+            f'{where}.content must be a string or a list of {{"type": "text", "text": string}} parts',
+            field="conversations",
+            index=index,
+        )
     train = message.get("train")
     if train is not None and not isinstance(train, bool):
         raise InvalidField(f"{where}.train must be true or false", field="conversations", index=index)
@@ -633,9 +639,13 @@ class ChatTemplate:
         if options.parse_special_tokens or not self.tokens.special:
             return []
         pattern = self.tokens._any
-        if pattern is not None and self.tokens.json_safe and not self.tokens.splits_always:
-            if pattern.search(orjson.dumps(messages).decode("utf-8")) is None:  # one search: the usual case
-                return []
+        if (
+            pattern is not None
+            and self.tokens.json_safe
+            and not self.tokens.splits_always
+            and pattern.search(orjson.dumps(messages).decode("utf-8")) is None  # one search: the usual case
+        ):
+            return []
         strings = _strings(messages)
         found = sorted(
             {match.group(0) for string in strings for match in pattern.finditer(string)} if pattern else set(),

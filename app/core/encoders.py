@@ -140,7 +140,7 @@ def ranks_to_tokenizer_json(ranks: dict[bytes, int], pat_str: str, special_token
                 "special": True,
             }
             for content, token_id in sorted(special_tokens.items(), key=lambda item: item[1])
-        ],  # fmt: skip
+        ],
         "normalizer": None,
         "pre_tokenizer": {
             "type": "Sequence",
@@ -225,10 +225,7 @@ class Gigatoken:
         for index, plan in enumerate(plans):
             total = 0
             for step in plan:
-                if step >= 0:
-                    part = ids[offsets[step] : offsets[step + 1]]
-                else:
-                    part = np.array([-1 - step], dtype=np.uint32)
+                part = ids[offsets[step] : offsets[step + 1]] if step >= 0 else np.array([-1 - step], dtype=np.uint32)
                 parts.append(part)
                 total += len(part)
             lengths[index] = total

@@ -28,6 +28,7 @@ import contextlib
 import hashlib
 import importlib.metadata
 import importlib.util
+import itertools
 import json
 import logging
 import multiprocessing
@@ -199,7 +200,7 @@ class Library(ABC):
             return self.fast is not None
         return _adopt_fast(self, trusted=True, encoder=route)
 
-    def _fast_adopted(self) -> None:
+    def _fast_adopted(self) -> None:  # noqa: B027  (a hook: a subclass may override it, the default does nothing)
         """fastokens now encodes this model."""
 
     def special_ids(self) -> dict[str, int]:
@@ -511,7 +512,8 @@ def edge_separator(library: Any) -> tuple[str, int] | None:
 
 
 def cache_dir() -> Path:
-    """Where gate verdicts are kept: $TOKENIZER_CACHE_DIR/gate, else $XDG_CACHE_HOME (~/.cache)/tokenizer-service/gate."""
+    """Where gate verdicts are kept: $TOKENIZER_CACHE_DIR/gate,
+    else $XDG_CACHE_HOME (~/.cache)/tokenizer-service/gate."""
     configured = os.environ.get(CACHE_DIR_ENV)
     if configured:
         return Path(configured).expanduser() / "gate"
@@ -842,7 +844,8 @@ def _refusal(results: Sequence[dict[str, Any]], pinned: bool) -> str:
     for result in results:
         if result["passed"] and not pinned:
             parts.append(
-                f"{result['route']} holds {result['rss_mib']:.0f} MiB a process, over the {encoders.MEMORY_BOUND_MIB} MiB bound"
+                f"{result['route']} holds {result['rss_mib']:.0f} MiB a process, "
+                f"over the {encoders.MEMORY_BOUND_MIB} MiB bound"
             )
         elif not result["passed"]:
             parts.append(str(result["differs"]))
@@ -930,10 +933,8 @@ def _scan_lock(key: dict[str, Any]) -> Any:
         yield
         return
     with handle:
-        try:
+        with contextlib.suppress(OSError):
             fcntl.flock(handle, fcntl.LOCK_EX)
-        except OSError:
-            pass
         yield
 
 
@@ -1222,7 +1223,7 @@ def _has_token(encoding: Any, token: int) -> bool:
 # each cut again inside every run of more than MAX_NO_WHITESPACES_CHARS whitespace or non-whitespace characters
 # (str.isspace, which Python's \s matches exactly), every that many characters; the pieces are encoded one by one.
 META_MAX_CHARS, META_MAX_RUN = 400_000, 25_000
-_LONG_RUN = re.compile(r"\s{%d,}|\S{%d,}" % (META_MAX_RUN + 1, META_MAX_RUN + 1))
+_LONG_RUN = re.compile(rf"\s{{{META_MAX_RUN + 1},}}|\S{{{META_MAX_RUN + 1},}}")
 
 
 def meta_pieces(text: str) -> list[str]:
@@ -1237,7 +1238,7 @@ def meta_pieces(text: str) -> list[str]:
         for run in _LONG_RUN.finditer(chunk):
             cuts.extend(range(run.start() + META_MAX_RUN, run.end(), META_MAX_RUN))
         cuts.append(len(chunk))
-        pieces += [chunk[first:last] for first, last in zip(cuts, cuts[1:], strict=False)]
+        pieces += [chunk[first:last] for first, last in itertools.pairwise(cuts)]
     return pieces
 
 

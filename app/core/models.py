@@ -435,7 +435,10 @@ def _numbered(kind: str, start: int, count: int) -> tuple[str, ...]:
     return tuple(f"<|{kind}_reserved_special_token_{i}|>" for i in range(start, start + count))
 
 
-_LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _LLAMA4_PATTERN = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
@@ -458,7 +461,7 @@ META_ENCODINGS = {
             "<|eot_id|>",
             "<|python_tag|>",
             "<|image|>",
-        ),  # fmt: skip
+        ),
         256,
         2,
         {"bos": "<|begin_of_text|>", "eos": "<|end_of_text|>", "pad": "<|finetune_right_pad_id|>"},
@@ -498,7 +501,7 @@ META_ENCODINGS = {
             *_numbered("reasoning", 0, 8),
             "<|reasoning_thinking_start|>",
             "<|reasoning_thinking_end|>",
-        ),  # fmt: skip
+        ),
         2048,
         0,
         {"bos": "<|begin_of_text|>", "eos": "<|end_of_text|>", "pad": "<|finetune_right_pad|>"},
@@ -698,7 +701,8 @@ def tekken_spec(files: ModelFiles, name: str | None = None) -> TekkenSpec:
         special = [token["token_str"] for token in listed]
     if len(set(special)) != len(special) or len(special) > num_special:
         raise ModelLoadError(
-            f"{where}: its {len(special)} special tokens must be unique and at most default_num_special_tokens ({num_special})"
+            f"{where}: its {len(special)} special tokens must be unique "
+            f"and at most default_num_special_tokens ({num_special})"
         )
     special += [TEKKEN_FILLER.format(id=i) for i in range(len(special), num_special)]
     inner = vocab_size - num_special

@@ -1,4 +1,5 @@
-"""What the edge lets in: a bound on the bytes that requests hold (texts known to be poison: tokenizer_service.core.poison)."""
+"""What the edge lets in: a bound on the bytes that requests hold
+(texts known to be poison: tokenizer_service.core.poison)."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@
 
 With ``pack=PackSpec(seq_len, rows)`` the batches are :class:`PackedBatch` of exactly ``rows`` rows of
 ``seq_len`` tokens (the last one may have fewer rows). ``concat`` tokenizes windows with /v1/tokenize,
-any number in flight, and cuts the rows in the client, in stream order (see tokenizer_client.prefetch.rows: a /v1/pack request
-with ``carry`` needs the previous one's leftover, which would allow only one request in flight).
+any number in flight, and cuts the rows in the client, in stream order (see tokenizer_client.prefetch.rows: a
+/v1/pack request with ``carry`` needs the previous one's leftover, which would allow only one request in flight).
 ``best_fit`` packs each window of ``batch_size`` texts on the server (/v1/pack; no carry) and
 regroups the rows.
 

@@ -82,13 +82,14 @@ class PrefetchOptions:
         )
         if tokenize.inputs != "conversations" and tokenize.train_on != "assistant":
             raise ValueError("train_on applies to conversations only (conversations=True, or an iterable of them)")
-        if tokenize.inputs != "texts":
-            if tokenize != bare or (pack is not None and (pack.add_bos or pack.add_eos is not None)):
-                raise ValueError(
-                    f"add_bos, add_eos, max_length and sample cannot be used with {tokenize.inputs}: the chat "
-                    "template (for records, TRL's rule) decides the special tokens, and a truncated conversation "
-                    "would train on a cut turn"
-                )
+        if tokenize.inputs != "texts" and (
+            tokenize != bare or (pack is not None and (pack.add_bos or pack.add_eos is not None))
+        ):
+            raise ValueError(
+                f"add_bos, add_eos, max_length and sample cannot be used with {tokenize.inputs}: the chat "
+                "template (for records, TRL's rule) decides the special tokens, and a truncated conversation "
+                "would train on a cut turn"
+            )
         if pack is not None:
             if tokenize != bare:
                 raise ValueError(

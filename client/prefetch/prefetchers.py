@@ -1,4 +1,5 @@
-"""Prefetcher and AsyncPrefetcher: each only its way of waiting around the one pipeline (see tokenizer_client.prefetch)."""
+"""Prefetcher and AsyncPrefetcher: each only its way of waiting around the one pipeline
+(see tokenizer_client.prefetch)."""
 
 from __future__ import annotations
 

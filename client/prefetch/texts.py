@@ -96,7 +96,7 @@ def detect_inputs(
         return "conversations", items
     if records:
         return "records", items
-    if isinstance(items, AsyncIterable) or isinstance(items, str | bytes | bytearray | dict):
+    if isinstance(items, AsyncIterable | str | bytes | bytearray | dict):
         return "texts", items  # a single str or dict is refused, as before, by the reader
     kind: Inputs
     if isinstance(items, Sequence):

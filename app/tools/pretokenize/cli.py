@@ -48,8 +48,8 @@ or a directory (every such file below it, sorted by path). --conversations: each
 (OpenAI messages in --text-field, default messages; ShareGPT's conversations of from/value read too), rendered
 with the model's chat template (--chat-template FILE overrides it); --prompt-completion: prompt and completion
 strings, as TRL's SFT trainer tokenizes them; both store a loss mask beside the ids (NNNNN.mask).
-Output: NNNNN.bin/.idx shards and
-metadata.json (see the tokenizer_client.dataset module for the format; read it with tokenizer_client.dataset.TokenDataset).
+Output: NNNNN.bin/.idx shards and metadata.json (see the tokenizer_client.dataset module for the format;
+read it with tokenizer_client.dataset.TokenDataset).
 Run the same command again after an interruption to resume; a finished output is left as it is.
 """
 

@@ -2,9 +2,9 @@
 
 One Ray task per rank (`num_cpus` = `--workers`, retried by Ray when its worker dies: a retried rank
 resumes from its last complete shard), each running the same code as a rank of any other job system
-(tokenizer_service.tools.pretokenize.run with rank R of W). When all are done the ranks are merged. `--ray local` starts a
-Ray on this machine bound to 127.0.0.1 only, without a dashboard: by default Ray would listen on and
-advertise the machine's non-loopback address. (Ray Data with actors hung on 2 CPUs when tried: plain
+(tokenizer_service.tools.pretokenize.run with rank R of W). When all are done the ranks are merged.
+`--ray local` starts a Ray on this machine bound to 127.0.0.1 only, without a dashboard: by default Ray
+would listen on and advertise the machine's non-loopback address. (Ray Data with actors hung on 2 CPUs when tried: plain
 tasks, one a rank, are all this needs.)
 """
 

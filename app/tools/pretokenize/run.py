@@ -604,7 +604,8 @@ def _gate_beside(
             if differs is None:
                 encoder = route or libraries.FASTOKENS
                 warn(
-                    f"model {model.name!r}: the fast encoder's gate passed ({seconds:.1f}s of scan); later chunks are encoded by {encoder}"
+                    f"model {model.name!r}: the fast encoder's gate passed ({seconds:.1f}s of scan); "
+                    f"later chunks are encoded by {encoder}"
                 )
             else:
                 warn(libraries.refusal_line(model.path, model.library, differs))

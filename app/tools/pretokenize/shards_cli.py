@@ -289,8 +289,7 @@ def recorded_template(dataset: TokenDataset) -> Path | None:
         return None
     import tempfile
 
-    file = tempfile.NamedTemporaryFile("wb", suffix=".jinja", prefix="chat-template-", delete=False)
-    with file:
+    with tempfile.NamedTemporaryFile("wb", suffix=".jinja", prefix="chat-template-", delete=False) as file:
         file.write(template["text"].encode("utf-8"))
     return Path(file.name)
 
