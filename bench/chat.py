@@ -31,46 +31,23 @@ from typing import Any
 
 import psutil
 
-from bench.inputs import RESULTS, default_corpus, read_text
+from bench.inputs import RESULTS, default_corpus, read_text, write_byte_level_bpe
 from tokenizer_client import TokenizerClient
 from tokenizer_service.core import chat
 from tokenizer_service.tools.launcher import ServerProcess
 
 BATCH = 256
 CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-PATTERN = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"""
-    r"""\s+(?!\S)|\s+"""
-)
 
 
 def bench_model(corpus: Path, vocab_size: int = 32000) -> Path:
-    """A byte-level BPE tokenizer.json (Qwen-style pattern) with <|im_start|>/<|im_end|>, trained once."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-
+    """A byte-level BPE tokenizer.json (cl100k/Llama 3 split pattern) with <|im_start|>/<|im_end|>, trained once."""
     directory = RESULTS / f"chat-bpe-{vocab_size // 1000}k-{corpus.stem}"
     if (directory / "tokenizer.json").exists():
         return directory
     print(f"training a {vocab_size // 1000}k byte-level BPE on {corpus.name} (once) ...", flush=True)
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PATTERN), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    tokenizer.train_from_iterator(read_text(corpus).split("\n\n"), trainer)
-    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in CONTROL])
-    directory.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(
-        json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
-    )
-    return directory
+    config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    return write_byte_level_bpe(directory, read_text(corpus).split("\n\n"), vocab_size, CONTROL, config)
 
 
 def build_conversations(corpus: Path, count: int) -> list[list[dict[str, str]]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections.abc import Iterable
 from pathlib import Path
 
 import sentencepiece as spm
@@ -107,6 +108,45 @@ def documents_and_model(
 ) -> tuple[list[str], Path]:
     """`count` documents of the corpus, and `model`, or without one a model trained on the corpus (cached)."""
     return load_documents(corpus, count), model or bench_model(corpus, vocab_size)
+
+
+# The split pattern of cl100k_base and Llama 3, which byte-level BPE models of the benchmarks use
+BYTE_LEVEL_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"""
+    r"""\s+(?!\S)|\s+"""
+)
+
+
+def write_byte_level_bpe(
+    directory: Path, texts: Iterable[str], vocab_size: int, special: list[str], config: dict[str, str]
+) -> Path:
+    """A byte-level BPE tokenizer.json (BYTE_LEVEL_PATTERN, then bytes) trained on `texts`, with `special` tokens
+    after the trained ones and `config` as its tokenizer_config.json, written whole (a directory ending in
+    .partial renamed at the end) so that an interrupted training leaves nothing to be taken for a model."""
+    import shutil
+
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(BYTE_LEVEL_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(special), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in special])
+    partial = directory.with_name(directory.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    tokenizer.save(str(partial / "tokenizer.json"))
+    (partial / "tokenizer_config.json").write_text(json.dumps(config))
+    partial.rename(directory)
+    return directory
 
 
 def start_server(model: Path, workers: int, *extra: str) -> tuple[str, subprocess.Popen[bytes]]:

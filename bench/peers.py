@@ -42,16 +42,12 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from bench.inputs import MULTILINGUAL_CORPUS, RESULTS, ROOT
+from bench.inputs import MULTILINGUAL_CORPUS, RESULTS, ROOT, write_byte_level_bpe
 
 PEERS = RESULTS / "peers"
 VOCAB = 128_000
 SPECIALS = ["<|endoftext|>", "<|begin_of_text|>", "<|end_of_text|>"]
 EOS = "<|endoftext|>"
-LLAMA3_PATTERN = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"""
-    r"""\s+(?!\S)|\s+"""
-)
 VERSIONS = {"gigatoken": "gigatoken==0.10.0", "datatrove": "datatrove[io]==0.10.1", "datasets": "datasets==5.2.0"}
 SPECIAL_EVERY = 500
 
@@ -111,32 +107,12 @@ def write_parquet(path: Path, documents: list[str]) -> Path:
 def peer_model(documents: list[str]) -> Path:
     """A 128k byte-level BPE tokenizer.json (Llama 3's split pattern, <|endoftext|> as EOS), trained once on the
     unique source text; its directory."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-
     directory = RESULTS / f"bpe-{VOCAB // 1000}k-{MULTILINGUAL_CORPUS.stem}"
     if (directory / "tokenizer.json").exists():
         return directory
     print(f"training a {VOCAB // 1000}k byte-level BPE on {MULTILINGUAL_CORPUS.name} (once) ...", flush=True)
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB - len(SPECIALS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    tokenizer.train_from_iterator(source_documents(), trainer)
-    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in SPECIALS])
-    partial = directory.with_name(directory.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    tokenizer.save(str(partial / "tokenizer.json"))
-    (partial / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS, "bos_token": "<|begin_of_text|>"}))
-    partial.rename(directory)
-    return directory
+    config = {"eos_token": EOS, "bos_token": "<|begin_of_text|>"}
+    return write_byte_level_bpe(directory, source_documents(), VOCAB, list(SPECIALS), config)
 
 
 RUNNERS = {
