@@ -117,17 +117,9 @@ class PackedBatch:
             [self.input_ids, self.labels, self.position_ids, *self.cu_seqlens], pin_memory
         )
         (leftover,) = tensors([self.leftover], pin_memory=False)
-        if self.leftover_loss_mask is not None:
-            (leftover_loss_mask,) = tensors([self.leftover_loss_mask], pin_memory=False)
-            return replace(
-                self,
-                input_ids=input_ids,
-                labels=labels,
-                position_ids=position_ids,
-                cu_seqlens=cu_seqlens,
-                leftover=leftover,
-                leftover_loss_mask=leftover_loss_mask,
-            )
+        leftover_loss_mask = self.leftover_loss_mask
+        if leftover_loss_mask is not None:
+            (leftover_loss_mask,) = tensors([leftover_loss_mask], pin_memory=False)
         return replace(
             self,
             input_ids=input_ids,
@@ -135,6 +127,7 @@ class PackedBatch:
             position_ids=position_ids,
             cu_seqlens=cu_seqlens,
             leftover=leftover,
+            leftover_loss_mask=leftover_loss_mask,
         )
 
 

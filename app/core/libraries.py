@@ -1114,6 +1114,14 @@ def _fast_flat(fast: Any, texts: list[str], parse_special: bool) -> Encoded:
 # -- tiktoken ---------------------------------------------------------------------------------------------
 
 
+def tiktoken_rows(encoding: Any, texts: list[str], parse_special: bool) -> list[list[int]]:
+    """A tiktoken encoding's ids of each text: `encode(text, allowed_special="all")` when special-token strings
+    are parsed, else `encode_ordinary(text)` (tiktoken ranks and Tekken alike)."""
+    if parse_special:
+        return [encoding.encode(text, allowed_special="all") for text in texts]
+    return [encoding.encode_ordinary(text) for text in texts]
+
+
 class Tiktoken(Library):
     library = TIKTOKEN
 
@@ -1185,10 +1193,7 @@ class Tiktoken(Library):
         return self._reference_rows(texts, parse_special)
 
     def _reference_rows(self, texts: list[str], parse_special: bool) -> list[list[int]]:
-        reference = self.reference
-        if parse_special:
-            return [reference.encode(text, allowed_special="all") for text in texts]
-        return [reference.encode_ordinary(text) for text in texts]
+        return tiktoken_rows(self.reference, texts, parse_special)
 
     def encode_plain(self, texts: list[str], parse_special: bool) -> Encoded:
         if self.fast is not None:
@@ -1316,10 +1321,7 @@ class Tekken(Library):
         return self._reference_rows(texts, parse_special)
 
     def _reference_rows(self, texts: list[str], parse_special: bool) -> list[list[int]]:
-        reference = self.reference
-        if parse_special:
-            return [reference.encode(text, allowed_special="all") for text in texts]
-        return [reference.encode_ordinary(text) for text in texts]
+        return tiktoken_rows(self.reference, texts, parse_special)
 
     def encode_plain(self, texts: list[str], parse_special: bool) -> Encoded:
         return flatten(self._reference_rows(texts, parse_special))
