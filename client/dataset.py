@@ -587,7 +587,8 @@ class TokenDataset:
             ranked = fs.glob(f"{root.rstrip('/')}/rank-*/{METADATA_FILE}")
             if ranked:
                 raise ValueError(
-                    f"{url} is a ranked output (rank-RRRRR prefixes, no {METADATA_FILE} over them yet): merge it first"
+                    f"{url} is a ranked output (rank-RRRRR prefixes, no {METADATA_FILE} over them yet): run "
+                    f"tokenizer-shards merge {url} first"
                 ) from None
             raise ValueError(f"{url} holds no {METADATA_FILE}: not a tokenizer-pretokenize output") from None
         except Exception as exc:

@@ -299,22 +299,7 @@ def test_a_run_killed_mid_upload_resumes_to_exactly_the_objects_of_an_uninterrup
     reference = objects(s3, reference_url)
 
     process = run_cli([*args, "--output", resumed_url, "--staging", tmp_path / "staging"], start_new_session=True)
-    killed_mid_upload = False
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and process.poll() is None:
-            present = objects_names(s3, resumed_url)
-            listed = listed_shards(s3, resumed_url)
-            unlisted = {name for name in present if name[:5].isdigit() and int(name[:5]) >= listed}
-            if listed >= 1 and unlisted:  # a shard's objects uploaded, metadata.json not yet naming it
-                os.killpg(process.pid, signal.SIGKILL)
-                killed_mid_upload = True
-                break
-            time.sleep(0.005)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+    killed_mid_upload = kill_between_upload_and_metadata(process, s3, resumed_url)
     assert killed_mid_upload, "the run ended before it could be killed between a shard's upload and its metadata"
     interrupted = json.loads(s3.cat_file(f"{bucket}/resumed/metadata.json"))  # type: ignore[attr-defined]
     assert not interrupted["complete"]
@@ -324,6 +309,26 @@ def test_a_run_killed_mid_upload_resumes_to_exactly_the_objects_of_an_uninterrup
     assert rerun.returncode == 0, errors.decode()
     assert objects(s3, resumed_url) == reference  # metadata.json too
     assert not any((tmp_path / "staging").iterdir())
+
+
+def kill_between_upload_and_metadata(process: subprocess.Popen[bytes], fs: object, url: str) -> bool:
+    """SIGKILL `process` (its session) once a shard's objects are uploaded under `url` and metadata.json does not
+    name that shard yet; False if the run ended first."""
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and process.poll() is None:
+            present = objects_names(fs, url)
+            listed = listed_shards(fs, url)
+            unlisted = {name for name in present if name[:5].isdigit() and int(name[:5]) >= listed}
+            if listed >= 1 and unlisted:  # a shard's objects uploaded, metadata.json not yet naming it
+                os.killpg(process.pid, signal.SIGKILL)
+                return True
+            time.sleep(0.005)
+        return False
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def objects_names(fs: object, url: str) -> list[str]:
@@ -372,6 +377,61 @@ def test_store_faults_are_one_line_each(
         assert process.returncode == code and len(lines) == 1 and said in lines[0], (args, lines)
         assert "wrong-secret-never-printed" not in lines[0]
     assert not any(tmp_path.glob("[abc]"))
+
+
+@pytest.mark.slow  # ranks as processes against a server, one killed and rerun
+def test_three_ranks_in_a_bucket_one_killed_mid_upload_merge_to_one_local_run(
+    s3: object, s3_server: dict[str, str], documents: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """3 ranks write `s3://.../rank-RRRRR/`; rank 1 is killed -9 between a shard's objects and its metadata.json and
+    run again; `tokenizer-shards merge URL` then writes one metadata.json there (no shard object copied, moved or
+    uploaded again), and the merged dataset read through a cache holds the ids of one local run, byte for byte."""
+    from tokenizer_service.tools.pretokenize.shards_cli import main as shards
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for part in range(3):  # rank R of 3 reads file R (a file is never split); each is several shards
+        with (corpus / f"part-{part}.jsonl").open("w") as file:
+            for copy in range(2):
+                for number, text in enumerate(documents):
+                    file.write(json.dumps({"text": f"{part}.{copy}.{number} {text}"}) + "\n")
+    bucket = new_bucket(s3)
+    upload(s3, corpus, bucket, "in")
+    common = ["--local", "--model", MODEL, "--workers", "1", "--shard-tokens", "30000", "-q"]
+    assert pretokenize(corpus, "--output", tmp_path / "single", *common) == 0
+    url = f"s3://{bucket}/ranked"
+    args = [f"s3://{bucket}/in/", "--output", url, *common, "--world-size", "3"]
+
+    process = run_cli([*args, "--rank", "1", "--staging", tmp_path / "staging"], start_new_session=True)
+    killed = kill_between_upload_and_metadata(process, s3, f"{url}/rank-00001")
+    assert killed, "rank 1 ended before it could be killed between a shard's upload and its metadata"
+    for rank in (0, 2):
+        assert pretokenize(*args, "--rank", rank) == 0
+    assert shards(["merge", url]) == 2  # rank 1 is incomplete: refused, nothing written
+    assert "incomplete: rank-00001" in capsys.readouterr().err
+    assert "metadata.json" not in objects_names(s3, url)
+    rerun = run_cli([*args, "--rank", "1", "--staging", tmp_path / "staging"])
+    _, errors = rerun.communicate(timeout=300)
+    assert rerun.returncode == 0, errors.decode()
+
+    before = objects(s3, url)
+    assert shards(["merge", url]) == 0
+    assert capsys.readouterr().out.startswith(f"merged 3 ranks into {url}: ")
+    after = objects(s3, url)
+    assert {name: data for name, data in after.items() if name != "metadata.json"} == before  # nothing moved
+    assert shards(["merge", url]) == 0 and objects(s3, url) == after  # a rerun (after a kill): the same objects
+
+    single = TokenDataset(tmp_path / "single")
+    merged = TokenDataset(url, cache_dir=tmp_path / "cache")
+    assert merged.metadata["merged"]["world_size"] == 3 and merged.num_shards >= 6
+    assert len(merged) == len(single) and merged.num_tokens == single.num_tokens
+    assert all_ids(merged) == all_ids(single)  # byte for byte
+    assert documents_of(merged) == documents_of(single)
+    assert not any((tmp_path / "staging").iterdir())
+
+
+def all_ids(dataset: TokenDataset) -> bytes:
+    return b"".join(dataset.shard(shard).ids.tobytes() for shard in range(dataset.num_shards))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -488,7 +548,52 @@ def test_shards_info_verify_export_read_and_write_urls(
         assert shards(["export", url, "--to", to, "--output", target, "--val-documents", "0", "-q"]) == 0
     assert files_of_tree(tmp_path / "here") == files_of_tree(tmp_path / "there")
     assert shards(["merge", f"file://{tmp_path}/ranked"]) == 2
-    assert "not supported yet" in capsys.readouterr().err
+    assert capsys.readouterr().err.strip() == (
+        f"tokenizer-shards: file://{tmp_path}/ranked does not exist: give the --output of the ranked run"
+    )
+
+
+def test_ranks_at_a_file_url_merge_in_place_to_one_run(
+    documents: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`tokenizer-shards merge URL` through the store's code path: ranks written to `URL/rank-RRRRR/`, merged by one
+    metadata.json naming their shard objects where they are (no object copied or moved), equal to one local run;
+    refused while a rank is missing, and a second merge (a rerun after a kill) writes the same bytes."""
+    from tokenizer_service.tools.pretokenize.ranks import merge
+    from tokenizer_service.tools.pretokenize.shards_cli import main as shards
+
+    write_corpus(tmp_path / "corpus", documents[:240])
+    args = [tmp_path / "corpus", "--local", "--model", MODEL, "--workers", "1", "--shard-tokens", "2000", "-q"]
+    assert pretokenize(*args, "--output", tmp_path / "single") == 0
+    url = f"file://{tmp_path}/ranked"
+    for rank in (0, 1):
+        assert pretokenize(*args, "--output", url, "--rank", rank, "--world-size", 3) == 0
+    assert shards(["merge", url]) == 2
+    assert "missing: rank-00002" in capsys.readouterr().err
+    assert pretokenize(*args, "--output", url, "--rank", 2, "--world-size", 3) == 0
+    before = files_of_tree(tmp_path / "ranked")
+    (tmp_path / "ranked" / ".metadata.json.tmp").write_text("{half a merge")  # a merge killed mid-write
+    assert shards(["merge", url]) == 0
+    assert capsys.readouterr().out.startswith(f"merged 3 ranks into {url}: ")
+    after = files_of_tree(tmp_path / "ranked")
+    assert {name: data for name, data in after.items() if name != "metadata.json"} == before  # nothing moved
+    merged = json.loads(after["metadata.json"])
+    assert [shard["name"].split("/")[0] for shard in merged["shards"]][::-1][0] == "rank-00002"
+    assert shards(["merge", url]) == 0 and files_of_tree(tmp_path / "ranked") == after  # again: the same bytes
+    local = merge(tmp_path / "ranked")  # the local merge of the same ranks: the same metadata.json
+    assert local == merged and files_of_tree(tmp_path / "ranked") == after
+    single = TokenDataset(tmp_path / "single")
+    remote = TokenDataset(url, cache_dir=tmp_path / "cache")
+    assert documents_of(remote) == documents_of(single) and remote.num_tokens == single.num_tokens
+    assert TokenDataset(tmp_path / "ranked").num_shards == remote.num_shards > 3
+    # a rank whose objects do not agree with its metadata.json: refused by name, the merged metadata.json kept
+    victim = next((tmp_path / "ranked" / "rank-00001").glob("*.bin"))
+    victim.chmod(0o644)
+    victim.write_bytes(victim.read_bytes()[:-2])
+    assert shards(["merge", url]) == 2
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and f"rank-00001: {victim.name} holds" in said[0], said
+    assert files_of_tree(tmp_path / "ranked")["metadata.json"] == after["metadata.json"]
 
 
 def files_of_tree(directory: Path) -> dict[str, bytes]:

@@ -5,7 +5,8 @@ The inputs, expanded and sorted exactly as one run sees them, are cut into W con
 about equal bytes (a file is never split); rank R writes `DIR/rank-RRRRR/`, a complete, resumable
 output of its own (its metadata.json records R, W and the whole input list, so ranks that disagree
 refuse to mix). `merge` then writes `DIR/metadata.json` naming every rank's shards in rank order:
-`TokenDataset(DIR)` reads them all, no id copied. Ragged documents come out exactly as one run over the
+`TokenDataset(DIR)` reads them all, no id copied. An output at a URL is merged in its store the same way
+(`merge_at`): one metadata.json object over the ranks' shard objects, none copied or moved. Ragged documents come out exactly as one run over the
 same inputs makes them; `concat` packing ends each rank's stream with its own leftover (in
 `leftovers`, by rank), and `best_fit` packs each shard's documents, as one run does.
 """
@@ -21,8 +22,27 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenizer_client.dataset import FORMAT_NAME, METADATA_FILE, TokenDataset, check_metadata
-from tokenizer_service.tools.pretokenize.store import identity
+import numpy as np
+
+from tokenizer_client.dataset import (
+    BIN_SUFFIX,
+    FORMAT_NAME,
+    IDX_HEADER,
+    IDX_SUFFIX,
+    LAYOUTS,
+    MASK_DTYPE,
+    MASK_SUFFIX,
+    METADATA_FILE,
+    OFFSET_DTYPE,
+    SEG_SUFFIX,
+    IndexHeader,
+    TokenDataset,
+    check_metadata,
+    is_masked,
+    read_index_header,
+)
+from tokenizer_client.storage import StorageError, check_reachable, describe, filesystem, is_url
+from tokenizer_service.tools.pretokenize.store import TMP_SUFFIX, identity
 
 RANK_DIRECTORY = "rank-{:05d}"
 RANK_NAME = re.compile(r"rank-([0-9]{5})")
@@ -100,38 +120,184 @@ def rank_directory(output: Path, rank: int) -> Path:
     return output / RANK_DIRECTORY.format(rank)
 
 
-def merge(directory: Path) -> dict[str, Any]:
-    """Write DIR/metadata.json over every rank's output; RankError naming each rank that is not ready.
-
-    Exactly the directories named ``rank-NNNNN`` are ranks, each holding the output of the rank its name says; any
-    other entry named ``rank-...`` (a copy ``rank-00001.old``, a ``rank-1``) is refused by name, so that a merge never
-    blames, skips or takes the wrong one. metadata.json is written only once every shard it names opens as
-    ``TokenDataset`` opens it (files present, headers and sizes agreeing)."""
-    if not directory.is_dir():
-        raise RankError(f"{directory} is not a directory: give the --output of the ranked run")
-    entries = sorted(path for path in directory.iterdir() if path.name.startswith("rank-"))
-    strays = [path.name for path in entries if not (RANK_NAME.fullmatch(path.name) and path.is_dir())]
+def rank_entries(entries: Sequence[tuple[str, bool]], where: object) -> list[str]:
+    """The names of the ranks among an output's `entries` (name, is a directory), sorted; RankError naming any other
+    entry named ``rank-...`` (a copy ``rank-00001.old``, a ``rank-1``), so that a merge never blames, skips or takes
+    the wrong one, and when there is no rank at all."""
+    entries = sorted(entry for entry in entries if entry[0].startswith("rank-"))
+    strays = [name for name, is_dir in entries if not (RANK_NAME.fullmatch(name) and is_dir)]
     if strays:
         what, them = ("is not a rank", "it") if len(strays) == 1 else ("are not ranks", "them")
         raise RankError(
-            f"cannot merge: {', '.join(strays)} in {directory} {what} (only directories named rank-NNNNN are): "
-            f"move {them} out of {directory}"
+            f"cannot merge: {', '.join(strays)} in {where} {what} (only directories named rank-NNNNN are): "
+            f"move {them} out of {where}"
         )
-    ranks = [path for path in entries if path.is_dir()]
+    ranks = [name for name, is_dir in entries if is_dir]
     if not ranks:
-        raise RankError(f"{directory} holds no rank-RRRRR directories: run the ranks first")
+        raise RankError(f"{where} holds no rank-RRRRR directories: run the ranks first")
+    return ranks
+
+
+def merge(directory: Path | str) -> dict[str, Any]:
+    """Write DIR/metadata.json over every rank's output; RankError naming each rank that is not ready. A URL (any
+    fsspec URL) is merged in its store (`merge_at`), the same way.
+
+    Exactly the directories named ``rank-NNNNN`` are ranks, each holding the output of the rank its name says (see
+    `rank_entries`). metadata.json is written only once every shard it names opens as ``TokenDataset`` opens it
+    (files present, headers and sizes agreeing)."""
+    if is_url(directory):
+        return merge_at(str(directory))
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise RankError(f"{directory} is not a directory: give the --output of the ranked run")
+    ranks = rank_entries([(path.name, path.is_dir()) for path in directory.iterdir()], directory)
+    found: dict[str, dict[str, Any] | str] = {}
+    for name in ranks:
+        try:
+            file = directory / name / METADATA_FILE
+            found[name] = check_metadata(json.loads(file.read_text(encoding="utf-8")), file)
+        except (OSError, ValueError) as exc:
+            found[name] = f"no readable {METADATA_FILE} ({exc})"
+    merged, ordered = combine(found)
+    for rank in range(len(ordered)):  # every shard the merged metadata.json names opens as a TokenDataset opens it
+        path = rank_directory(directory, rank)
+        try:
+            dataset = TokenDataset(path)
+            for shard in range(dataset.num_shards):
+                dataset.shard(shard)
+        except (OSError, ValueError) as exc:
+            raise RankError(f"cannot merge: {path.name}: {exc} (run that rank again, or verify it)") from None
+    temporary = directory / f".{METADATA_FILE}.tmp"
+    temporary.write_text(merged_text(merged), encoding="utf-8")
+    os.replace(temporary, directory / METADATA_FILE)
+    return merged
+
+
+def merge_at(url: str) -> dict[str, Any]:
+    """`ranks.merge` in a store: ``URL/metadata.json`` over every ``URL/rank-RRRRR/`` output, in rank order.
+
+    An index operation, as on disk: the merged metadata.json names each rank's shard objects where the rank uploaded
+    them (``rank-00001/00003``), so no id is copied, moved or uploaded again. It is the only object written, in one
+    PUT (on a local filesystem, under a temporary name renamed over it), and only after every shard it names was
+    found as ``TokenDataset`` opens it: each object present with the size the rank's metadata.json implies and each
+    ``.idx`` header agreeing (its first 32 bytes, ranged reads). A merge killed at any point leaves no merged
+    metadata.json or the whole one; run again, it writes the same bytes."""
+    url = url.rstrip("/")
+    fs, root = filesystem(url)
+    root = root.rstrip("/")
+    check_reachable(url)
+    try:
+        listed = fs.ls(root, detail=True, refresh=True)
+    except FileNotFoundError:
+        raise RankError(f"{url} does not exist: give the --output of the ranked run") from None
+    except Exception as exc:
+        raise StorageError(describe(exc, url)) from None
+    entries = [(str(entry["name"]).rstrip("/").rsplit("/", 1)[-1], entry["type"] == "directory") for entry in listed]
+    found: dict[str, dict[str, Any] | str] = {}
+    for name in rank_entries(entries, url):
+        where = f"{url}/{name}/{METADATA_FILE}"
+        try:
+            found[name] = check_metadata(json.loads(fs.cat_file(f"{root}/{name}/{METADATA_FILE}")), where)
+        except FileNotFoundError:
+            found[name] = f"no {METADATA_FILE}"
+        except ValueError as exc:
+            found[name] = f"no readable {METADATA_FILE} ({exc})"
+        except Exception as exc:
+            raise StorageError(describe(exc, where)) from None
+    merged, ordered = combine(found)
+    for rank, meta in enumerate(ordered):
+        name = merged["merged"]["ranks"][rank]
+        problem = _shard_objects_problem(fs, f"{root}/{name}", meta)
+        if problem:
+            raise RankError(f"cannot merge: {name}: {problem} (run that rank again, or verify it)")
+    _write_object(fs, f"{root}/{METADATA_FILE}", merged_text(merged).encode("utf-8"), url)
+    return merged
+
+
+def _shard_objects_problem(fs: Any, prefix: str, meta: dict[str, Any]) -> str | None:
+    """Why the shards `meta` lists under `prefix` would not open as ``TokenDataset`` opens them, or None: an object
+    missing or of another size than `meta` implies, an ``.idx`` header that disagrees."""
+    try:
+        sizes = {str(path).rsplit("/", 1)[-1]: int(info["size"]) for path, info in fs.find(prefix, detail=True).items()}
+    except Exception as exc:
+        raise StorageError(describe(exc, fs.unstrip_protocol(prefix))) from None
+    dtype = np.dtype(meta["dtype"])
+    packed = meta["layout"] == "packed"
+    row = int(meta["seq_len"] or 0)
+    headers = []
+    for shard in meta["shards"]:
+        count = int(shard["rows"] if packed else shard["documents"])
+        num_ids = count * row if packed else int(shard["tokens"])
+        wanted: dict[str, int | None] = {
+            IDX_SUFFIX: IDX_HEADER.size + (count + 1) * OFFSET_DTYPE.itemsize,
+            BIN_SUFFIX: num_ids * dtype.itemsize,
+        }
+        if packed:
+            wanted[SEG_SUFFIX] = None  # its size is in the index's last offset: present is enough here
+        if is_masked(meta):
+            wanted[MASK_SUFFIX] = num_ids * MASK_DTYPE.itemsize
+        for suffix, size in wanted.items():
+            file = f"{shard['name']}{suffix}"
+            if file not in sizes:
+                return f"{file} is missing"
+            if size is not None and sizes[file] != size:
+                return f"{file} holds {sizes[file]:,} bytes, its metadata.json implies {size:,}"
+        headers.append(IndexHeader(LAYOUTS[meta["layout"]], dtype.itemsize, row, count, num_ids))
+    paths = [f"{prefix}/{shard['name']}{IDX_SUFFIX}" for shard in meta["shards"]]
+    try:
+        raws = fs.cat_ranges(paths, [0] * len(paths), [IDX_HEADER.size] * len(paths)) if paths else []
+    except Exception as exc:
+        raise StorageError(describe(exc, fs.unstrip_protocol(prefix))) from None
+    for path, raw, expected in zip(paths, raws, headers, strict=True):
+        if isinstance(raw, Exception):  # cat_ranges returns an object's error in its place on some stores
+            raise StorageError(describe(raw, fs.unstrip_protocol(path)))
+        try:
+            header = read_index_header(raw, path.rsplit("/", 1)[-1])
+        except ValueError as exc:
+            return str(exc)
+        if header != expected:
+            return f"{path.rsplit('/', 1)[-1]}: header {header} does not match metadata.json {expected}"
+    return None
+
+
+def _write_object(fs: Any, key: str, data: bytes, url: str) -> None:
+    """`data` at `key`, whole or not at all: one PUT in an object store; on a local filesystem (``file://``) a
+    temporary file renamed over it."""
+    try:
+        if "file" in _protocols(fs):
+            folder, name = key.rsplit("/", 1)
+            temporary = f"{folder}/.{name}{TMP_SUFFIX}"  # as ranks.merge names it on disk
+            fs.pipe_file(temporary, data)
+            fs.mv(temporary, key)
+        else:
+            fs.pipe_file(key, data)
+    except Exception as exc:
+        raise StorageError(describe(exc, url)) from None
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = fs.protocol
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
+
+
+def merged_text(merged: dict[str, Any]) -> str:
+    """The bytes of a merged metadata.json (the same locally and in a store)."""
+    return json.dumps(merged, indent=1)
+
+
+def combine(found: Mapping[str, dict[str, Any] | str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The merged metadata.json of ranks `found` (name: its metadata.json, or why it could not be read), and the
+    ranks' metadata in rank order; RankError naming every rank that is missing, incomplete, unreadable, misnamed, or
+    made with other inputs, model or options."""
     metadata = []
     problems = []
-    for path in ranks:
-        try:
-            file = path / METADATA_FILE
-            meta = check_metadata(json.loads(file.read_text(encoding="utf-8")), file)
-        except (OSError, ValueError) as exc:
-            problems.append(f"{path.name}: no readable {METADATA_FILE} ({exc})")
+    for name, meta in found.items():
+        if isinstance(meta, str):
+            problems.append(f"{name}: {meta}")
             continue
         index = meta.get("rank", {}).get("index")
-        if index != int(path.name.removeprefix("rank-")):
-            problems.append(f"{path.name} holds the output of rank {index}, not of the rank its name says")
+        if index != int(name.removeprefix("rank-")):
+            problems.append(f"{name} holds the output of rank {index}, not of the rank its name says")
         metadata.append(meta)
     if problems:
         raise RankError("cannot merge: " + "; ".join(problems))
@@ -185,15 +351,4 @@ def merge(directory: Path) -> dict[str, Any]:
         merged["loss_mask"] = first["loss_mask"]
     if any("leftover" in meta for meta in ordered):
         merged["leftovers"] = [meta.get("leftover") for meta in ordered]
-    for rank in range(world_size):  # every shard the merged metadata.json names opens as a TokenDataset opens it
-        path = rank_directory(directory, rank)
-        try:
-            dataset = TokenDataset(path)
-            for shard in range(dataset.num_shards):
-                dataset.shard(shard)
-        except (OSError, ValueError) as exc:
-            raise RankError(f"cannot merge: {path.name}: {exc} (run that rank again, or verify it)") from None
-    temporary = directory / f".{METADATA_FILE}.tmp"
-    temporary.write_text(json.dumps(merged, indent=1), encoding="utf-8")
-    os.replace(temporary, directory / METADATA_FILE)
-    return merged
+    return merged, ordered

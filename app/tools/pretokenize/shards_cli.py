@@ -104,8 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="conversations made through a service started with --chat-template: that template (a --local run, or "
         "one given --chat-template, records its text in metadata.json)",
     )
-    merger = commands.add_parser("merge", help="one dataset over the rank-RRRRR outputs of a ranked run")
+    merger = commands.add_parser(
+        "merge", help="one dataset over the rank-RRRRR outputs of a ranked run (a directory or a URL)"
+    )
     merger.add_argument("directory", type=str)
+    merger.add_argument(
+        "--storage-options",
+        metavar="JSON",
+        help=f"DIR is a URL: options for its fsspec filesystem (default: ${ENVIRONMENT})",
+    )
     exporter = commands.add_parser(
         "export",
         parents=[remote],
@@ -489,15 +496,8 @@ def upload_export(staging: Path, url: str) -> int:
 
 def _main(args: argparse.Namespace, scratch: list[Path]) -> int:
     if args.command == "merge":
-        if is_url(args.directory):
-            print(
-                f"tokenizer-shards: merge {args.directory}: merging ranks at a URL is not supported yet; merge a local "
-                "copy of the rank-RRRRR outputs, or read each rank with TokenDataset(URL/rank-RRRRR, cache_dir=...)",
-                file=sys.stderr,
-            )
-            return 2
-        try:
-            merged = merge(Path(args.directory))
+        try:  # a URL is merged in its store, by the same index operation: no shard object copied or moved
+            merged = merge(args.directory if is_url(args.directory) else Path(args.directory))
         except RankError as exc:
             print(f"tokenizer-shards: {exc}", file=sys.stderr)
             return 2
