@@ -299,3 +299,23 @@ def test_an_empty_models_dir_serves_the_bundled_model_only_when_asked(tmp_path):
     with ServerProcess(args, env={"TOKENIZER_EMPTY_MODELS_DIR": "bundled"}, log=tmp_path / "server.log") as server:
         assert httpx.get(f"{server.url}/v1/models").json()["default"] == "default"
     assert "serving the bundled model as 'default' (--empty-models-dir bundled)" in server.log.read_text()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["tokenizer-server"],
+        ["tokenizer-pretokenize"],
+        ["tokenizer-bench"],
+        ["tokenizer-shards"],
+        *(["tokenizer-shards", sub] for sub in ("info", "verify", "merge", "export")),
+    ],
+    ids=" ".join,
+)
+def test_every_help_prints(command):
+    """--help of every command and subcommand prints its text (a help string with a bare %, as in a Jinja
+    `{% generation %}`, is an argparse format error: a traceback instead of the help)."""
+    program = shutil.which(command[0]) or os.path.join(os.path.dirname(sys.executable), command[0])
+    result = subprocess.run([program, *command[1:], "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage:") and not result.stderr

@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat-template",
         type=Path,
         metavar="FILE",
-        help="--conversations: render with this Jinja template instead of the model's own (with {% generation %} "
+        help="--conversations: render with this Jinja template instead of the model's own (with {%% generation %%} "
         "marks, or a stock template TRL's catalogue knows)",
     )
     parser.add_argument(
