@@ -21,6 +21,7 @@ from tokenizer_service.core.errors import InvalidField, PayloadTooLarge
 from tokenizer_service.core.models import TemplateFile, find_model_files
 
 transformers = pytest.importorskip("transformers")
+jinja2 = pytest.importorskip("jinja2")
 
 CATALOGUE = chat.CATALOGUE
 
@@ -290,6 +291,43 @@ def test_offsets_from_byte_lengths_equal_the_reference_librarys(snapshot, librar
             for (ids, starts, ends), (want_ids, want_starts, want_ends) in zip(fast, reference, strict=True):
                 assert ids.tolist() == want_ids.tolist()
                 assert starts.tolist() == want_starts.tolist() and ends.tolist() == want_ends.tolist()
+
+
+def test_masks_in_bytes_equal_the_character_rule():
+    """Lossless byte-level models mask in bytes (spans turned into bytes, two searches per span): the same tokens
+    as transformers' rule on character offsets, for spans in order, out of order, empty and overlapping."""
+    rng = np.random.default_rng(31)
+    alphabet = ["a", " ", "\n", "é", "日", "👍", "\u0301", "<|im_end|>"]
+    for _ in range(300):
+        text = "".join(rng.choice(alphabet, size=int(rng.integers(0, 40))))
+        data = text.encode("utf-8")
+        cuts = np.unique(np.concatenate([[0, len(data)], rng.integers(0, len(data) + 1, size=len(data) // 2)]))
+        byte_starts, byte_ends = cuts[:-1], cuts[1:]  # tokens of at least one byte, possibly inside a character
+        points = sorted(rng.integers(0, len(text) + 1, size=2 * int(rng.integers(0, 4))).tolist())
+        spans = [(points[i], points[i + 1]) for i in range(0, len(points), 2)]
+        if rng.random() < 0.3:
+            spans = spans[::-1]
+        want = chat.overlap_mask(*chat._char_offsets(text, byte_ends), np.array(sorted(spans), np.int64).reshape(-1, 2))
+        got_spans = np.array(chat._byte_spans(text, spans), np.int64).reshape(-1, 2)
+        assert got_spans.tolist() == [[len(text[:s].encode()), len(text[:e].encode())] for s, e in spans]
+        assert chat._covered(byte_starts, byte_ends, got_spans).tolist() == want.tolist(), (text, spans)
+
+
+def test_the_templates_attribute_lookup_on_plain_dicts_is_the_sandboxs():
+    """The compiled template's fast path for `message.role` returns what the sandbox returns, for keys, missing
+    keys and names a dict has (its methods), on dicts and on other values."""
+    environment = chat._compile("{{ messages[0].role }}").environment
+    sandboxed = type(environment).getattr.__get__(environment)
+    values = [{"role": "user", "items": "x", "get": 1}, {}, ["role"], "role", None]
+    for _ in range(2):  # the second time, from the names it has met
+        for value in values:
+            for name in ("role", "content", "items", "get", "keys", "__class__", "__dict__", "upper", "mro"):
+                fast, slow = environment.getattr(value, name), sandboxed(value, name)
+                assert type(fast) is type(slow), (value, name)
+                if isinstance(slow, jinja2.Undefined):
+                    assert (fast._undefined_name, fast._undefined_obj) == (slow._undefined_name, slow._undefined_obj)
+                else:
+                    assert fast == slow, (value, name)
 
 
 TOOLS_AND_REASONING = [

@@ -23,8 +23,13 @@ message's *content* are ordinary text (training data must not inject control tok
 
 Token offsets come without a second encode where the model is lossless byte-level BPE (tiktoken ranks, a
 byte-level ``tokenizer.json`` with no normalizer): the ids' byte lengths, summed, are the offsets, and the
-sum must equal the text's length (else the reference library's offsets are used). Otherwise (SentencePiece,
-a normalizing ``tokenizer.json``) the reference library gives ids and offsets together.
+sum must equal the text's length (else the reference library's offsets are used). The conversations of a
+request are then encoded in one batch and masked in bytes (the generation spans turned into bytes; a token's
+bytes overlap a span's exactly when its characters do). Otherwise (SentencePiece, a normalizing
+``tokenizer.json``) the reference library gives ids and character offsets together.
+
+The template is compiled once per worker in transformers' environment and rendered by transformers' own
+inner steps (`_compile` says which lookups are made cheaper there, none of them changing what renders).
 
 Prompt-completion records (``{"prompt", "completion"}``) are tokenized as TRL's SFT trainer does for plain
 text: ``tok(prompt)`` and ``tok(prompt + completion + eos)`` (EOS appended unless the completion ends with
@@ -183,6 +188,21 @@ def _char_offsets(text: str, byte_ends: np.ndarray) -> tuple[np.ndarray, np.ndar
     return first, last
 
 
+def _byte_spans(text: str, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Character spans of `text` as UTF-8 byte spans (in order: one pass over the text up to the last span)."""
+    if text.isascii():
+        return spans
+    out, previous, total = [], 0, 0
+    for start, end in spans:
+        if start < previous:  # out of order (nested generation blocks): each position on its own
+            return [(len(text[:start].encode("utf-8")), len(text[:end].encode("utf-8"))) for start, end in spans]
+        first = total + len(text[previous:start].encode("utf-8"))
+        total = first + len(text[start:end].encode("utf-8"))
+        out.append((first, total))
+        previous = end
+    return out
+
+
 class Tokens:
     """A model's ids and character offsets of texts, and its special-token strings (what the template writes)."""
 
@@ -265,26 +285,41 @@ class Tokens:
             return out
         return self._reference(texts, parse_special)
 
-    def encode_flat(
-        self, texts: list[str], parse_special: bool
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(flat ids, lengths, flat char starts, flat char ends) of a batch, the offsets counted from the start of
-        the texts joined end to end: for lossless byte-level models a few numpy passes over the whole batch."""
-        if self.byte_lengths is None or not texts:
-            return _flat(self._reference(texts, parse_special), texts)
-        ids, lengths = self.library.encode_plain(texts, parse_special)
-        widths = self.byte_lengths[ids]
-        offsets = np.concatenate([[0], np.cumsum(lengths)])
-        encoded = [text.encode("utf-8") for text in texts]
-        sums = np.diff(np.concatenate([[0], np.cumsum(widths)])[offsets])
-        bytes_per_text = np.fromiter(map(len, encoded), dtype=np.int64, count=len(texts))
-        if (widths < 0).any() or (sums != bytes_per_text).any():  # not plain bytes here: text by text
-            return _flat(self.encode(texts, parse_special), texts)
-        joined = "".join(texts)
-        if not len(ids):
-            return ids.astype(np.int32), lengths, np.zeros(0, np.int64), np.zeros(0, np.int64)
-        starts, ends = _char_offsets(joined, np.cumsum(widths))
-        return ids.astype(np.int32), lengths, starts, ends
+    def encode_masked(
+        self, texts: list[str], spans: list[list[tuple[int, int]]], parse_special: bool
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(flat ids, lengths, flat mask) of a batch: 1 on each token overlapping one of its text's `spans`
+        (character offsets, sorted), transformers' rule. For lossless byte-level models the rule is applied in
+        bytes (a token's bytes overlap a span's bytes exactly when its characters overlap the span's), so no
+        character offset of any token is built: a few numpy passes over the batch, spans turned into bytes."""
+        if self.byte_lengths is not None and texts:
+            ids, lengths = self.library.encode_plain(texts, parse_special)
+            widths = self.byte_lengths[ids]
+            ends = np.cumsum(widths)
+            offsets = np.concatenate([[0], np.cumsum(lengths)])
+            sizes = np.fromiter((len(text.encode("utf-8")) for text in texts), dtype=np.int64, count=len(texts))
+            starts_of_texts = np.concatenate([[0], np.cumsum(sizes)])
+            # every token at least one byte, each text's tokens exactly its bytes: else text by text, in characters
+            if (widths > 0).all() and (np.concatenate([[0], ends])[offsets] == starts_of_texts).all():
+                byte_spans = np.array(
+                    [
+                        (base + start, base + end)
+                        for base, text, chosen in zip(starts_of_texts.tolist(), texts, spans, strict=False)
+                        for start, end in _byte_spans(text, chosen)
+                    ],
+                    dtype=np.int64,
+                ).reshape(-1, 2)
+                return ids.astype(np.int32), lengths, _covered(ends - widths, ends, byte_spans)
+            rows = self.encode(texts, parse_special)
+        else:
+            rows = self._reference(texts, parse_special)
+        flat, lengths, starts, ends = _flat(rows, texts)
+        shift = np.concatenate([[0], np.cumsum([len(text) for text in texts])]).astype(np.int64)
+        char_spans = np.array(
+            [(start + shift[i], end + shift[i]) for i, chosen in enumerate(spans) for start, end in chosen],
+            dtype=np.int64,
+        ).reshape(-1, 2)
+        return flat, lengths, overlap_mask(starts, ends, char_spans)
 
     def _reference(self, texts: list[str], parse_special: bool) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         if self.kind == TOKENIZERS:
@@ -375,6 +410,21 @@ def overlap_mask(starts: np.ndarray, ends: np.ndarray, spans: np.ndarray) -> np.
     first = np.searchsorted(spans[:, 1], starts, side="right")  # the first span ending after the token starts
     inside = first < len(spans)
     return (inside & (spans[np.minimum(first, len(spans) - 1), 0] < ends)).astype(np.uint8)
+
+
+def _covered(starts: np.ndarray, ends: np.ndarray, spans: np.ndarray) -> np.ndarray:
+    """overlap_mask where the tokens' starts and ends are non-decreasing (byte offsets of consecutive tokens): the
+    tokens a span overlaps are those from the first ending after its start to the last starting before its end,
+    found by two searches per span (not one per token), in any order of spans."""
+    if not len(spans) or not len(starts):
+        return np.zeros(len(starts), np.uint8)
+    first = np.searchsorted(ends, spans[:, 0], side="right")
+    last = np.searchsorted(starts, spans[:, 1], side="left")
+    keep = first < last
+    edges = np.zeros(len(starts) + 1, np.int32)
+    np.add.at(edges, first[keep], 1)
+    np.add.at(edges, last[keep], -1)
+    return (np.cumsum(edges[:-1]) > 0).astype(np.uint8)
 
 
 def _sentencepiece_proto(processor: Any, text: str) -> Any:
@@ -520,15 +570,53 @@ def _inner_render() -> tuple[Any, Any] | None:
     return _render_with_assistant_indices, _alias_reasoning_fields
 
 
+def _compile(text: str) -> Any:
+    """The template compiled in transformers' Jinja environment (its filters, globals, {% generation %} tracker and
+    loop controls), a copy of this process's own where transformers builds one per call (5.x), with two lookups
+    made cheaper that cannot change what renders (tests/test_chat.py compares with apply_chat_template itself):
+
+    - the template's globals as one dict: jinja keeps a ChainMap over the environment's globals, copied into
+      every render's context by iterating it in Python; nothing changes those globals after transformers builds
+      the environment (and this environment is ours alone);
+    - ``message.role`` on a plain dict (what JSON gives): the sandbox tries ``getattr(message, "role")`` first,
+      which raises AttributeError for any name a dict has no attribute of, then ``message["role"]``; for those
+      names the item is looked up directly (undefined when absent, as the sandbox returns). Names a dict does
+      have (``items``, ``get``...) still go through the sandbox's checks."""
+    try:
+        from transformers.utils.chat_template_utils import _cached_compile_jinja_template
+    except ImportError:  # transformers 4.x: its cached, shared compile, left as it is
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        return _compile_jinja_template(text)
+    compiled = _cached_compile_jinja_template(text)
+    compiled.globals = dict(compiled.globals)
+    environment = compiled.environment
+    sandboxed = environment.getattr
+    undefined = environment.undefined
+    absent: set[str] = set()  # names a plain dict has no attribute of (the same for every plain dict), as met
+
+    def getattr_(obj: Any, attribute: Any) -> Any:
+        if type(obj) is dict and type(attribute) is str:
+            if attribute in absent:
+                try:
+                    return obj[attribute]
+                except KeyError:
+                    return undefined(obj=obj, name=attribute)
+            if not hasattr({}, attribute) and len(absent) < 4096:
+                absent.add(attribute)
+        return sandboxed(obj, attribute)
+
+    environment.getattr = getattr_
+    return compiled
+
+
 class ChatTemplate:
     """A model's template compiled once per process, and its conversations' ids and loss masks."""
 
     def __init__(self, name: str, template: TemplateFile, library: Any, special_tokens: dict[str, str | None]) -> None:
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-
         self.name = name
         self.resolved = resolve(template)
-        self.compiled = _compile_jinja_template(self.resolved.text)
+        self.compiled = _compile(self.resolved.text)
         self.kwargs = {f"{role}_token": token for role, token in special_tokens.items() if token}
         self.tokens = Tokens(library)
 
@@ -545,7 +633,8 @@ class ChatTemplate:
                 with_indices, alias = inner
                 rendered_one, spans_one = with_indices(
                     compiled_template=self.compiled,
-                    messages=alias(messages),
+                    # role and content only (the usual message): no reasoning field to alias
+                    messages=messages if all(len(m) == 2 and "content" in m for m in messages) else alias(messages),
                     tools=None,
                     documents=None,
                     add_generation_prompt=False,
@@ -599,14 +688,9 @@ class ChatTemplate:
                 masks.append(None)
                 plain.append((position, rendered, spans))
         if plain:
-            texts = [rendered for _, rendered, _ in plain]
-            flat, lengths, starts, ends = self.tokens.encode_flat(texts, True)
-            shift = np.concatenate([[0], np.cumsum([len(text) for text in texts])])
-            spans = np.array(
-                [(start + shift[i], end + shift[i]) for i, (_, _, chosen) in enumerate(plain) for start, end in chosen],
-                dtype=np.int64,
-            ).reshape(-1, 2)
-            flat_mask = overlap_mask(starts, ends, spans)
+            flat, lengths, flat_mask = self.tokens.encode_masked(
+                [rendered for _, rendered, _ in plain], [chosen for _, _, chosen in plain], True
+            )
             offsets = np.concatenate([[0], np.cumsum(lengths)])
             for i, (position, _, _) in enumerate(plain):
                 ids[position] = flat[offsets[i] : offsets[i + 1]]
