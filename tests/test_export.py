@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tokenizer_client.dataset import TokenDataset
+from tokenizer_client.dataset import TokenDataset, write_dataset
 from tokenizer_service.settings import BUNDLED_MODELS_DIR
 from tokenizer_service.tools.pretokenize import main as pretokenize
 from tokenizer_service.tools.pretokenize.export import ExportError, check_exportable
@@ -59,6 +59,40 @@ from litdata import StreamingDataset
 from litdata.streaming.item_loader import TokensLoader
 dataset = StreamingDataset(sys.argv[1], item_loader=TokensLoader(block_size=int(sys.argv[2])), shuffle=False)
 print(json.dumps([dataset[i].tolist() for i in range(len(dataset))]))
+"""
+
+
+LITDATA_READ_ITEMS = """
+import json, sys, warnings
+warnings.filterwarnings("ignore")
+from litdata import StreamingDataset
+dataset = StreamingDataset(sys.argv[1], shuffle=False)
+items = [dataset[i] for i in range(len(dataset))]
+print(json.dumps([[item["input_ids"].tolist(), item["loss_mask"].tolist(), str(item["input_ids"].dtype),
+                   str(item["loss_mask"].dtype)] for item in items]))
+"""
+
+# litdata's own BinaryWriter, given the same items (one chunk): its chunk and index.json config against the export's
+LITDATA_WRITE_ITEMS = """
+import json, sys, warnings
+from pathlib import Path
+warnings.filterwarnings("ignore")
+import numpy as np
+from litdata.streaming.writer import BinaryWriter
+arrays = np.load(sys.argv[2])
+ids, mask, lengths = arrays["ids"], arrays["mask"], arrays["lengths"]
+offsets = np.concatenate([[0], np.cumsum(lengths)])
+writer = BinaryWriter(sys.argv[3], chunk_size=len(lengths))
+for i in range(len(lengths)):
+    writer[i] = {"input_ids": ids[offsets[i] : offsets[i + 1]], "loss_mask": mask[offsets[i] : offsets[i + 1]]}
+writer.done()
+writer.merge()
+ours, theirs = Path(sys.argv[1]), Path(sys.argv[3])
+config = lambda path: {k: v for k, v in json.loads((path / "index.json").read_text())["config"].items()}
+print(json.dumps({"chunk": (ours / "chunk-0-0.bin").read_bytes() == (theirs / "chunk-0-0.bin").read_bytes(),
+                  "chunks": json.loads((ours / "index.json").read_text())["chunks"]
+                  == json.loads((theirs / "index.json").read_text())["chunks"],
+                  "config": config(ours) == config(theirs)}))
 """
 
 
@@ -150,6 +184,57 @@ def test_litdata_reads_the_export(outputs, tmp_path):
         ids = dataset.shard(shard).ids
         expected += [ids[start : start + 50].tolist() for start in range(0, len(ids) - 49, 50)]
     assert blocks == expected
+
+
+@pytest.mark.readers
+@pytest.mark.parametrize("vocab", [1000, 100_000])  # uint16 and uint32 ids
+def test_litdata_reads_a_masked_export_as_items_of_ids_and_loss_mask(tmp_path, vocab):
+    """A dataset with loss masks exports to litdata as an item a document, {"input_ids", "loss_mask"}, in litdata's
+    own layout: StreamingDataset(dir) reads back TokenDataset's ids and masks (training and validation sets, ragged
+    and concat-packed rows), and litdata's BinaryWriter writes the same bytes for the same items."""
+    rng = np.random.default_rng(vocab)
+    lengths = rng.integers(1, 200, size=300)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    ids = rng.integers(0, vocab, size=int(offsets[-1]))
+    mask = rng.integers(0, 2, size=int(offsets[-1]))
+    model = {"name": "m", "sha256": "0" * 64, "vocab_size": vocab, "bos_id": -1, "eos_id": 1, "pad_id": 0}
+    ragged = write_dataset(tmp_path / "ragged", ids, offsets, model=model, loss_mask=mask, shard_tokens=9000)
+    assert ragged.num_shards > 2 and ragged.metadata["dtype"] == ("<u2" if vocab < 1 << 16 else "<u4")
+    out = tmp_path / "litdata"
+    args = ["export", str(tmp_path / "ragged"), "--to", "litdata", "--output", str(out), "--val-documents", "20"]
+    assert shards([*args, "-q"]) == 0
+    dtype = "uint16" if vocab < 1 << 16 else "uint32"
+    expected = [[ragged[i].tolist(), ragged.loss_mask(i).tolist(), dtype, "uint8"] for i in range(len(ragged))]
+    assert run_reader("litdata", LITDATA_READ_ITEMS, str(out.with_name("litdata_val"))) == expected[:20]
+    assert run_reader("litdata", LITDATA_READ_ITEMS, str(out)) == expected[20:]
+
+    packed = write_dataset(tmp_path / "packed", ids, offsets, model=model, loss_mask=mask, seq_len=64)
+    rows = tmp_path / "rows"
+    assert shards(["export", str(tmp_path / "packed"), "--to", "litdata", "--output", str(rows), "-q"]) == 0
+    read = run_reader("litdata", LITDATA_READ_ITEMS, str(rows))
+    assert read == [[packed[i].tolist(), packed.loss_mask(i).tolist(), dtype, "uint8"] for i in range(len(packed))]
+    assert {len(row[0]) for row in read} == {64}
+
+    one = write_dataset(tmp_path / "one", ids[: offsets[40]], offsets[:41], model=model, loss_mask=mask[: offsets[40]])
+    assert (
+        shards(["export", str(tmp_path / "one"), "--to", "litdata", "--output", str(tmp_path / "one-out"), "-q"]) == 0
+    )
+    arrays = tmp_path / "items.npz"
+    stored = np.dtype(one.metadata["dtype"])
+    np.savez(
+        arrays, ids=ids[: offsets[40]].astype(stored), mask=mask[: offsets[40]].astype(np.uint8), lengths=lengths[:40]
+    )
+    same = run_reader("litdata", LITDATA_WRITE_ITEMS, str(tmp_path / "one-out"), str(arrays), str(tmp_path / "theirs"))
+    assert same == {"chunk": True, "chunks": True, "config": True}
+
+    dropped = tmp_path / "dropped"  # --drop-mask: TokensLoader's layout, the ids only, as for an unmasked output
+    assert (
+        shards(["export", str(tmp_path / "one"), "--to", "litdata", "--output", str(dropped), "--drop-mask", "-q"]) == 0
+    )
+    assert json.loads((dropped / "index.json").read_text())["config"]["item_loader"] == "TokensLoader"
+    blocks = run_reader("litdata", LITDATA_READ, str(dropped), "50")
+    flat = ids[: offsets[40]].tolist()
+    assert blocks == [flat[start : start + 50] for start in range(0, len(flat) - 49, 50)]
 
 
 def test_nanogpt_is_one_flat_uint16_file(outputs, tmp_path):

@@ -236,7 +236,7 @@ def test_mixture_labels_are_ignored_exactly_where_masks_are_zero(setup, local_ou
 
 
 def test_exports_refuse_a_masked_dataset_unless_drop_mask(local_output, tmp_path, capsys):
-    for to in ("megatron", "nanogpt", "llmc", "litdata"):
+    for to in ("megatron", "nanogpt", "llmc"):  # litdata carries the masks (tests/test_export.py reads them back)
         target = tmp_path / to / "out"
         assert shards_cli.main(["export", str(local_output), "--to", to, "--output", str(target)]) == 2
         err = capsys.readouterr().err

@@ -26,6 +26,12 @@ litdata   (Lightning, ``litdata.streaming``, read with ``StreamingDataset(dir,
           ``["no_header_numpy:5"]`` for uint16, ``6`` for uint32, ``item_loader: "TokensLoader"``)
           and one chunk file per shard: uint32 item count n, uint32[n + 1] byte offsets of the items
           from the start of the file, then the items' ids (a document each).
+          With loss masks, litdata's own per-item layout (what its ``BinaryWriter`` writes for items
+          ``{"input_ids": ids, "loss_mask": uint8 0/1}``, read with ``StreamingDataset(dir)``, its
+          ``PyTreeLoader``): ``data_format`` ``["no_header_numpy:5" or "6", "no_header_numpy:4"]``,
+          ``data_spec`` a dict of those two keys, ``item_loader: "PyTreeLoader"``, ``dim`` null; a chunk
+          is the same count and offsets, then per item: uint32 byte sizes of its two fields (ids, mask),
+          its ids, its mask (one byte an id).
 
 nanogpt   (nanoGPT's ``train.bin``): every id as uint16, documents end to end.
 
@@ -48,11 +54,12 @@ itself: the pre-tokenizer writes complete shards read-only so that editing an ex
 instead of changing the dataset. Every shard is checked first (``TokenDataset.check``: offsets, ids
 below the vocabulary, row boundaries); an export of a corrupt shard is refused before anything is written.
 
-Loss masks (outputs of conversations or prompt-completion records, format version 2) have no place in any of these
-formats: Megatron's ``.bin/.idx``, nanoGPT's and llm.c's files hold ids only, and litdata's ``TokensLoader`` reads a
-chunk as one array of ids (a second array per item would need litdata's per-item layout, which ``TokensLoader``
-cannot read). Such an output is refused in one line, before anything is read, unless ``--drop-mask`` (export the
-ids only, every token then trained on by these readers); train on the masks with ``TokenDataset``/``Mixture``.
+Loss masks (outputs of conversations or prompt-completion records, format version 2) go to litdata only, as
+above: an item a document (or a packed row) with its ids and its mask, where ``TokensLoader``'s layout (one array
+of ids a chunk) has no place for them. Megatron's ``.bin/.idx``, nanoGPT's and llm.c's files hold ids only: such
+an output is refused in one line, before anything is read, unless ``--drop-mask`` (export the ids only, every
+token then trained on by these readers; to litdata, ``TokensLoader``'s layout as for an output without masks);
+train on the masks with ``TokenDataset``/``Mixture`` or litdata's items.
 
 An export owns its output (``check_destination``, ``earlier_files``): it never writes at a path that is, or lies
 inside, the dataset it reads (paths resolved, symlinks followed); it removes the files of an earlier export of
@@ -70,7 +77,7 @@ import re
 import shutil
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,7 +94,14 @@ MEGATRON_DTYPE_CODES = {"<u2": 8, "<u4": 4}
 MEGATRON_HEADER = struct.Struct("<9sQBQQ")
 
 LITDATA_DTYPE_CODES = {"<u2": 5, "<u4": 6}
+LITDATA_MASK_CODE = 4  # uint8
 LITDATA_DATA_SPEC = '[1, {"type": null, "context": null, "children_spec": []}]'
+LITDATA_FIELDS = ("input_ids", "loss_mask")  # an item of a masked export: a dict of these two arrays
+_LITDATA_LEAF = {"type": None, "context": None, "children_spec": []}
+LITDATA_MASKED_DATA_SPEC = json.dumps(  # litdata's pytree spec of such a dict, as its BinaryWriter writes it
+    [1, {"type": "builtins.dict", "context": json.dumps(list(LITDATA_FIELDS)), "children_spec": [_LITDATA_LEAF] * 2}]
+)
+LITDATA_GROUP_TOKENS = 1 << 20  # a masked chunk is laid out this many ids at a time (bounded memory)
 
 LLMC_MAGIC = 20240520
 LLMC_VERSION = 1
@@ -112,6 +126,7 @@ class Piece:
     ids: np.ndarray
     lengths: np.ndarray
     file: Path | None
+    mask: np.ndarray | None = None  # one 0/1 an id, where the export carries the loss masks (litdata)
 
 
 @dataclass
@@ -127,12 +142,13 @@ def check_exportable(metadata: dict[str, Any], to: str, val_documents: int = 0, 
     """Refuse (ExportError) an output a format cannot represent (a masked one unless `drop_mask`)."""
     if not metadata.get("complete"):
         raise ExportError("the output is incomplete: finish it first (run the same tokenizer-pretokenize again)")
-    if is_masked(metadata) and not drop_mask:
-        where = "a chunk is one array of ids for TokensLoader" if to == "litdata" else "it stores ids only"
+    masked = is_masked(metadata) and not drop_mask
+    if masked and to != "litdata":
         raise ExportError(
             f"this output has loss masks ({metadata['loss_mask'].get('input')}) and {to} has no place for them "
-            f"({where}): pass --drop-mask to export the ids only (every token trained), or train from the shards "
-            "with TokenDataset or Mixture, which apply the masks"
+            "(it stores ids only): pass --drop-mask to export the ids only (every token trained), export to litdata "
+            "(an item a document, its ids and its mask), or train from the shards with TokenDataset or Mixture, "
+            "which apply the masks"
         )
     if metadata.get("layout") == "packed" and metadata.get("strategy") == "best_fit":
         raise ExportError(
@@ -148,7 +164,8 @@ def check_exportable(metadata: dict[str, Any], to: str, val_documents: int = 0, 
         for shard in metadata.get("shards", []):
             packed = metadata.get("layout") == "packed"
             items = int(shard.get("rows") or 0) if packed else int(shard.get("documents", 0))
-            if 4 * (items + 2) + itemsize * int(shard.get("tokens", 0)) >= 1 << 32:
+            per_item, per_id = (8, itemsize + 1) if masked else (0, itemsize)  # masked: two sizes, a mask byte
+            if 4 * (items + 2) + per_item * items + per_id * int(shard.get("tokens", 0)) >= 1 << 32:
                 raise ExportError(
                     f"shard {shard.get('name')} is over litdata's 4 GiB chunk: pre-tokenize with a smaller "
                     "--shard-tokens"
@@ -288,8 +305,9 @@ def check_shards(dataset: TokenDataset, progress: Progress) -> None:
         progress(len(dataset.shard(shard).ids))
 
 
-def parts(dataset: TokenDataset, start: int, stop: int) -> list[Piece]:
-    """Sequences [start, stop) of the dataset (documents, or packed rows), a part per shard they touch."""
+def parts(dataset: TokenDataset, start: int, stop: int, masks: bool = False) -> list[Piece]:
+    """Sequences [start, stop) of the dataset (documents, or packed rows), a part per shard they touch (`masks`: with
+    their loss masks)."""
     found = []
     bounds = [0]
     for shard in range(dataset.num_shards):
@@ -306,13 +324,18 @@ def parts(dataset: TokenDataset, start: int, stop: int) -> list[Piece]:
             continue
         whole = lo == 0 and hi == count
         if dataset.layout == "packed":
-            ids = arrays.ids[lo * row : hi * row]
+            begin, end = lo * row, hi * row
             lengths = np.full(hi - lo, row, dtype=np.int64)
         else:
-            ids = arrays.ids[int(arrays.offsets[lo]) : int(arrays.offsets[hi])]
+            begin, end = int(arrays.offsets[lo]), int(arrays.offsets[hi])
             lengths = np.diff(arrays.offsets[lo : hi + 1])
+        mask = None
+        if masks:
+            if arrays.mask is None:
+                raise ExportError(f"shard {shard} has no loss masks although the output says it has")
+            mask = arrays.mask[begin:end]
         name = dataset.metadata["shards"][shard]["name"].replace("/", "-")  # merged ranks: rank-RRRRR/NNNNN
-        found.append(Piece(name, ids, lengths, bin_path(dataset, shard) if whole else None))
+        found.append(Piece(name, arrays.ids[begin:end], lengths, bin_path(dataset, shard) if whole else None, mask))
     return found
 
 
@@ -400,11 +423,13 @@ def export_megatron(
 # -- litdata --------------------------------------------------------------------------------------------------
 
 
-def litdata_chunk_head(lengths: np.ndarray, itemsize: int) -> bytes:
-    """Item count and item byte offsets (from the start of the chunk file) that open a litdata chunk."""
+def litdata_chunk_head(lengths: np.ndarray, itemsize: int, masked: bool = False) -> bytes:
+    """Item count and item byte offsets (from the start of the chunk file) that open a litdata chunk (`masked`: items
+    of two fields, their sizes, ids and masks)."""
     count = len(lengths)
     header_bytes = 4 * (count + 2)
-    offsets = header_bytes + np.concatenate([[0], np.cumsum(lengths * itemsize, dtype=np.int64)])
+    sizes = 8 + lengths * (itemsize + 1) if masked else lengths * itemsize
+    offsets = header_bytes + np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
     if offsets[-1] >= 1 << 32:
         raise ExportError(
             f"a shard of {offsets[-1]} bytes is over litdata's 4 GiB chunk: pre-tokenize with a smaller --shard-tokens"
@@ -412,24 +437,67 @@ def litdata_chunk_head(lengths: np.ndarray, itemsize: int) -> bytes:
     return np.uint32(count).tobytes() + offsets.astype("<u4").tobytes()
 
 
+def litdata_masked_items(part: Piece, itemsize: int) -> Iterator[np.ndarray]:
+    """The items of a masked chunk, as litdata's BinaryWriter lays out ``{"input_ids", "loss_mask"}``: per item the
+    uint32 byte sizes of its ids and its mask, then its ids, then its mask. Buffers of about LITDATA_GROUP_TOKENS ids,
+    laid out by numpy (no Python step per document)."""
+    if part.mask is None or len(part.mask) != len(part.ids):
+        raise ExportError(f"chunk {part.name}: its loss mask does not have one value an id")
+    lengths = np.asarray(part.lengths, dtype=np.int64)
+    ends = np.cumsum(lengths)
+    ids = np.ascontiguousarray(part.ids).view(np.uint8).reshape(-1, itemsize)  # little-endian, as litdata reads
+    mask = np.ascontiguousarray(part.mask, dtype=np.uint8)
+    first = 0
+    while first < len(lengths):
+        begin = int(ends[first - 1]) if first else 0
+        last = max(int(np.searchsorted(ends, begin + LITDATA_GROUP_TOKENS, side="right")), first + 1)
+        group = lengths[first:last]
+        end = int(ends[last - 1])
+        sizes = 8 + group * (itemsize + 1)
+        at = np.concatenate([[0], np.cumsum(sizes)[:-1]])  # each item's first byte in the buffer
+        out = np.empty(int(sizes.sum()), dtype=np.uint8)
+        heads = np.stack([group * itemsize, group], axis=1).astype("<u4").view(np.uint8)
+        out[at[:, None] + np.arange(8)] = heads
+        owner = np.repeat(np.arange(len(group)), group)
+        within = np.arange(end - begin) - np.repeat(np.concatenate([[0], np.cumsum(group)[:-1]]), group)
+        id_at = at[owner] + 8 + within * itemsize
+        out[id_at[:, None] + np.arange(itemsize)] = ids[begin:end]
+        out[at[owner] + 8 + group[owner] * itemsize + within] = mask[begin:end]
+        yield out
+        first = last
+
+
+def _write_masked_chunk(file: Any, head: bytes, part: Piece, itemsize: int) -> None:
+    file.write(head)
+    for buffer in litdata_masked_items(part, itemsize):
+        file.write(memoryview(buffer))
+
+
 def export_litdata(pieces: list[Piece], dtype: str, output: Path, *, progress: Progress) -> list[Path]:
-    """OUT/index.json and one chunk a part, items = documents (or rows)."""
+    """OUT/index.json and one chunk a part, items = documents (or rows): for TokensLoader, or, where the pieces
+    carry their loss masks, items ``{"input_ids", "loss_mask"}`` in litdata's own per-item layout."""
     itemsize = np.dtype(dtype).itemsize
+    masked = any(part.mask is not None for part in pieces)
     output.mkdir(parents=True, exist_ok=True)
     chunks = []
     written = []
     for number, part in enumerate(pieces):
         name = f"chunk-0-{number}.bin"
-        head = litdata_chunk_head(part.lengths, itemsize)
-        _write_atomically(
-            output / name,
-            lambda file, h=head, p=part: (file.write(h), _write_ids(file, [p], lambda count: None)),
-        )
+        head = litdata_chunk_head(part.lengths, itemsize, masked)
+        if masked:
+            _write_atomically(output / name, lambda file, h=head, p=part: _write_masked_chunk(file, h, p, itemsize))
+            size = len(head) + 8 * len(part.lengths) + (itemsize + 1) * len(part.ids)
+        else:
+            _write_atomically(
+                output / name,
+                lambda file, h=head, p=part: (file.write(h), _write_ids(file, [p], lambda count: None)),
+            )
+            size = len(head) + part.ids.nbytes
         chunks.append(
             {
-                "chunk_bytes": len(head) + part.ids.nbytes,
+                "chunk_bytes": size,
                 "chunk_size": len(part.lengths),
-                "dim": len(part.ids),
+                "dim": None if masked else len(part.ids),
                 "filename": name,
             }
         )
@@ -443,12 +511,13 @@ def export_litdata(pieces: list[Piece], dtype: str, output: Path, *, progress: P
             "compression": None,
             "compression_batch_size": None,
             "compression_level": None,
-            "data_format": [f"no_header_numpy:{LITDATA_DTYPE_CODES[dtype]}"],
-            "data_spec": LITDATA_DATA_SPEC,
+            "data_format": [f"no_header_numpy:{LITDATA_DTYPE_CODES[dtype]}"]
+            + ([f"no_header_numpy:{LITDATA_MASK_CODE}"] if masked else []),
+            "data_spec": LITDATA_MASKED_DATA_SPEC if masked else LITDATA_DATA_SPEC,
             "encryption": None,
             "ipc_compression": None,
-            "item_loader": "TokensLoader",
-            "types": "json",
+            "item_loader": "PyTreeLoader" if masked else "TokensLoader",
+            "types": dict.fromkeys(LITDATA_FIELDS, "json") if masked else "json",
         },
         "updated_at": str(time.time()),
     }
@@ -582,9 +651,10 @@ def export(
     check_shards(dataset, report)
     remove_earlier(dataset, to, output)
     dtype = dataset.metadata["dtype"]
+    masks = to == "litdata" and is_masked(dataset.metadata) and not drop_mask
     done = Exported()
     if val_documents:
-        val = parts(dataset, 0, val_documents)
+        val = parts(dataset, 0, val_documents, masks)
         announce(f"writing {to} validation", sum(len(part.ids) for part in val))
         done.val_files = _export_parts(
             val,
@@ -597,7 +667,7 @@ def export(
             progress=report,
             done=done,
         )
-    train = parts(dataset, val_documents, len(dataset))
+    train = parts(dataset, val_documents, len(dataset), masks)
     announce(f"writing {to}", sum(len(part.ids) for part in train))
     done.files = _export_parts(
         train,

@@ -49,13 +49,14 @@ export formats (ragged outputs go to all four; packed concat outputs too, a row 
 packed best_fit outputs to none, their padding cannot be masked by these readers):
   megatron  OUT.bin + OUT.idx, read by megatron.core.datasets.indexed_dataset.IndexedDataset(OUT)
             (--per-shard: OUT_NNNNN.bin/.idx a shard); a whole shard's .bin is hard-linked
-  litdata   OUT/index.json + chunks, read by litdata StreamingDataset(OUT, item_loader=TokensLoader(n))
+  litdata   OUT/index.json + chunks, read by litdata StreamingDataset(OUT, item_loader=TokensLoader(n));
+            with loss masks an item a document, {"input_ids", "loss_mask"}, read by StreamingDataset(OUT)
   nanogpt   OUT (or OUT/train.bin for a directory), every id as uint16 (nanoGPT's train.bin);
             hard-linked for one shard; vocabularies up to 65,536 pieces
   llmc      OUT/train_NNNNNN.bin shards of --shard-tokens ids with llm.c's header; uint16 only
-Outputs with loss masks (--conversations, --prompt-completion) are refused by every format, which has no place
-for a mask, unless --drop-mask (the ids only). Hard links are the shards' own read-only files: copy one before
-editing it. --val-documents N puts the
+Outputs with loss masks (--conversations, --prompt-completion) go to litdata with their masks; the other formats,
+which have no place for a mask, refuse them unless --drop-mask (the ids only). Hard links are the shards' own
+read-only files: copy one before editing it. --val-documents N puts the
 first N documents in a validation set: nanogpt val.bin beside train.bin, llmc OUT/val_NNNNNN.bin,
 megatron OUT_val.bin/.idx, litdata OUT_val/. Every shard is checked before anything is written.
 An export owns its output: it replaces the files of an earlier export of the same format there (a
