@@ -330,6 +330,39 @@ def test_the_templates_attribute_lookup_on_plain_dicts_is_the_sandboxs():
                     assert fast == slow, (value, name)
 
 
+def outcome(compiled: Any, messages: list[dict[str, Any]]) -> str:
+    try:
+        return "renders " + compiled.render(messages=messages)
+    except Exception as exc:
+        return f"raises {type(exc).__name__}: {exc}"
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ messages.clear() }}",
+        "{{ messages[0].update({'role': 'x'}) }}{{ messages[0].role }}",
+        "{{ messages[0].items() | list }} {{ messages[0].get('content') }} {{ messages[0].keys() | list }}",
+        "{{ messages[0].__class__ }}|{{ messages[0].role.__class__.__mro__ }}|{{ messages[0].missing is defined }}",
+        "{{ messages[0].missing.deeper }}",
+        "{% set ns = namespace(a=1) %}{% set ns.a = ns.a + 1 %}{{ ns.a }}{{ dict(x=1).x }}",
+        "{{ raise_exception('refused: ' ~ messages[0].role) }}",
+        "{{ messages[0].content.upper() }}{{ '%s' % messages[0].role }}{{ '{}'.format(messages[0].role) }}",
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.role | tojson }}{% endfor %}",
+        "{% generation %}{{ messages[0].content }}{% endgeneration %}{{ cycler('a', 'b').next() }}",
+    ],
+)
+def test_the_compiled_templates_fast_paths_change_nothing_a_template_sees(source):
+    """What a template renders or raises (the sandbox's refusals included) with the fast paths of `chat._compile`
+    is what transformers' own compiled template renders or raises."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    messages = [{"role": "user", "content": "héllo"}, {"role": "assistant", "content": "ok", "items": 3}]
+    ours, theirs = chat._compile(source), _compile_jinja_template(source)
+    assert ours.environment is not theirs.environment
+    assert outcome(ours, [dict(m) for m in messages]) == outcome(theirs, [dict(m) for m in messages])
+
+
 TOOLS_AND_REASONING = [
     [
         {"role": "user", "content": "What is 2 * 3?"},

@@ -47,6 +47,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import MethodType
 from typing import Any
 
 import numpy as np
@@ -247,6 +248,9 @@ class Tokens:
             }
         self._pattern = self._special_pattern()
         self._any = re.compile("|".join(re.escape(token) for token in self.special)) if self.special else None
+        # a few special tokens: each looked for as bytes in the messages' JSON (a substring search each, faster
+        # than the regex's alternation; UTF-8 bytes hold a string's bytes exactly where the text holds the string)
+        self._needles = [token.encode("utf-8") for token in self.special] if len(self.special) <= 16 else None
         # every special-token string appears as itself in JSON (no character JSON escapes): one search of the
         # messages' JSON finds whether any is in a conversation
         self.json_safe = all(json.dumps(token, ensure_ascii=False)[1:-1] == token for token in self.special)
@@ -581,7 +585,10 @@ def _compile(text: str) -> Any:
     - ``message.role`` on a plain dict (what JSON gives): the sandbox tries ``getattr(message, "role")`` first,
       which raises AttributeError for any name a dict has no attribute of, then ``message["role"]``; for those
       names the item is looked up directly (undefined when absent, as the sandbox returns). Names a dict does
-      have (``items``, ``get``...) still go through the sandbox's checks."""
+      have (``items``, ``get``...) still go through the sandbox's checks;
+    - ``{% generation %}``'s call of transformers' tracker: the sandbox asks whether that method is safe to call
+      (attributes it looks up on it, which the tracker never has) on every assistant turn; it is called directly.
+      Every other call in a template goes through the sandbox as before."""
     try:
         from transformers.utils.chat_template_utils import _cached_compile_jinja_template
     except ImportError:  # transformers 4.x: its cached, shared compile, left as it is
@@ -607,6 +614,17 @@ def _compile(text: str) -> Any:
         return sandboxed(obj, attribute)
 
     environment.getattr = getattr_
+    sandboxed_call = environment.call
+    trackers = [ext for ext in environment.extensions.values() if "_generation_support" in type(ext).__dict__]
+    if len(trackers) == 1 and environment.is_safe_callable(trackers[0]._generation_support):
+        generation = type(trackers[0]).__dict__["_generation_support"]
+
+        def call(context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
+            if type(obj) is MethodType and obj.__func__ is generation:  # the sandbox's answer, once for all
+                return context.call(obj, *args, **kwargs)
+            return sandboxed_call(context, obj, *args, **kwargs)
+
+        environment.call = call
     return compiled
 
 
@@ -716,7 +734,10 @@ class ChatTemplate:
             return False
         if not self.tokens.json_safe or self.tokens.splits_always:
             return True
-        return self.tokens._any.search(orjson.dumps(checked).decode("utf-8")) is not None
+        data = orjson.dumps(checked)
+        if self.tokens._needles is not None:
+            return any(needle in data for needle in self.tokens._needles)
+        return self.tokens._any.search(data.decode("utf-8")) is not None
 
     def _placeholders(self, messages: list[dict[str, Any]], index: int, options: ChatOptions) -> list[tuple[str, str]]:
         """(special-token string, placeholder) for those inside the content, unless they are to be parsed."""
