@@ -46,6 +46,7 @@ from tokenizer_service.core.models import (
     find_model_files,
     tiktoken_spec,
 )
+from tokenizer_service.core.registry import inspect_model
 from tokenizer_service.settings import models_in
 
 LLAMA = Path(llama_models.__file__).parent
@@ -320,7 +321,7 @@ def test_tekken_ids_and_decode_equal_mistral_commons(made, multilingual, name):
     reference = Tekkenizer.from_file(path)
     files = find_model_files(name, path)
     assert files.library == TEKKEN
-    library = libraries.load(files)
+    library = libraries.load(files, libraries.REFERENCE)
     assert (library.library, library.encoder, library.type) == ("mistral-common", "tiktoken", "bpe")
     assert (library.bos_id, library.eos_id, library.pad_id, library.unk_id) == (
         reference.bos_id,
@@ -339,6 +340,91 @@ def test_tekken_ids_and_decode_equal_mistral_commons(made, multilingual, name):
         [1, 3, *reference.encode("½ π", False, False)[:1], 4, 2],
     ]
     assert library.decode(rows) == [reference.decode(row, special_token_policy=SpecialTokenPolicy.KEEP) for row in rows]
+
+
+TEKKEN_ROUTES = ["fastokens(converted)", "gigatoken(converted)"]
+RELEASED_SLOW = [pytest.param(name.removesuffix(".json"), marks=pytest.mark.slow) for name in TEKKEN_RELEASED]
+
+
+def tekken_texts(reference: Tekkenizer, multilingual: list[str]) -> list[str]:
+    """Multilingual text, edge strings, special-token strings (control tokens, the two that are not, a filler)
+    in context."""
+    special = [token["token_str"] for token in reference._all_special_tokens]
+    return texts_for(multilingual, [*special[:24], special[-1]])
+
+
+def assert_mistral_commons_ids(library: libraries.Library, reference: Tekkenizer, texts: list[str]) -> None:
+    for parse_special in (False, True):  # control tokens are text unless parse_special_tokens
+        got = libraries.flatten_rows(*library.encode_plain(texts, parse_special))
+        want = tekken_reference_rows(reference, texts, parse_special)
+        assert [row.tolist() for row in got] == want, (library.encoder, parse_special)
+    rows = tekken_reference_rows(reference, texts[:60], True)
+    assert library.decode(rows) == [reference.decode(row, special_token_policy=SpecialTokenPolicy.KEEP) for row in rows]
+
+
+def test_a_tekken_files_converted_ranks_are_what_tokenizers_encodes_as_mistral_common_does(made, multilingual):
+    """The converted route's tokenizer.json (ranks shifted past the special tokens, the special tokens added tokens
+    at ids 0..n-1, which the vocabulary holds as holes) read by tokenizers itself: mistral-common's ids with
+    special-token strings as text. (tokenizers numbers added tokens that the vocabulary lacks after it, whatever
+    ids the file gives them: the fast encoders read the file's ids, and their routes are compared below.)"""
+    import tokenizers
+
+    from tokenizer_service.core import encoders
+
+    path = made["tekken_made"]
+    reference = Tekkenizer.from_file(path)
+    library = libraries.load(find_model_files("tekken_made", path), libraries.REFERENCE)
+    document = encoders._document(library, converted=True)
+    added = json.loads(document)["added_tokens"]
+    assert [(token["id"], token["content"]) for token in added] == list(enumerate(library.spec.special))
+    converted = tokenizers.Tokenizer.from_str(document)
+    converted.encode_special_tokens = True
+    texts = tekken_texts(reference, multilingual)
+    got = [encoding.ids for encoding in converted.encode_batch(texts, add_special_tokens=False)]
+    assert got == tekken_reference_rows(reference, texts, False)
+
+
+@pytest.mark.parametrize("route", TEKKEN_ROUTES)
+@pytest.mark.parametrize("name", ["tekken_made", *RELEASED_SLOW])
+def test_each_fast_route_of_a_tekken_file_gives_mistral_commons_ids(made, multilingual, name, route):
+    """Each converted route (as a worker told it builds it: the check set, then it encodes) against mistral-common
+    on multilingual text and edge strings, in both special-token modes; decoded as mistral-common decodes."""
+    path = tekken_files(made)[name]
+    reference = Tekkenizer.from_file(path)
+    library = libraries.load(find_model_files(name, path), route, trusted=True)
+    assert library.encoder == route and library.fast is not None
+    assert_mistral_commons_ids(library, reference, tekken_texts(reference, multilingual))
+
+
+@pytest.mark.parametrize("name", ["tekken_made", *RELEASED_SLOW])
+def test_a_tekken_file_is_served_by_what_the_gate_chose_with_mistral_commons_ids(
+    made, multilingual, name, tmp_path, monkeypatch
+):
+    """The whole gate (every converted route, the rule) settles a tekken.json as any tiktoken model: the route it
+    chose is announced (`encoder` in /v1/models) and served, by a worker reading the verdict and by one promoted;
+    where none qualifies, tiktoken serves. Either way, mistral-common's ids."""
+    path = tekken_files(made)[name]
+    if name == "tekken_made":  # a cache of its own and a scan over part of Unicode: seconds, not a minute
+        monkeypatch.setenv(libraries.CACHE_DIR_ENV, str(tmp_path / "cache"))
+        monkeypatch.setattr(checkset, "code_points", lambda: list(range(0x3400)))
+    files = find_model_files(name, path)
+    info = inspect_model(name, path, wait=True)  # the gate, its verdict cached
+    verdict = libraries.cached_verdict(libraries.gate_key(files))
+    assert verdict is not None and [c["route"] for c in verdict["candidates"]] == TEKKEN_ROUTES
+    route = libraries.cached_route(files)
+    reference = Tekkenizer.from_file(path)
+    texts = tekken_texts(reference, multilingual)
+    served = libraries.load(files)  # a worker: the verdict's route, built, the check set run again
+    if name == "tekken_made":
+        assert route in TEKKEN_ROUTES, verdict  # both pass on the made file: the rule picks one
+    if route is None:  # every route differed somewhere, or was over the memory bound: tiktoken serves
+        assert info.encoder == served.encoder == "tiktoken" and not verdict["passed"], verdict
+    else:
+        assert info.encoder == served.encoder == route
+        promoted = libraries.load(files, libraries.REFERENCE)
+        assert promoted.promote(route) and promoted.encoder == route  # what a PROMOTE frame does in a worker
+        assert_mistral_commons_ids(promoted, reference, texts[:50])
+    assert_mistral_commons_ids(served, reference, texts)
 
 
 def test_tekken_files_mistral_common_refuses_are_refused_in_one_line(made, tmp_path):
@@ -512,7 +598,7 @@ def test_pretokenize_verify_and_export_take_the_new_kinds(shipped_server, made, 
     corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in multilingual))
     local = tmp_path / "local"
     common = [str(corpus), "-q"]
-    # --local: a Tekken file (no fast encoder's gate to scan); --url: Meta's and the Tekken file, served
+    # --local: a Tekken file (its fast encoder's gate scanned beside the run); --url: Meta's and the Tekken file
     assert pretokenize([*common, "--output", str(local), "--local", "--model", str(made["tekken_made"])]) == 0
     assert pretokenize([*common, "--output", str(tmp_path / "served"), "--url", url, "--model", "tekken_made"]) == 0
     assert pretokenize([*common, "--output", str(tmp_path / "llama3"), "--url", url, "--model", "llama3"]) == 0

@@ -1,4 +1,4 @@
-"""The fast encoders a `tokenizer.json` or tiktoken model may be served by, and the rule that picks one.
+"""The fast encoders a `tokenizer.json`, tiktoken or tekken.json model may be served by, and the rule that picks one.
 
 Candidates (each only behind the gate, tokenizer_service.core.libraries.gate_verdict):
 
@@ -7,7 +7,9 @@ Candidates (each only behind the gate, tokenizer_service.core.libraries.gate_ver
   `BPETokenizer.from_tiktoken` with that encoding's pretokenizer);
 - ``fastokens(converted)``, ``gigatoken(converted)``: for tiktoken ranks that the encoder cannot load as they are
   (a pattern it has no scheme for, or ranks where some tokens are not the merge of two others, as Qwen's), the
-  ranks converted in memory to an equivalent byte-level BPE `tokenizer.json` (`ranks_to_tokenizer_json`).
+  ranks converted in memory to an equivalent byte-level BPE `tokenizer.json` (`ranks_to_tokenizer_json`); a
+  Mistral ``tekken.json`` is served by these routes only (its ranks shifted past the special tokens, which take
+  ids 0..n-1 as added tokens: `ranks_model`).
 
 gigatoken always matches special-token strings in text; it is built without special tokens, so special-token
 strings are text (``parse_special_tokens`` false), and with ``parse_special_tokens`` each text is cut at its
@@ -32,6 +34,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+
+from tokenizer_service.core.models import TEKKEN, TIKTOKEN, tiktoken_ranks
 
 FASTOKENS, GIGATOKEN = "fastokens", "gigatoken"
 ENCODERS = (FASTOKENS, GIGATOKEN)
@@ -107,12 +111,21 @@ def _byte_table() -> list[str]:
     return table
 
 
+# The vocabulary entry of an id below the highest rank that no token has (a gap in the ranks; a tekken.json's ids
+# 0..n-1, its special tokens'): fastokens loads a BPE vocabulary only without gaps. U+E000 lies outside the
+# byte-level alphabet, so no text ever becomes such an entry; the special tokens are still added tokens.
+HOLE = "\ue000{id}"
+
+
 def ranks_to_tokenizer_json(ranks: dict[bytes, int], pat_str: str, special_tokens: dict[str, int]) -> str:
     """An equivalent byte-level BPE `tokenizer.json` of tiktoken ranks: the vocabulary is the ranks; a merge
     (left, right) for every split of a token into two tokens, ranked by the merged token's rank (tiktoken
     merges the adjacent pair whose concatenation has the lowest rank); `ignore_merges` takes a whole piece that
     is a token as that token, as tiktoken does, which is how a token that is no merge of two (Qwen has 232) is
-    ever produced. The split pattern, then byte-level; the special tokens as special added tokens."""
+    ever produced. The split pattern, then byte-level; the special tokens as special added tokens, with their
+    ids (fastokens reads them; tokenizers itself numbers an added token the vocabulary lacks after the vocabulary:
+    only where the special ids follow the ranks does its reading of the file give them too); an id below the
+    highest rank that no token has as a `HOLE`."""
     table = _byte_table()
 
     def text(token: bytes) -> str:
@@ -125,6 +138,11 @@ def ranks_to_tokenizer_json(ranks: dict[bytes, int], pat_str: str, special_token
             if left is not None and right is not None:
                 merges.append((rank, left, right, text(token[:cut]), text(token[cut:])))
     merges.sort()
+    vocab = {text(token): rank for token, rank in ranks.items()}
+    top = max(ranks.values(), default=-1)
+    if len(vocab) <= top:  # ids no token has (a tekken.json's special tokens come first): filled, see HOLE
+        taken = set(ranks.values())
+        vocab.update({HOLE.format(id=token_id): token_id for token_id in range(top + 1) if token_id not in taken})
     document = {
         "version": "1.0",
         "truncation": None,
@@ -160,7 +178,7 @@ def ranks_to_tokenizer_json(ranks: dict[bytes, int], pat_str: str, special_token
             "fuse_unk": False,
             "byte_fallback": False,
             "ignore_merges": True,
-            "vocab": {text(token): rank for token, rank in ranks.items()},
+            "vocab": vocab,
             "merges": [[left, right] for *_, left, right in merges],
         },
     }
@@ -240,9 +258,12 @@ class Gigatoken:
 
 def routes(library: Any, encoder: str) -> list[str]:
     """The routes of `encoder` for `library`'s model, in the order tried: a tokenizer.json directly; tiktoken
-    ranks directly, then converted where the encoder cannot load them as they are."""
-    if library.library == "tiktoken":
+    ranks directly, then converted where the encoder cannot load them as they are; a tekken.json converted (no
+    encoder reads its JSON)."""
+    if library.library == TIKTOKEN:
         return [route(encoder), route(encoder, converted=True)]
+    if library.library == TEKKEN:
+        return [route(encoder, converted=True)]
     return [route(encoder)]
 
 
@@ -252,9 +273,11 @@ def build(library: Any, name: str, module: Any) -> Any:
     PanicException, a BaseException, included)."""
     encoder, converted = encoder_of(name), name.endswith(CONVERTED)
     kind = library.library
+    if kind == TEKKEN and not converted:
+        raise ValueError(f"{encoder} reads no tekken.json: its ranks are converted ({route(str(encoder), True)})")
     if encoder == FASTOKENS:
         fastokens = module
-        if kind == "tiktoken" and not converted:
+        if kind == TIKTOKEN and not converted:
             return fastokens.Tokenizer.from_tiktoken(
                 str(library.files.main), pattern=library.spec.pat_str, special_tokens=library.spec.special_tokens
             )
@@ -265,8 +288,8 @@ def build(library: Any, name: str, module: Any) -> Any:
     if encoder == GIGATOKEN:
         BPETokenizer, load_hf_json = module.BPETokenizer, module.load_hf_json
 
-        if kind == "tiktoken":
-            special = dict(library.spec.special_tokens)
+        if kind in (TIKTOKEN, TEKKEN):
+            special = dict(library.spec.special_tokens) if kind == TIKTOKEN else library.special_tokens
             if not converted:
                 scheme = GIGATOKEN_SCHEMES.get(library.spec.encoding or "")
                 if scheme is None:
@@ -286,13 +309,21 @@ def build(library: Any, name: str, module: Any) -> Any:
     raise ValueError(f"no fast encoder {name!r}")
 
 
+def ranks_model(library: Any) -> tuple[dict[bytes, int], str, dict[str, int]]:
+    """(ranks, split pattern, special tokens) of a tiktoken or tekken.json model, as its tiktoken encoding holds
+    them: a tekken.json's ranks shifted by its number of special tokens, which take ids 0..n-1 (fillers too)."""
+    if library.library == TEKKEN:
+        spec = library.spec
+        return spec.ranks(), spec.pattern, library.special_tokens
+    ranks = tiktoken_ranks(library.files.contents[0], library.files.main)
+    return ranks, library.spec.pat_str, dict(library.spec.special_tokens)
+
+
 def _document(library: Any, converted: bool, specials: bool = True) -> str:
     if not converted:
         return library.files.contents[0].decode("utf-8")
-    from tokenizer_service.core.models import tiktoken_ranks
-
-    ranks = tiktoken_ranks(library.files.contents[0], library.files.main)
-    return ranks_to_tokenizer_json(ranks, library.spec.pat_str, library.spec.special_tokens if specials else {})
+    ranks, pattern, special = ranks_model(library)
+    return ranks_to_tokenizer_json(ranks, pattern, special if specials else {})
 
 
 # -- measuring ------------------------------------------------------------------------------------------------

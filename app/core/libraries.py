@@ -11,7 +11,7 @@ Each model is encoded exactly as its own library encodes it in-process, then BOS
 A ``tokenizer.json``'s own truncation and padding settings are inference settings and are not applied
 (``max_length`` truncates, /v1/pack packs). Decoding is always the reference library's.
 
-**The fast path.** `tokenizer.json` and tiktoken models may be encoded by fastokens, an exact
+**The fast path.** `tokenizer.json`, tiktoken and tekken.json models may be encoded by fastokens, an exact
 reimplementation in Rust, 10-50x cheaper per token than `tokenizers` here. It is trusted only behind a
 gate: when a process loads a model, fastokens must give the reference library's ids for every text of
 the built-in check set (tokenizer_service.core.checkset) in both special-token modes, and on every code point and
@@ -485,12 +485,12 @@ def edge_separator(library: Any) -> tuple[str, int] | None:
     """A special-token string (the shortest) between whose occurrences the reference library encodes a text
     exactly as a text of its own, with its id; None where that is not known to hold.
 
-    tiktoken encodes the pieces between special tokens one by one (its `encode`). tokenizers pre-tokenizes
-    each piece between added tokens on its own, unless the model prepends something to the first piece only
-    (Metaspace's prepend_scheme "first", a Prepend normalizer: start-of-text behaviour, so edge texts are
+    tiktoken encodes the pieces between special tokens one by one (its `encode`; a tekken.json's too). tokenizers
+    pre-tokenizes each piece between added tokens on its own, unless the model prepends something to the first
+    piece only (Metaspace's prepend_scheme "first", a Prepend normalizer: start-of-text behaviour, so edge texts are
     encoded one by one) or the token strips the whitespace beside it (lstrip/rstrip)."""
-    if library.library == TIKTOKEN:
-        tokens = library.spec.special_tokens
+    if library.library in (TIKTOKEN, TEKKEN):
+        tokens = library.spec.special_tokens if library.library == TIKTOKEN else library.special_tokens
         if not tokens:
             return None
         shortest = min(tokens, key=lambda token: (len(token), token))
@@ -535,7 +535,7 @@ def gate_key(files: ModelFiles, encoder: str = FAST) -> dict[str, Any]:
     the one pinned) and the rule that chose among them."""
     return {
         "fast": encoders.versions(),
-        "reference": f"{files.library} {_version(files.library)}",
+        "reference": f"{files.library} {_version(TIKTOKEN if files.library == TEKKEN else files.library)}",
         "files_sha256": files_sha256(files.contents),
         "checkset": checkset.VERSION,
         "select": encoder if encoder in (FASTOKENS, GIGATOKEN) else FAST,
@@ -634,9 +634,9 @@ def _not_installed(encoder: str) -> str | None:
 def announced_gate(files: ModelFiles, encoder: str = FAST) -> tuple[str | None, str | None]:
     """(the gate's state, what differs) for a process that announces a model without encoding it: PASSED or
     REFUSED from the cached verdict, PENDING where there is none (to be scanned beside the work), None where
-    no gate applies (SentencePiece, tekken.json, `encoder` reference). Loads nothing: no fast encoder is even
-    imported. `cached_route` names the route a PASSED verdict chose."""
-    if encoder == REFERENCE or files.library not in (TOKENIZERS, TIKTOKEN):
+    no gate applies (SentencePiece, `encoder` reference). Loads nothing: no fast encoder is even imported.
+    `cached_route` names the route a PASSED verdict chose."""
+    if encoder == REFERENCE or files.library not in (TOKENIZERS, TIKTOKEN, TEKKEN):
         return None, None
     missing = _not_installed(encoder)
     if missing is not None:
@@ -1288,34 +1288,66 @@ class Tekken(Library):
     parse_special_tokens every special-token string (fillers included) is its id, as tiktoken's
     `encode(text, allowed_special="all")` matches them. Decoded as `Tekkenizer.decode(ids,
     special_token_policy=SpecialTokenPolicy.KEEP)`: special tokens as their strings. mistral-common itself
-    (which pulls pillow, pycountry and an older numpy) is the tests' reference, not a dependency."""
+    (which pulls pillow, pycountry and an older numpy) is the tests' reference, not a dependency.
+
+    Its fast encoders are the converted routes (`encoders.routes`: the shifted ranks as a byte-level BPE
+    tokenizer.json, the special tokens as added tokens at ids 0..n-1), behind the same gate as tiktoken ranks:
+    until one passes, and after a fall back, tiktoken encodes (`encoder` "tiktoken")."""
 
     library = TEKKEN
 
     def __init__(self, files: ModelFiles, encoder: str = FAST, trusted: bool = False) -> None:
-        import tiktoken
-
         self.files = files
         self.spec = tekken_spec(files)
         self.type = "bpe"
         self.vocab_size = self.spec.vocab_size
         self.num_special = self.spec.num_special
-        ids = {token: index for index, token in enumerate(self.spec.special)}
+        ids = self.special_tokens
         self.bos_id, self.eos_id, self.pad_id, self.unk_id = (
             ids[token] if token is not None else -1
             for token in (self.spec.tokens[r] for r in ("bos", "eos", "pad", "unk"))
         )
         self.normalizes = False
         self.encoder = TIKTOKEN
+        self._reference: Any | None = self._load_reference()
+        self.fast: Any | None = None
+        if encoder != REFERENCE:
+            _adopt_fast(self, trusted, encoder)
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """Each special-token string (fillers included) and its id, 0..num_special - 1."""
+        return {token: index for index, token in enumerate(self.spec.special)}
+
+    @property
+    def special(self) -> list[str]:
+        return list(self.spec.special)
+
+    def _load_reference(self) -> Any:
+        import tiktoken
+
         try:
-            self.reference = tiktoken.Encoding(
-                files.main.name.removesuffix(".json"),
+            return tiktoken.Encoding(
+                self.files.main.name.removesuffix(".json"),
                 pat_str=self.spec.pattern,
                 mergeable_ranks=self.spec.ranks(),
-                special_tokens=ids,
+                special_tokens=self.special_tokens,
             )
         except ValueError as exc:  # a pattern tiktoken's regex engine refuses
-            raise ModelLoadError(f"{files.path}: tiktoken cannot load it: {exc}") from exc
+            raise ModelLoadError(f"{self.files.path}: tiktoken cannot load it: {exc}") from exc
+
+    @property
+    def reference(self) -> Any:
+        if self._reference is None:  # dropped after the gate passed: loaded again for a detokenize
+            self._reference = self._load_reference()
+        return self._reference
+
+    def _build_fast(self, module: Any, route: str) -> Any:
+        return encoders.build(self, route, module)
+
+    def fall_back(self) -> None:
+        super().fall_back()
+        self.encoder = TIKTOKEN  # what encodes it then, as before any fast encoder
 
     def reference_rows(self, texts: list[str], parse_special: bool) -> list[list[int]]:
         return self._reference_rows(texts, parse_special)
@@ -1324,6 +1356,8 @@ class Tekken(Library):
         return tiktoken_rows(self.reference, texts, parse_special)
 
     def encode_plain(self, texts: list[str], parse_special: bool) -> Encoded:
+        if self.fast is not None:
+            return _fast_flat(self.fast, texts, parse_special)
         return flatten(self._reference_rows(texts, parse_special))
 
     def decode(self, rows: list[list[int]]) -> list[str]:
