@@ -201,3 +201,68 @@ def test_ranks_to_tokenizer_json_is_what_tokenizers_encodes_as_tiktoken_does(qwe
     assert [e.ids for e in converted.encode_batch(texts, add_special_tokens=False)] == reference.reference_rows(
         texts, False
     )
+
+
+# -- what the check set grew with in issue 32's second round --------------------------------------------------
+
+
+def test_the_check_set_of_ranks_holds_each_token_that_is_no_merge(qwen_ranks):
+    files = find_model_files("qwen", qwen_ranks)
+    library = libraries.load(files, libraries.REFERENCE)
+    ranks = tiktoken_ranks(files.contents[0], files.main)
+    found = encoders.non_merges(ranks)
+    appended = [raw for raw, rank in ranks.items() if rank >= len(ranks) - NON_MERGES]
+    assert set(appended) <= set(found)  # the tests' own, and whatever the trained ranks hold of their own
+    texts = libraries.check_texts(library)
+    assert all(any(raw.decode() in text for text in texts) for raw in appended)
+    alone = {raw.decode() for raw in appended} & set(texts)  # a text that is the token: a whole piece of text
+    assert len(alone) >= min(len(appended), checkset.PIECES_PER_TEXT) - len(set(found) - set(appended))
+
+
+def test_a_conversion_wrong_on_tokens_that_are_no_merge_is_refused_never_served(qwen_ranks, monkeypatch, caplog):
+    """Without `ignore_merges` the converted ranks never give a token that is no merge of two (tokie's kind of
+    error): the check set's texts of those tokens refuse it, where the check set before them let it through."""
+    files = find_model_files("qwen", qwen_ranks)
+    reference = libraries.load(files, libraries.REFERENCE)
+    convert = encoders.ranks_to_tokenizer_json
+
+    def merges_only(*args):
+        document = json.loads(convert(*args))
+        document["model"]["ignore_merges"] = False
+        return json.dumps(document)
+
+    monkeypatch.setattr(encoders, "ranks_to_tokenizer_json", merges_only)
+    wrong, why = libraries._build_fast(reference, "fastokens(converted)")
+    assert wrong is not None, why
+    rows = libraries._safe_rows(wrong)
+    texts = non_merge_texts(qwen_ranks)
+    assert rows(texts, False) != reference.reference_rows(texts, False)  # it is wrong on them
+    assert libraries.gate("qwen", reference.reference_rows, rows, checkset.texts(reference.special)) is None
+    assert libraries.gate("qwen", reference.reference_rows, rows, libraries.check_texts(reference)) is not None
+    with caplog.at_level("WARNING", logger="tokenizer"):
+        library = libraries.load(files, "fastokens(converted)", trusted=True)
+    assert library.encoder == "tiktoken" and library.fast is None
+    lines = [record.getMessage() for record in caplog.records if "fastokens(converted) differs" in record.getMessage()]
+    assert len(lines) == 1 and "check text" in lines[0], lines
+
+
+def test_ranks_with_a_gap_are_converted_with_a_hole_fastokens_loads(library_models, tmp_path):
+    """fastokens loads a BPE vocabulary only without gaps: an id no token has (a gap in the ranks, a tekken.json's
+    special ids) is a HOLE entry that no text reaches."""
+    source = library_models["tt"]
+    ranks = tiktoken_ranks(source.read_bytes(), source)
+    gap = max(ranks.values()) - 10
+    lines = [f"{base64.b64encode(raw).decode()} {rank}\n" for raw, rank in ranks.items() if rank != gap]
+    path = tmp_path / "gap.tiktoken"
+    path.write_text("".join(lines))
+    Path(f"{path}.json").write_text(Path(f"{source}.json").read_text())
+    files = find_model_files("gap", path)
+    document = json.loads(encoders._document(libraries.load(files, libraries.REFERENCE), converted=True))
+    assert document["model"]["vocab"][encoders.HOLE.format(id=gap)] == gap
+    reference = libraries.load(files, libraries.REFERENCE)
+    fast = libraries.load(files, "fastokens(converted)", trusted=True)
+    assert fast.encoder == "fastokens(converted)"
+    texts = read_multilingual() + checkset.whitespace_texts()
+    for parse in (False, True):
+        ids, lengths = fast.encode_plain(texts, parse)
+        assert [row.tolist() for row in libraries.flatten_rows(ids, lengths)] == reference.reference_rows(texts, parse)

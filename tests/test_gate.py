@@ -180,3 +180,53 @@ def test_a_new_chat_template_is_not_scanned_again(library_models, tmp_path, monk
     assert libraries.load(plain, "fastokens").encoder == "fastokens"
     assert libraries.announced_gate(templated, "fastokens") == (libraries.PASSED, None)
     assert libraries.load(templated, "fastokens").encoder == "fastokens" and calls == [1]
+
+
+# -- the check set's cases from issue 32's second round --------------------------------------------------------
+
+ROUND_TWO = [
+    # added-token strings beside text, cut, one beginning another (an encoder that ignored their ids there)
+    "1<|endoftext|>2",
+    "<|endoftext|><|endoftext|><|endoftext|>",
+    "<|endoftext|<|endoftext|>",
+    "<|endoftext|>|endoftext|>",
+    "<|fim_prefix|><|fim_prefix|><|fim",
+    # whitespace runs of lengths the fixed texts lack, before CJK, digits, punctuation, at the end
+    " " * 17 + "日本",
+    "\u3000" * 2 + "7",
+    "\r\n" * 3 + "!",
+    "\u00a0" * 8 + "a",
+    "\t" * 33 + "'s",
+    "\n " * 5 + "👍",
+]
+
+
+@pytest.mark.parametrize("needle", ROUND_TWO)
+def test_the_check_set_catches_an_encoder_wrong_only_where_this_round_found_errors(library_models, needle):
+    """A fast encoder wrong only on texts holding `needle`: the fixed texts and special-token strings in their
+    contexts of before this round let it through; the check set now refuses it."""
+    reference = fast_rows(library_models["tt"])
+    special = ["<|endoftext|>", "<|fim_prefix|>", "<|fim_prefix|><|fim"]  # the last one begins with another
+    before = [*checkset.FIXED, *special]
+    assert not any(needle in text for text in before)
+    wrong = differing_on(reference, needle)
+    assert libraries.gate("tt", reference, wrong, before) is None
+    message = libraries.gate("tt", reference, wrong, checkset.texts(special))
+    assert message is not None and "check text" in message, message
+
+
+def test_whitespace_runs_of_every_kind_and_length_start_end_and_precede_each_kind_of_character():
+    texts = set(checkset.whitespace_texts())
+    for space in (" ", "\t", "\n", "\r\n", "\u00a0", "\u3000"):
+        for length in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 65, 128):
+            run = space * length
+            (text,) = [text for text in texts if text.startswith(run + "a")]
+            assert text.endswith(run) and all(run + after in text for after in ("7", "42", "!", "日本", "한국", "👍"))
+
+
+def test_special_token_strings_that_begin_one_another_are_checked_in_pairs():
+    texts = checkset.prefix_texts(["<|a|>", "<|a|>b", "<|a|>bc", "<s>", "</s>"])
+    assert len(texts) == 1
+    for short, long in (("<|a|>", "<|a|>b"), ("<|a|>", "<|a|>bc"), ("<|a|>b", "<|a|>bc")):
+        assert f"{long} {short} {long}{short} {short}{long} " in texts[0]
+    assert "</s>" not in texts[0]  # no pair: "<s>" does not begin "</s>"

@@ -348,9 +348,9 @@ RELEASED_SLOW = [pytest.param(name.removesuffix(".json"), marks=pytest.mark.slow
 
 def tekken_texts(reference: Tekkenizer, multilingual: list[str]) -> list[str]:
     """Multilingual text, edge strings, special-token strings (control tokens, the two that are not, a filler)
-    in context."""
+    in context, and the check set's whitespace runs."""
     special = [token["token_str"] for token in reference._all_special_tokens]
-    return texts_for(multilingual, [*special[:24], special[-1]])
+    return texts_for(multilingual, [*special[:24], special[-1]]) + checkset.whitespace_texts()
 
 
 def assert_mistral_commons_ids(library: libraries.Library, reference: Tekkenizer, texts: list[str]) -> None:

@@ -4,7 +4,11 @@
 Chosen to reach the places where two implementations of one tokenizer part ways: many scripts,
 normalization (NBSP, ligatures, full-width forms, combining marks), whitespace runs, digits,
 emoji sequences, control characters, long words, and the model's own special-token strings in every
-position. `texts(special)` adds those strings to the fixed ones.
+position. `texts(special)` adds those strings to the fixed ones, and runs of whitespace of many lengths before
+every kind of character (`whitespace_texts`); `texts(special, pieces)` also a ranks model's tokens that are not
+the merge of two others (`piece_texts`). What issue 32's round found is among them: an encoder that ignored
+added-token ids (special-token strings beside text, repeated, cut, one a prefix of another), split whitespace
+runs otherwise, or could not produce a token that no merge makes.
 
 The fixed texts are a sample; the gate (tokenizer_service.core.libraries.gate) also scans every Unicode
 code point (`code_point_blocks`, `edge_texts`) and every special-token string (`token_groups`), batched
@@ -14,6 +18,7 @@ differs. `VERSION` names these texts in the gate's cache: change it whenever the
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 
 FIXED = (
@@ -61,20 +66,87 @@ FIXED = (
 )
 
 
-VERSION = 3  # of the texts below and the scan: a cached verdict of another version is not used
+VERSION = 4  # of the texts below and the scan: a cached verdict of another version is not used
 
 LONG_TOKEN_CHARS = 256  # a longer special-token string is checked alone and in one context, never repeated
 TOKENS_PER_TEXT = 64  # special-token strings batched into one check text (a long one gets a text of its own)
 CODE_POINTS_PER_TEXT = 256  # code points batched into one check text
 
 
-def texts(special: Iterable[str] = ()) -> list[str]:
-    """The fixed texts, then the special-token strings alone, in words, spaced, repeated and side by side
-    (`token_groups`: every one of them, batched)."""
+PREFIX_PAIRS = 1024  # pairs of special-token strings where one begins the other, checked at most
+PIECES_PER_TEXT = 64  # tokens that are no merge of two, batched into one check text
+PIECES = 1024  # such tokens of a model checked at most (the first by rank)
+
+# Whitespace runs: each kind, of each length, before each kind of character, at the start and end of a text
+WHITESPACE = (" ", "\t", "\n", "\r\n", "\r", "\u00a0", "\u3000", "\u2003", " \n", "\n ", "\t ", " \t", "\n\t", "\r\n ")
+RUN_LENGTHS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 32, 33, 65, 128)
+AFTER_RUNS = ("a", "Word", "7", "42", "1234", "!", ".", "'s", "(", "日本", "한국", "👍", "é", "-", "$", "\u00a0x")
+
+
+def texts(special: Iterable[str] = (), pieces: Iterable[str] = ()) -> list[str]:
+    """The fixed texts; the special-token strings alone, in words, spaced, repeated, cut and side by side
+    (`token_groups`: every one of them, batched), and those that begin another one with it (`prefix_texts`);
+    the whitespace runs (`whitespace_texts`); `pieces` (tokens that are no merge of two others) in context."""
     out = list(FIXED)
     tokens = [token for token in special if token]
     out += tokens
     out += [token_text(group) for group in token_groups(tokens)]
+    out += prefix_texts(tokens)
+    out += whitespace_texts()
+    out += piece_texts([piece for piece in pieces if piece])
+    return out
+
+
+def whitespace_texts() -> list[str]:
+    """Runs of whitespace (spaces, tabs, newlines, CR LF, NBSP, U+3000, mixes) of many lengths before letters,
+    digits, punctuation, CJK, Hangul and emoji, starting and ending the text: one text per kind and length; then
+    one per kind with every other kind after it. Where split patterns (`\\s+(?!\\S)`, `\\s*[\\r\\n]+`) and
+    their reimplementations part ways."""
+    out = []
+    for space in WHITESPACE:
+        for length in RUN_LENGTHS:
+            run = space * length
+            out.append(run + run.join(AFTER_RUNS) + run)
+    for space in WHITESPACE:
+        out.append("".join(space * 2 + other * 3 + "x" + other + space + "1 " for other in WHITESPACE))
+    return out
+
+
+def prefix_texts(tokens: Sequence[str]) -> list[str]:
+    """For each pair of special-token strings where one begins the other (at most `PREFIX_PAIRS`), both in
+    texts where the shorter one, the longer one or neither may match first: batched `TOKENS_PER_TEXT` pairs
+    a text."""
+    ordered = sorted({token for token in tokens if len(token) <= LONG_TOKEN_CHARS})
+    pairs: list[tuple[str, str]] = []
+    for index, short in enumerate(ordered):
+        for long in ordered[index + 1 :]:
+            if not long.startswith(short):
+                break
+            pairs.append((short, long))
+        if len(pairs) >= PREFIX_PAIRS:
+            break
+    pairs = pairs[:PREFIX_PAIRS]
+    return [
+        "".join(
+            f"{long} {short} {long}{short} {short}{long} {short}{long[len(short) : -1]} {long[:-1]}{long}x\n"
+            for short, long in pairs[start : start + TOKENS_PER_TEXT]
+        )
+        for start in range(0, len(pairs), TOKENS_PER_TEXT)
+    ]
+
+
+def piece_texts(pieces: Sequence[str]) -> list[str]:
+    """Tokens that are not the merge of two others (a ranks model's: tiktoken makes one only of a piece of text
+    that is the whole token), alone, after a word, before punctuation, doubled, beside special-token-like text
+    and on lines of their own: `PIECES_PER_TEXT` a text, each of the first `PIECES_PER_TEXT` also a text alone."""
+    out = list(pieces[:PIECES_PER_TEXT])
+    for start in range(0, len(pieces), PIECES_PER_TEXT):
+        out.append(
+            "".join(
+                f"{piece} Hello{piece}, x{piece}{piece} {piece}! ({piece}) <|{piece}|>\n{piece}\n"
+                for piece in pieces[start : start + PIECES_PER_TEXT]
+            )
+        )
     return out
 
 
@@ -88,14 +160,19 @@ def token_contexts(token: str) -> str:
     return (
         f"a{token}b {token} Hello{token}\n{token}world {token}日本語 {token}👍"
         f"  {token}  \n\t {token} \t\nx  {token}  x {token} {token} x {token * 3}\n"
+        f'{token}. 1{token}2 ({token}) "{token}" 「{token}」 {token}\r\n{token}\u00a0{token}\u3000{token}'
+        f"\n\n\n{token}"
+        f" {token[:-1]}{token} {token}{token[1:]} {token[:-1]} {token[1:]}\n"
     )
 
 
 def token_text(tokens: Sequence[str]) -> str:
-    """Special-token strings each in its contexts, then side by side, then two spaces apart."""
+    """Special-token strings each in its contexts, then side by side, two spaces apart, and each one's first
+    half before the next one."""
     if len(tokens) == 1:
         return token_contexts(tokens[0])
-    return "".join(token_contexts(token) for token in tokens) + "".join(tokens) + " " + "  ".join(tokens)
+    halves = "".join(first[: len(first) // 2] + second for first, second in itertools.pairwise(tokens))
+    return "".join(token_contexts(token) for token in tokens) + "".join(tokens) + " " + "  ".join(tokens) + halves
 
 
 def token_groups(tokens: Sequence[str]) -> list[list[str]]:

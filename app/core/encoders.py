@@ -185,6 +185,18 @@ def ranks_to_tokenizer_json(ranks: dict[bytes, int], pat_str: str, special_token
     return json.dumps(document, ensure_ascii=False)
 
 
+def non_merges(ranks: dict[bytes, int]) -> list[bytes]:
+    """The tokens of two or more bytes that are not the concatenation of two tokens, by rank (Qwen's ranks hold
+    232): tiktoken gives one only for a piece of text that is the whole token, which an encoder that only
+    merges never does."""
+    found = [
+        (rank, token)
+        for token, rank in ranks.items()
+        if len(token) > 1 and not any(token[:cut] in ranks and token[cut:] in ranks for cut in range(1, len(token)))
+    ]
+    return [token for _, token in sorted(found)]
+
+
 def without_special_tokens(document: str) -> str:
     """A tokenizer.json's text with its special added tokens left out (ordinary added tokens kept)."""
     parsed = json.loads(document)

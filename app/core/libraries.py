@@ -345,6 +345,22 @@ def gate(name: str, reference: Rows, fast: Rows, texts: list[str]) -> str | None
     return None
 
 
+def check_texts(library: Any) -> list[str]:
+    """The check set of `library`'s model (`checkset.texts`): the fixed texts and whitespace runs, its special-token
+    strings, and for ranks (tiktoken, tekken.json) its tokens that are no merge of two others and are text
+    (UTF-8) on their own, by rank, at most `checkset.PIECES` of them."""
+    pieces: list[str] = []
+    if library.library in (TIKTOKEN, TEKKEN):
+        for token in encoders.non_merges(encoders.ranks_model(library)[0]):
+            try:
+                pieces.append(token.decode("utf-8"))
+            except UnicodeDecodeError:  # a token no text is on its own: only ever made by merges
+                continue
+            if len(pieces) == checkset.PIECES:
+                break
+    return checkset.texts(library.special, pieces)
+
+
 def _mode(parse_special: bool) -> str:
     return "parsing special tokens" if parse_special else "special tokens as text"
 
@@ -741,6 +757,7 @@ def _try_candidates(library: Any, encoder: str) -> tuple[list[dict[str, Any]], d
     if len(candidates) > 1:
         reference = _Remembered(reference)
     special, separator = library.special, edge_separator(library)
+    texts = check_texts(library)
     sample = encoders.sample_texts()
     single_threaded()  # measured as a worker runs it
     results: list[dict[str, Any]] = []
@@ -769,7 +786,7 @@ def _try_candidates(library: Any, encoder: str) -> tuple[list[dict[str, Any]], d
                 break
             rss = max(0.0, encoders.rss_mib() - before)  # this process's: a fresh one measures it below
             rows = _safe_rows(fast)
-            found = gate(str(library.files.path), reference, rows, checkset.texts(special))
+            found = gate(str(library.files.path), reference, rows, texts)
             if found is None:
                 found = scan(reference, rows, special, separator)
             if found is not None:
@@ -887,12 +904,12 @@ def gate_verdict(
             chosen = cached_route(library.files, select)
         names = [chosen] if chosen else [r for c in _candidates(select) for r in encoders.routes(library, c)]
         differs: str | None = None
+        texts: list[str] | None = None
         for name in names:
             fast, differs = _build_fast(library, name)
             if fast is not None:
-                differs = gate(
-                    str(library.files.path), library._reference_rows, _safe_rows(fast), checkset.texts(library.special)
-                )
+                texts = check_texts(library) if texts is None else texts
+                differs = gate(str(library.files.path), library._reference_rows, _safe_rows(fast), texts)
                 if differs is None:
                     if report is not None:
                         report(None, 0.0, name)

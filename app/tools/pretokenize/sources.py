@@ -436,6 +436,10 @@ def decompressed(raw: BinaryIO, codec: str | None, skip: int = 0) -> BinaryIO:
         stream = io.BufferedReader(gzip.GzipFile(fileobj=raw, mode="rb"), buffer_size=1 << 20)  # type: ignore[arg-type]
     if skip:
         stream.seek(skip)
+    if codec is None and not isinstance(stream, io.BufferedIOBase):
+        # a URL's object (an fsspec file): its readline takes a copy of up to READ_BLOCK bytes from its cache for
+        # each line (24 MB of JSON Lines from a loopback S3 server: 15x slower than through this buffer)
+        stream = io.BufferedReader(stream, buffer_size=1 << 20)  # type: ignore[arg-type]
     return stream
 
 
