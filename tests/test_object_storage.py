@@ -430,6 +430,89 @@ def test_three_ranks_in_a_bucket_one_killed_mid_upload_merge_to_one_local_run(
     assert not any((tmp_path / "staging").iterdir())
 
 
+def our_uploads(fs: object, bucket: str, prefix: str) -> list[str]:
+    """Keys of the incomplete multipart uploads directly under `prefix` in `bucket`."""
+    uploads = fs.list_multipart_uploads(bucket)  # type: ignore[attr-defined]
+    return sorted(upload["Key"] for upload in uploads if upload["Key"].rpartition("/")[0] == prefix)
+
+
+def interrupt_mid_multipart_upload(
+    process: subprocess.Popen[bytes], fs: object, bucket: str, prefix: str, sig: signal.Signals
+) -> bool:
+    """Send `sig` to `process` while a multipart upload of an object under `prefix` is under way; False if the run
+    ended first."""
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and process.poll() is None:
+            if our_uploads(fs, bucket, prefix):
+                if sig == signal.SIGKILL:
+                    os.killpg(process.pid, sig)
+                else:
+                    os.kill(process.pid, sig)
+                return True
+            time.sleep(0.002)
+        return False
+    finally:
+        process.wait(timeout=120)
+
+
+@pytest.mark.slow  # runs interrupted and killed mid-upload against a server
+def test_multipart_uploads_cut_short_are_aborted_and_a_rerun_aborts_a_killed_runs(
+    s3: object, documents: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shard of 11.4 MiB goes up in 5 MiB parts (TOKENIZER_UPLOAD_PART_MIB=5). A run stopped by Ctrl-C mid-upload
+    aborts its upload; one killed -9 mid-upload leaves its parts (billed until aborted), and the same command aborts
+    them before it writes anything and completes. Uploads of other outputs in the bucket, a rank's under the same
+    prefix included, are left alone."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    with (corpus / "big.jsonl").open("w") as file:  # 7.3 M ids with the default model
+        for copy in range(90):
+            for number, text in enumerate(documents):
+                file.write(json.dumps({"text": f"{copy}.{number} {text}"}) + "\n")
+    bucket = new_bucket(s3)
+    upload(s3, corpus, bucket, "in")
+    others = [  # uploads under way elsewhere in the bucket: another output's, and a rank's under ours
+        (key, s3.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"])  # type: ignore[attr-defined]
+        for key in ("out-2/00000.bin", "killed/rank-00000/00000.bin")
+    ]
+    try:
+        env = {"TOKENIZER_UPLOAD_PART_MIB": "5"}
+        args = [f"s3://{bucket}/in/", "--local", "--model", MODEL, "--workers", "1", "--shard-tokens", "6000000"]
+
+        interrupted = run_cli([*args, "-q", "--output", f"s3://{bucket}/interrupted"], env, start_new_session=True)
+        assert interrupt_mid_multipart_upload(interrupted, s3, bucket, "interrupted", signal.SIGINT)
+        assert interrupted.returncode == 130, interrupted.stderr.read().decode()  # type: ignore[union-attr]
+        assert our_uploads(s3, bucket, "interrupted") == []  # aborted by the run itself
+
+        command = [*args, "-q", "--output", f"s3://{bucket}/killed", "--staging", tmp_path / "staging"]
+        killed = run_cli(command, env, start_new_session=True)
+        assert interrupt_mid_multipart_upload(killed, s3, bucket, "killed", signal.SIGKILL)
+        assert our_uploads(s3, bucket, "killed") == ["killed/00000.bin"]  # what a kill -9 leaves
+        rerun = run_cli(command, env)
+        _, errors = rerun.communicate(timeout=300)
+        assert rerun.returncode == 0, errors.decode()
+        assert our_uploads(s3, bucket, "killed") == []
+        keys = sorted(upload["Key"] for upload in s3.list_multipart_uploads(bucket))  # type: ignore[attr-defined]
+        assert keys == ["killed/rank-00000/00000.bin", "out-2/00000.bin"]  # another's: left alone
+        dataset = TokenDataset(f"s3://{bucket}/killed", cache_dir=tmp_path / "cache")
+        assert dataset.num_shards == 2 and dataset.num_tokens == dataset.metadata["tokens"] > 6_000_000
+        # an export killed mid-upload left parts of its .bin: the next export of it aborts them, then uploads in parts
+        from tokenizer_service.tools.pretokenize.shards_cli import main as shards
+
+        s3.call_s3("create_multipart_upload", Bucket=bucket, Key="export/text_document.bin")  # type: ignore[attr-defined]
+        monkeypatch.setenv("TOKENIZER_UPLOAD_PART_MIB", "5")
+        url = f"s3://{bucket}/export/text_document"
+        assert shards(["export", f"s3://{bucket}/killed", "--to", "megatron", "--output", url, "-q"]) == 0
+        assert our_uploads(s3, bucket, "export") == []
+        sizes = {path.rsplit("/", 1)[-1]: size for path, size in s3.du(f"{bucket}/export", total=False).items()}  # type: ignore[attr-defined]
+        assert sizes["text_document.bin"] == dataset.num_tokens * 2 > 10 << 20  # two parts or more
+    finally:
+        for key, upload_id in others:
+            s3.abort_mpu(bucket, key, upload_id)  # type: ignore[attr-defined]
+    assert s3.list_multipart_uploads(bucket) == []  # type: ignore[attr-defined]
+
+
 def all_ids(dataset: TokenDataset) -> bytes:
     return b"".join(dataset.shard(shard).ids.tobytes() for shard in range(dataset.num_shards))
 

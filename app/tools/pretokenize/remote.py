@@ -7,16 +7,25 @@ only object that says a shard is complete) uploaded over the previous one, in on
 leaves the previous ``metadata.json`` or the new one, and perhaps objects of a shard it does not list: the rerun
 (the same command) reads ``metadata.json`` from the store, deletes those objects and goes on from the shards it
 lists, so it ends with exactly the objects of an uninterrupted run. Large objects are uploaded in parts
-(``part_size``: at most 10,000 of them, S3's limit).
+(``part_size``: at most 10,000 of them, S3's limit; ``TOKENIZER_UPLOAD_PART_MIB`` sets the smallest).
+
+Parts of a multipart upload that never completed are not objects, but the store keeps (and bills) them until the
+upload is aborted. s3fs aborts its own upload when a part fails; an upload cut short otherwise (Ctrl-C, or the
+abort itself failing because the store went away) is aborted here where the run can (`abort_uploads`), and the
+uploads a killed run left (``kill -9``, a lost node) are aborted by the rerun before it writes anything: only those
+of this output's own objects (its shard files and metadata.json, directly under its prefix), never another run's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
+import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +35,42 @@ from tokenizer_service.tools.pretokenize.store import TMP_SUFFIX, OutputDir, Out
 
 MAX_PARTS = 10_000  # S3's limit on the parts of one multipart upload
 MIN_PART = 50 << 20  # s3fs's default part size
+SMALLEST_PART = 5 << 20  # S3's smallest (but the last)
+PART_ENVIRONMENT = "TOKENIZER_UPLOAD_PART_MIB"
 MiB = 1 << 20
 
 
 def part_size(size: int) -> int:
-    """The part size of a multipart upload of `size` bytes: 50 MiB, or more (whole MiB) to stay within 10,000
-    parts (a 5 TiB object, S3's largest, in parts of 525 MiB)."""
-    return max(MIN_PART, math.ceil(size / MAX_PARTS / MiB) * MiB)
+    """The part size of a multipart upload of `size` bytes: 50 MiB (``TOKENIZER_UPLOAD_PART_MIB``, at least 5: s3fs
+    sends 10 parts at once, so smaller parts hold less memory), or more (whole MiB) to stay within 10,000 parts (a
+    5 TiB object, S3's largest, in parts of 525 MiB). An object under two parts is one PUT."""
+    smallest = MIN_PART
+    given = os.environ.get(PART_ENVIRONMENT)
+    if given:
+        try:
+            smallest = max(SMALLEST_PART, int(given) * MiB)
+        except ValueError:
+            raise StorageError(f"{PART_ENVIRONMENT}={given!r} is not a whole number of MiB") from None
+    return max(smallest, math.ceil(size / MAX_PARTS / MiB) * MiB)
+
+
+def abort_uploads(fs: Any, prefix: str, wanted: Callable[[str], bool]) -> int:
+    """Abort the incomplete multipart uploads in `prefix`'s bucket whose key (``bucket/key``) is `wanted`; how many.
+    Stores without multipart uploads of their own to list (every one but s3fs's): 0. The listing is s3fs's
+    ``list_multipart_uploads`` (its first 1,000 uploads in the bucket: the S3 API's page), each abort its
+    ``abort_mpu``."""
+    if not (hasattr(fs, "list_multipart_uploads") and hasattr(fs, "abort_mpu")):
+        return 0
+    bucket = prefix.split("/", 1)[0]
+    aborted = 0
+    for upload in fs.list_multipart_uploads(bucket):
+        if wanted(f"{bucket}/{upload['Key']}"):
+            try:
+                fs.abort_mpu(bucket, upload["Key"], upload["UploadId"])
+            except FileNotFoundError:  # aborted or completed meanwhile
+                continue
+            aborted += 1
+    return aborted
 
 
 class StagedOutput(OutputDir):
@@ -51,6 +89,7 @@ class StagedOutput(OutputDir):
         # one folder per output URL, so that runs (ranks) sharing one --staging never meet
         super().__init__(self._base / hashlib.sha256(self.url.encode()).hexdigest()[:16])
         self.uploaded = 0  # objects uploaded by this run
+        self.aborted = 0  # incomplete multipart uploads of this output aborted (a killed run's, or this run's)
 
     @property
     def where(self) -> str:
@@ -58,6 +97,23 @@ class StagedOutput(OutputDir):
 
     def _key(self, name: str) -> str:
         return f"{self.root}/{name}"
+
+    def _own_key(self, key: str) -> bool:
+        """Whether `key` (``bucket/key``) is one of this output's objects: a shard file or metadata.json (or their
+        temporary names) right under its prefix, not another output's nor a rank's under it."""
+        folder, _, name = key.rpartition("/")
+        return folder == self.root and _ours(name)
+
+    def _abort_uploads(self, key: str | None = None) -> None:
+        """Abort this output's incomplete multipart uploads (only `key`'s, given one)."""
+        try:
+            self.aborted += abort_uploads(
+                self.fs, self.root, self._own_key if key is None else lambda other: other == key
+            )
+        except StorageError:
+            raise
+        except Exception as exc:
+            raise StorageError(describe(exc, self.url)) from None
 
     def _names(self) -> list[str]:
         """Names of the objects (and "directories") right under the output's prefix."""
@@ -109,6 +165,7 @@ class StagedOutput(OutputDir):
             shard = shard_index(name)
             if (name.endswith(TMP_SUFFIX) and _ours(name)) or (shard is not None and shard >= shards_kept):
                 self._remove(name)
+        self._abort_uploads()  # parts a killed run left: billed until aborted
 
     def discard(self, created: bool) -> None:
         """Remove what this tool wrote (a run that produced nothing), in the store and in the staging folder."""
@@ -131,8 +188,14 @@ class StagedOutput(OutputDir):
         extra = {"chunksize": part_size(size)} if protocol_of(self.url) in ("s3", "s3a") else {}
         try:
             self.fs.put_file(str(local), key, **extra)
-        except Exception as exc:
-            raise StorageError(describe(exc, f"{self.url}/{local.name}")) from None
+        except BaseException as exc:
+            # s3fs aborts its upload when a part fails, unless the abort fails too (the store went away); Ctrl-C
+            # leaves it going: abort it here if the store answers, else the rerun does (`prepare`)
+            with contextlib.suppress(StorageError):  # the store is not answering: the upload's failure is the one
+                self._abort_uploads(key)  # to report, and the rerun aborts it
+            if isinstance(exc, Exception):
+                raise StorageError(describe(exc, f"{self.url}/{local.name}")) from None
+            raise
         self.uploaded += 1
 
     def _remove(self, name: str) -> None:

@@ -14,6 +14,7 @@ any progress bar; 1 for an output that fails verification.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import shutil
@@ -480,19 +481,31 @@ def open_dataset(args: argparse.Namespace, scratch: list[Path]) -> TokenDataset:
 
 def upload_export(staging: Path, url: str) -> int:
     """Every file an export wrote under `staging`, uploaded to the same place under `url`'s parent; the count."""
+    from tokenizer_client.storage import describe as describe_storage
+    from tokenizer_client.storage import protocol_of
+    from tokenizer_service.tools.pretokenize.remote import abort_uploads, part_size
+
     fs, root = filesystem(url)
     base = root.rstrip("/").rsplit("/", 1)[0] if "/" in root.rstrip("/") else root
     files = sorted(path for path in staging.rglob("*") if path.is_file())
-    for path in files:
-        target = f"{base}/{path.relative_to(staging).as_posix()}"
+    targets = {f"{base}/{path.relative_to(staging).as_posix()}": path for path in files}
+    try:  # the parts an export of the same files killed mid-upload left (billed until aborted)
+        abort_uploads(fs, base, targets.__contains__)
+    except Exception as exc:
+        raise StorageError(describe_storage(exc, url)) from None
+    multipart = protocol_of(url) in ("s3", "s3a")
+    for target, path in targets.items():
+        extra = {"chunksize": part_size(path.stat().st_size)} if multipart else {}
         try:
             fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
-            fs.put_file(str(path), target)
-        except Exception as exc:
-            from tokenizer_client.storage import describe as describe_storage
-
-            raise StorageError(describe_storage(exc, fs.unstrip_protocol(target))) from None
-    return len(files)
+            fs.put_file(str(path), target, **extra)
+        except BaseException as exc:  # s3fs aborts a failed upload itself; Ctrl-C leaves it going: abort it
+            with contextlib.suppress(Exception):
+                abort_uploads(fs, target, target.__eq__)
+            if isinstance(exc, Exception):
+                raise StorageError(describe_storage(exc, fs.unstrip_protocol(target))) from None
+            raise
+    return len(targets)
 
 
 def _main(args: argparse.Namespace, scratch: list[Path]) -> int:
