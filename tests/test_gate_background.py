@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import collections
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -170,6 +173,38 @@ def test_the_pretokenizer_switches_to_the_fast_encoder_between_chunks_with_exact
         assert np.asarray(dataset[index]).tolist() == [*reference.encode(text), eos], index
     found = loads(counts)
     parent = [count for (_, name), count in found.items() if name == "MainProcess"]
-    workers = [count for (_, name), count in found.items() if name.startswith("SpawnProcess")]
     assert parent == [collections.Counter(load=1)], found  # described only: no fast encoder, no check set
-    assert len(workers) == 2 and all(count["load"] == 1 and count["fast"] <= 1 for count in workers), found
+    # forked workers (this process had no other thread) start with the parent's copy; spawned ones load it once
+    forked = [count for (_, name), count in found.items() if name.startswith("ForkProcess")]
+    spawned = [count for (_, name), count in found.items() if name.startswith("SpawnProcess")]
+    assert all(count["load"] == 0 and count["fast"] == 1 for count in forked), found  # promoted once each
+    assert all(count["load"] == 1 and count["fast"] <= 1 for count in spawned), found
+    assert len(forked) + len(spawned) <= 2 and (forked or len(spawned) == 2), found
+
+
+def test_a_pretokenize_run_loads_the_model_once_in_all_and_forks_its_workers_loaded(library_models, tmp_path):
+    """With the verdict cached, the command's process loads the model once and builds its fast encoder once;
+    its two workers are forked from it with both (they load and build nothing) and give the reference's ids."""
+    from tokenizer_client.dataset import TokenDataset
+
+    cache, counts = tmp_path / "cache", tmp_path / "counts"
+    counts.mkdir()
+    env = {**os.environ, libraries.CACHE_DIR_ENV: str(cache), libraries.COUNT_ENV: str(counts)}
+    settle = [sys.executable, "-m", "tokenizer_service.core.gatescan", str(library_models["hfbpe"])]
+    subprocess.run(settle, env={**env, libraries.COUNT_ENV: ""}, check=True, capture_output=True, timeout=SCAN_SECONDS)
+    texts = read_multilingual()[:200]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    command = [sys.executable, "-m", "tokenizer_service.tools.pretokenize", str(source), "--local", "--workers", "2"]
+    command += ["--model", str(library_models["hfbpe"]), "--output", str(tmp_path / "out"), "-q"]
+    subprocess.run(command, env=env, check=True, capture_output=True, timeout=300)
+    found = loads(counts)
+    assert list(found.values()) == [collections.Counter(load=1, fast=1)], found  # one process: the command's
+    assert next(iter(found))[1] == "MainProcess", found
+    reference = Reference(library_models["hfbpe"])
+    dataset = TokenDataset(tmp_path / "out")
+    assert libraries.is_fast(dataset.metadata["model"]["encoder"]), dataset.metadata["model"]
+    eos = dataset.metadata["model"]["eos_id"]  # the pre-tokenizer ends each document with EOS by default
+    assert [np.asarray(dataset[index]).tolist() for index in range(len(texts))] == [
+        [*reference.encode(text), eos] for text in texts
+    ]

@@ -59,6 +59,7 @@ from tokenizer_service.core.models import (
     ModelLoadError,
     files_sha256,
     hf_model_type,
+    parsed_json,
     tekken_spec,
     tiktoken_ranks,
     tiktoken_spec,
@@ -192,13 +193,14 @@ class Library(ABC):
         self.encoder = self.library
         self.fallen = True
 
-    def promote(self, route: str = FAST) -> bool:
+    def promote(self, route: str = FAST, keep_reference: bool = False) -> bool:
         """Encode with the fast encoder `route` (``gigatoken``, ``fastokens(converted)``...) from now on: its gate
         passed in another process (the background scan) on these very files; the check set runs here again.
-        Nothing for a model that fell back, or has no fast encoder."""
+        Nothing for a model that fell back, or has no fast encoder. `keep_reference`: keep the reference library
+        loaded (for processes forked from this one, whose shadow verification uses it) instead of dropping it."""
         if self.fast is not None or self.fallen or not hasattr(self, "_build_fast"):
             return self.fast is not None
-        return _adopt_fast(self, trusted=True, encoder=route)
+        return _adopt_fast(self, trusted=True, encoder=route, keep_reference=keep_reference)
 
     def _fast_adopted(self) -> None:  # noqa: B027  (a hook: a subclass may override it, the default does nothing)
         """fastokens now encodes this model."""
@@ -955,15 +957,17 @@ def _scan_lock(key: dict[str, Any]) -> Any:
         yield
 
 
-def _adopt_fast(library: Any, trusted: bool = False, encoder: str = FAST) -> bool:
+def _adopt_fast(library: Any, trusted: bool = False, encoder: str = FAST, keep_reference: bool = False) -> bool:
     """Put the fast encoder in front of `library` if one passes the gate (`gate_verdict`; `encoder` fast, one
     pinned, or the route a worker was told); else log why not, once. On success the reference library's copy is
-    dropped (loaded again only to decode or verify) and `library.encoder` names the route."""
+    dropped unless `keep_reference` (loaded again only to decode or verify) and `library.encoder` names the route."""
     fast, differs, route = gate_verdict(library, trusted, encoder=encoder)
     if fast is None:
         logger.warning("%s", refusal_line(library.files.path, library.library, differs or "?"))
         return False
-    library.fast, library.encoder, library._reference = fast, route, None
+    library.fast, library.encoder = fast, route
+    if not keep_reference:
+        library._reference = None
     library._fast_adopted()
     return True
 
@@ -1002,7 +1006,7 @@ class HuggingFace(Library):
 
     def __init__(self, files: ModelFiles, encoder: str = FAST, trusted: bool = False) -> None:
         self.files = files
-        document = json.loads(files.contents[0])
+        document = parsed_json(files.contents[0])
         if document["model"].get("dropout") not in (None, 0, 0.0):
             raise ModelLoadError(
                 f"{files.main}: BPE dropout ({document['model']['dropout']}) makes its ids random; set "
@@ -1411,7 +1415,10 @@ def load(files: ModelFiles, encoder: str = FAST, trusted: bool = False) -> Libra
     a gate with no cached verdict scans here, blocking (the server and the pre-tokenizer scan beside their
     work instead: tokenizer_service.core.gatescan)."""
     _count("load", files)
-    library = LIBRARIES[files.library].variant(files)(files, encoder, trusted)
+    try:
+        library = LIBRARIES[files.library].variant(files)(files, encoder, trusted)
+    finally:
+        parsed_json.cache_clear()  # the document of its files is not kept once it is loaded
     planted = os.environ.get(PLANT_ENV)
     if planted and trusted:  # tests only: a worker whose fast encoder differs after its gate
         plant_difference(library, int(planted.removeprefix("U+"), 16))

@@ -94,10 +94,15 @@ class ModelChanged(RuntimeError):
 
 def load_models(models: Sequence[ModelInfo]) -> None:
     """Pool initializer: load each model once per worker process, single-threaded, with the encoder the
-    model was announced with (fastokens passes its check again here, in the process that uses it)."""
+    model was announced with (fastokens passes its check again here, in the process that uses it). A model this
+    process already holds (`preload`, in the parent of a forked pool) is kept as it is: loaded once."""
     libraries.single_threaded()
+    held = {info.name: _libraries[info.name] for info in models if _held(info)}
     _libraries.clear()
+    _libraries.update(held)
     for info in models:
+        if info.name in held:
+            continue
         files = find_model_files(info.name, info.path, info.chat_template_path)
         if files.sha256 != info.sha256:
             raise ModelChanged(
@@ -108,6 +113,27 @@ def load_models(models: Sequence[ModelInfo]) -> None:
         # trusted: the announcing process passed the whole gate on these files (sha256 checked above)
         _libraries[info.name] = libraries.load(files, encoder, trusted=True)
         _files[info.name] = files
+
+
+def _held(info: ModelInfo) -> bool:
+    library = _libraries.get(info.name)
+    return library is not None and _files[info.name].sha256 == info.sha256
+
+
+def preload(info: ModelInfo, kept: tuple[Any, Library] | None = None) -> None:
+    """Load `info`'s model here, in the parent of a pool about to fork, so its workers start with it loaded: the
+    encoder it was announced with (the fast encoder's check set runs here, once), and the reference library kept
+    for the workers' shadow verification. `kept`: the files and the library `inspect_model` described the model
+    with (its reference library), adopted instead of reading and loading the files again."""
+    libraries.single_threaded()  # before any library here first encodes: the workers inherit it
+    if kept is None or kept[0].sha256 != info.sha256:
+        load_models((info,))
+    else:
+        _files[info.name], _libraries[info.name] = kept
+    library = _libraries[info.name]
+    if libraries.is_fast(info.encoder):
+        library.promote(info.encoder, keep_reference=True)
+    library.reference_rows(["a"], False)  # loads the reference library where promoting dropped it
 
 
 def ping() -> int:

@@ -20,8 +20,22 @@ logger = logging.getLogger("tokenizer")
 __all__ = ["ModelRegistry", "inspect_model", "model_info"]
 
 
+# sha256 -> the files inspect_model(keep=True) read and the library it loaded them in
+_kept: dict[str, tuple[ModelFiles, libraries.Library]] = {}
+
+
+def kept_model(sha256: str) -> tuple[ModelFiles, libraries.Library] | None:
+    """The files `inspect_model(..., keep=True)` read and the library it loaded them in (handed over once)."""
+    return _kept.pop(sha256, None)
+
+
 def inspect_model(
-    name: str, path: Path, encoder: str = libraries.FAST, chat_template: Path | None = None, wait: bool = False
+    name: str,
+    path: Path,
+    encoder: str = libraries.FAST,
+    chat_template: Path | None = None,
+    wait: bool = False,
+    keep: bool = False,
 ) -> ModelInfo:
     """What the model at `path` is (any of the four kinds); ModelLoadError in one line when it is none.
     `chat_template`: a --chat-template file, which overrides the model's own template.
@@ -29,7 +43,9 @@ def inspect_model(
     The announcing process loads the reference library only, to describe the model, and never builds the
     fast encoder: `encoder` fastokens where the gate's cached verdict passed it, else the library, with
     `gate` "pending" where no verdict is cached (scanned beside the work: tokenizer_service.core.gatescan).
-    A cached refusal is logged once. `wait`: a pending gate is run here instead, blocking (seconds to a minute)."""
+    A cached refusal is logged once. `wait`: a pending gate is run here instead, blocking (seconds to a minute).
+    `keep`: keep the loaded library for `kept_model` (the pre-tokenizer's pool adopts it instead of loading the
+    files again)."""
     files = find_model_files(name, path, chat_template)
     try:
         library = libraries.load(files, libraries.REFERENCE)
@@ -63,6 +79,8 @@ def inspect_model(
     if info.chat_template is not None and info.chat_template["loss_mask"] is None:
         logger.warning("%s", chat.no_mask_message(name) + "; its texts are served, its conversations refused")
     logger.info("model %r: %s", name, files.recognized())  # which file, and which known encoding
+    if keep:
+        _kept[files.sha256] = files, library
     return info
 
 

@@ -10,6 +10,7 @@ batch: (index in the chunk, the service's message), which the run reports as bad
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 import sys
 import threading
@@ -24,8 +25,8 @@ from tokenizer_client import TokenizedBatch, TokenizerClient
 from tokenizer_client._requests import TokenizeOptions
 from tokenizer_client.errors import TokenizerServiceError
 from tokenizer_client.wire import ragged_offsets
-from tokenizer_service.core import process
-from tokenizer_service.core.models import SENTENCEPIECE, ModelInfo
+from tokenizer_service.core import process, registry
+from tokenizer_service.core.models import ModelInfo
 from tokenizer_service.core.requests import EncodeOptions
 
 Result = TypeVar("Result")
@@ -49,12 +50,33 @@ def chunks(texts: Iterable[str], max_chars: int, max_texts: int) -> Iterator[lis
         yield chunk
 
 
+FORK_SAFE_THREADS = {"jemalloc_bg_thd"}  # jemalloc's background threads: its fork handlers restart them in a child
+
+
+def os_threads() -> int:
+    """Threads of this process, the native ones included (a Rust library's pool), where Linux says; jemalloc's
+    background threads (pyarrow's, gigatoken's allocator) left out."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0  # unknown
+    count = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as file:
+                count += file.read().strip() not in FORK_SAFE_THREADS
+        except OSError:  # the thread ended meanwhile
+            continue
+    return count
+
+
 def start_method(model: ModelInfo) -> str:
-    """fork where it is safe (Linux, no other thread yet, a SentencePiece model): a forked worker starts in
-    milliseconds with sentencepiece already imported, where a spawned one spends about half a second
-    importing it again. Rust libraries (tokenizers, fastokens) may have started threads that a fork
-    does not copy: their models get fresh processes."""
-    if sys.platform == "linux" and threading.active_count() == 1 and model.library == SENTENCEPIECE:
+    """fork where it is safe (Linux, no other Python thread; the native threads numpy's OpenBLAS and pyarrow's
+    jemalloc start at import are rebuilt in a forked child by their own fork handlers): the
+    parent loads the model once (`local_pool`) and every worker starts in milliseconds with it loaded, where a
+    spawned one imports the service again (about half a second) and loads the model itself (a 128k tokenizer.json:
+    0.5-2.5 CPU-s to build its fast encoder, 0.6 to load the reference library its shadow verification uses)."""
+    if sys.platform == "linux" and threading.active_count() == 1:
         return "fork"
     return "spawn"
 
@@ -63,13 +85,12 @@ FAST_WORKER_BYTES = 128 << 20  # of input, for each spawned worker of a model a 
 
 
 def local_workers(model: ModelInfo, input_bytes: int, workers: int) -> int:
-    """How many of the `workers` asked for to start on `input_bytes` of input. All of them, except where a fast
-    encoder encodes the model from the start (its gate's verdict cached) in spawned workers: there a worker's
-    start (importing the service, loading the model, building the fast encoder: 2-5 CPU-seconds for a 128k
+    """How many of the `workers` asked for to start on `input_bytes` of input. All of them where they fork (they
+    start loaded). Spawned, where a fast encoder encodes the model from the start (its gate's verdict cached), a
+    worker's start (importing the service, loading the model, building the fast encoder: 2-5 CPU-seconds for a 128k
     tokenizer.json) costs more than the encoding it would take over (70-90 MB of text per CPU-second), so one
-    worker per FAST_WORKER_BYTES of input, at least one. On 2 cores, 40 MB of Parquet text with a 128k model:
-    one worker 7.3-8.7 s and 7.5-9.3 CPU-s, two 7.7-9.1 s and 12-14 CPU-s. A model the library encodes (a
-    gate pending, refused, or none) keeps every worker: it is slow enough that each one pays for itself."""
+    worker per FAST_WORKER_BYTES of input, at least one. A model the library encodes (a gate pending, refused, or
+    none) keeps every worker: it is slow enough that each one pays for itself."""
     if start_method(model) == "fork" or model.encoder == model.library:
         return workers
     return max(1, min(workers, -(-input_bytes // FAST_WORKER_BYTES)))
@@ -77,10 +98,20 @@ def local_workers(model: ModelInfo, input_bytes: int, workers: int) -> int:
 
 def local_pool(model: ModelInfo, workers: int) -> ProcessPoolExecutor:
     """Start every worker now, with SIGINT ignored from birth: Ctrl-C reaches the whole process group,
-    and a worker still starting up would otherwise die with a traceback instead of finishing its chunk."""
+    and a worker still starting up would otherwise die with a traceback instead of finishing its chunk.
+    Forked workers inherit the model this process loads first (`process.preload`: the library `inspect_model`
+    kept, with the fast encoder put in front of it); if loading it started a native thread, they are spawned."""
+    method = start_method(model)
+    kept = registry.kept_model(model.sha256)
+    if method == "fork":
+        before = os_threads()
+        process.preload(model, kept)
+        if os_threads() != before:  # loading it started a thread (a Rust pool): a fork would not copy it
+            method = "spawn"
+    del kept
     pool = ProcessPoolExecutor(
         max_workers=workers,
-        mp_context=multiprocessing.get_context(start_method(model)),
+        mp_context=multiprocessing.get_context(method),
         initializer=process.start,
         initargs=((model,),),
     )

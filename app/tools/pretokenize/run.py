@@ -156,7 +156,7 @@ def resolve_local_model(name_or_path: str | None, chat_template: Path | None = N
     if name_or_path is not None and Path(name_or_path).expanduser().exists():
         path = Path(name_or_path).expanduser()
         name = path.name if path.is_dir() else (model_file_name(path) or path.stem)  # as --models-dir names them
-        return inspect_model(name, path, chat_template=chat_template)
+        return inspect_model(name, path, chat_template=chat_template, keep=True)
     try:
         settings = Settings()  # type: ignore[call-arg]  # every field has a default or comes from TOKENIZER_*
     except ValidationError as exc:
@@ -171,9 +171,7 @@ def resolve_local_model(name_or_path: str | None, chat_template: Path | None = N
         raise ModelLoadError(
             f"--model {name!r} is neither a model file nor a model the server's options know ({', '.join(paths)})"
         )
-    if chat_template is None:
-        return inspect_model(name, paths[name])
-    return inspect_model(name, paths[name], chat_template=chat_template)
+    return inspect_model(name, paths[name], chat_template=chat_template, keep=True)
 
 
 def resolve_service_model(urls: list[str], name: str | None) -> ModelInfo:
