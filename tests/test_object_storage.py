@@ -679,6 +679,43 @@ def test_ranks_at_a_file_url_merge_in_place_to_one_run(
     assert files_of_tree(tmp_path / "ranked")["metadata.json"] == after["metadata.json"]
 
 
+@pytest.mark.readers  # megatron-core in its own venv (TOKENIZER_MEGATRON_PYTHON)
+@pytest.mark.slow  # a server of its own
+@pytest.mark.parametrize("per_shard", [False, True])
+def test_a_megatron_export_in_a_bucket_is_read_back_by_megatron_core(
+    s3: object, two_outputs: dict[str, Path], tmp_path: Path, per_shard: bool
+) -> None:
+    """`tokenizer-shards export s3://... --to megatron --output s3://...`: the objects, downloaded as a trainer's job
+    would, are read by megatron-core's IndexedDataset as the dataset's documents."""
+    from tests.test_export import MEGATRON_READ, reader_python, run_reader
+    from tokenizer_service.tools.pretokenize.shards_cli import main as shards
+
+    reader_python("megatron")  # skips before any work without megatron-core (fails under TOKENIZER_CI=1)
+    bucket = new_bucket(s3)
+    upload(s3, two_outputs["web"], bucket, "shards/web")
+    url = f"s3://{bucket}/megatron/web_text_document"
+    args = ["export", f"s3://{bucket}/shards/web", "--to", "megatron", "--output", url, "-q"]
+    assert shards(args + (["--per-shard"] if per_shard else [])) == 0
+    downloaded = tmp_path / "downloaded"
+    downloaded.mkdir()
+    for name in objects_names(s3, f"s3://{bucket}/megatron"):
+        s3.get_file(f"{bucket}/megatron/{name}", str(downloaded / name))  # type: ignore[attr-defined]
+    local = TokenDataset(two_outputs["web"])
+    expected = documents_of(local)
+    if per_shard:
+        prefixes = [downloaded / f"web_text_document_{shard['name']}" for shard in local.metadata["shards"]]
+        assert sorted(path.name for path in downloaded.iterdir()) == sorted(
+            f"{prefix.name}{suffix}" for prefix in prefixes for suffix in (".bin", ".idx")
+        )
+    else:
+        prefixes = [downloaded / "web_text_document"]
+        assert sorted(path.name for path in downloaded.iterdir()) == ["web_text_document.bin", "web_text_document.idx"]
+    read = [run_reader("megatron", MEGATRON_READ, str(prefix)) for prefix in prefixes]
+    assert [sequence for part in read for sequence in part["sequences"]] == expected  # type: ignore[index]
+    if not per_shard:
+        assert read[0]["documents"] == list(range(len(expected) + 1))  # type: ignore[index]
+
+
 def files_of_tree(directory: Path) -> dict[str, bytes]:
     return {
         str(path.relative_to(directory)): path.read_bytes() for path in sorted(directory.rglob("*")) if path.is_file()
