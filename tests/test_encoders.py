@@ -266,3 +266,42 @@ def test_ranks_with_a_gap_are_converted_with_a_hole_fastokens_loads(library_mode
     for parse in (False, True):
         ids, lengths = fast.encode_plain(texts, parse)
         assert [row.tolist() for row in libraries.flatten_rows(ids, lengths)] == reference.reference_rows(texts, parse)
+
+
+@pytest.mark.parametrize("encoder", ["fastokens", "gigatoken"])
+def test_a_panic_at_the_first_encode_falls_back_and_is_logged_once(
+    qwen_ranks, library_models, tmp_path, monkeypatch, caplog, encoder
+):
+    """An encoder that builds, then panics (pyo3's PanicException, no Exception) when it first encodes."""
+    panic = genuine_panic(qwen_ranks)
+
+    class Panicking:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            found = getattr(self.inner, name)
+            if name in ("encode_batch_flat", "encode_batch"):
+
+                def raising(*args, **kwargs):
+                    raise panic("attempt to subtract with overflow")
+
+                return raising
+            if name == "Tokenizer":  # fastokens' class, its constructors wrapped
+                return Panicking(found)
+            if name in ("from_json_str", "load_hf_json"):  # what builds it (fastokens, gigatoken)
+                return lambda *args, **kwargs: BPETokenizer(found(*args, **kwargs))
+            return found
+
+    class BPETokenizer(Panicking):  # gigatoken's class name: what encoders.build checks it loaded
+        pass
+
+    module = getattr(libraries, f"_{encoder}")()
+    monkeypatch.setattr(libraries, f"_{encoder}", lambda: Panicking(module))
+    monkeypatch.setenv(libraries.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    files = find_model_files("hfbpe", library_models["hfbpe"])
+    with caplog.at_level("WARNING", logger="tokenizer"):
+        library = libraries.load(files, encoder, trusted=True)
+    assert library.encoder == "tokenizers" and library.fast is None
+    lines = [record.getMessage() for record in caplog.records if f"{encoder} cannot load it" in record.getMessage()]
+    assert len(lines) == 1 and "PanicException" in lines[0], lines
