@@ -208,3 +208,39 @@ def test_a_pretokenize_run_loads_the_model_once_in_all_and_forks_its_workers_loa
     assert [np.asarray(dataset[index]).tolist() for index in range(len(texts))] == [
         [*reference.encode(text), eos] for text in texts
     ]
+
+
+def test_a_tekken_file_is_served_by_tiktoken_then_promoted_to_the_gates_route(tmp_path, documents):
+    """A tekken.json with no cached verdict: tiktoken serves it at once, the background gate tries its converted
+    routes, and every worker is promoted to the one the rule chose, which /v1/models names; mistral-common's
+    ids throughout, control tokens parsed only with parse_special_tokens."""
+    from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+
+    from tests.test_shipped_tokenizers import bpe_tokens, tekken_reference_rows, write_tekken
+    from tests.tokenizer_models import training_texts
+
+    multilingual = read_multilingual()
+    path = write_tekken(tmp_path / "tekken.json", bpe_tokens(training_texts(documents, multilingual), 1500))
+    hold = tmp_path / "release"
+    env = {libraries.CACHE_DIR_ENV: str(tmp_path / "cache"), gatescan.HOLD_ENV: str(hold)}
+    args = ["--workers", "2", "--model", f"tk={path}", "--shadow-rate", "1"]
+    url, process = start_server(args, tmp_path / "server.log", env=env)
+    reference = Tekkenizer.from_file(path)
+    texts = [*documents[:100], *multilingual, "[INST] hi [/INST]</s>", "<s>[THINK]x[/THINK]<SPECIAL_39>"]
+
+    def same_ids(rounds: int) -> None:
+        for parse_special in (False, True):
+            want = tekken_reference_rows(reference, texts, parse_special)
+            for _ in range(rounds):
+                body = {"texts": texts, "model": "tk", "parse_special_tokens": parse_special}
+                assert httpx.post(f"{url}/v1/tokenize", json=body, timeout=60).json()["ids"] == want, parse_special
+
+    try:
+        assert encoder_of(url, "tk") == "tiktoken"
+        same_ids(2)
+        hold.touch()
+        wait_for_encoder(url, "tk", "fast")
+        assert encoder_of(url, "tk") in ("fastokens(converted)", "gigatoken(converted)")
+        same_ids(4)  # every worker promoted, checked by shadow verification at rate 1
+    finally:
+        stop_server(process)

@@ -77,7 +77,7 @@ MADE_CUT = 7  # the made tekken.json's vocab holds this many tokens more than it
 # -- files made here -----------------------------------------------------------------------------------------
 
 
-def _bpe_tokens(texts: list[str], vocab_size: int) -> list[bytes]:
+def bpe_tokens(texts: list[str], vocab_size: int) -> list[bytes]:
     """A byte-level BPE trained here, as bytes in merge order: the 256 bytes first (in byte order), then the rest."""
     tokenizer = byte_level_bpe(texts, vocab_size)
     decode = {char: byte for byte, char in bytes_to_unicode().items()}
@@ -89,13 +89,20 @@ def _bpe_tokens(texts: list[str], vocab_size: int) -> list[bytes]:
 @pytest.fixture(scope="module")
 def made(tmp_path_factory: pytest.TempPathFactory, documents: list[str], multilingual: list[str]) -> dict[str, Path]:
     directory = tmp_path_factory.mktemp("shipped")
-    tokens = _bpe_tokens(training_texts(documents, multilingual), 3000)
+    tokens = bpe_tokens(training_texts(documents, multilingual), 3000)
     # Meta's layout: ranks in tokenizer.model under original/ (what a Hub snapshot holds), no tokenizer.json beside
     ranks = directory / "llama3like" / "original" / "tokenizer.model"
     ranks.parent.mkdir(parents=True)
     ranks.write_text("".join(f"{base64.b64encode(token).decode()} {rank}\n" for rank, token in enumerate(tokens)))
     Path(f"{ranks}.json").write_text(json.dumps({"like": "llama3"}))
-    # Mistral's format: vocab by rank, listed special tokens then fillers, a default_vocab_size that cuts the vocab
+    write_tekken(directory / "tekken_made.json", tokens)
+    return {"llama3like": directory / "llama3like", "tekken_made": directory / "tekken_made.json"}
+
+
+def write_tekken(path: Path, tokens: list[bytes]) -> Path:
+    """A tekken.json in Mistral's format of `tokens` (bytes by rank, the 256 bytes first) with the pattern of
+    Mistral's NeMo file: vocab by rank, listed special tokens then fillers up to MADE_SPECIAL, and a
+    default_vocab_size that cuts the vocab (MADE_CUT tokens)."""
     pattern = json.loads((MISTRAL / "tekken_240911.json").read_bytes())["config"]["pattern"]
     tekken = {
         "config": {
@@ -118,8 +125,8 @@ def made(tmp_path_factory: pytest.TempPathFactory, documents: list[str], multili
             for rank, (token, control) in enumerate(MADE_TEKKEN_SPECIAL)
         ],
     }
-    (directory / "tekken_made.json").write_text(json.dumps(tekken))
-    return {"llama3like": directory / "llama3like", "tekken_made": directory / "tekken_made.json"}
+    path.write_text(json.dumps(tekken))
+    return path
 
 
 def meta_reference(path: Path, version: str = "llama3") -> Llama3Tokenizer | Llama4Tokenizer:
