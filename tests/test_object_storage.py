@@ -513,6 +513,55 @@ def test_multipart_uploads_cut_short_are_aborted_and_a_rerun_aborts_a_killed_run
     assert s3.list_multipart_uploads(bucket) == []  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow  # processes against a server
+def test_credentials_that_may_not_list_multipart_uploads_still_run(
+    s3: object, s3_server: dict[str, str], documents: list[str], tmp_path: Path
+) -> None:
+    """A least-privilege key without s3:ListBucketMultipartUploads and s3:AbortMultipartUpload: the run (and its
+    rerun, which looks for a killed run's uploads) completes; the parts are then the bucket lifecycle rule's."""
+    import botocore.session
+
+    iam = botocore.session.get_session().create_client(
+        "iam",
+        region_name="us-east-1",
+        endpoint_url=s3_server["AWS_ENDPOINT_URL"],
+        aws_access_key_id=s3_server["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=s3_server["AWS_SECRET_ACCESS_KEY"],
+    )
+    user = f"no-multipart-{os.getpid()}"
+    iam.create_user(UserName=user)
+    denied = ["s3:ListBucketMultipartUploads", "s3:AbortMultipartUpload"]
+    policy = {
+        "Version": "2012-10-17",
+        "Statement": [
+            {"Effect": "Allow", "Action": "s3:*", "Resource": "*"},
+            {"Effect": "Deny", "Action": denied, "Resource": "*"},
+        ],
+    }
+    iam.put_user_policy(UserName=user, PolicyName="no-multipart", PolicyDocument=json.dumps(policy))
+    key = iam.create_access_key(UserName=user)["AccessKey"]
+    env = {"AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
+    bucket = new_bucket(s3)
+    with pytest.raises(PermissionError):  # the policy is in force
+        s3fs_as(env).list_multipart_uploads(bucket)
+    write_corpus(tmp_path / "corpus", documents[:60])
+    upload(s3, tmp_path / "corpus", bucket, "corpus")
+    args = [f"s3://{bucket}/corpus/", "--local", "--model", MODEL, "--workers", "1", "--shard-tokens", "2000", "-q"]
+    for _ in range(2):  # a run, then a rerun of the finished output
+        process = run_cli([*args, "--output", f"s3://{bucket}/out"], env)
+        _, errors = process.communicate(timeout=120)
+        assert process.returncode == 0, errors.decode()
+    assert listed_shards(s3, f"s3://{bucket}/out") >= 2
+
+
+def s3fs_as(env: dict[str, str]) -> object:
+    import s3fs
+
+    return s3fs.S3FileSystem(
+        key=env["AWS_ACCESS_KEY_ID"], secret=env["AWS_SECRET_ACCESS_KEY"], skip_instance_cache=True
+    )
+
+
 def all_ids(dataset: TokenDataset) -> bytes:
     return b"".join(dataset.shard(shard).ids.tobytes() for shard in range(dataset.num_shards))
 

@@ -105,11 +105,15 @@ class StagedOutput(OutputDir):
         return folder == self.root and _ours(name)
 
     def _abort_uploads(self, key: str | None = None) -> None:
-        """Abort this output's incomplete multipart uploads (only `key`'s, given one)."""
+        """Abort this output's incomplete multipart uploads (only `key`'s, given one). Credentials that may not list
+        or abort them (a policy without s3:ListBucketMultipartUploads or s3:AbortMultipartUpload) leave them to the
+        bucket's lifecycle rule: that is no reason to refuse the run."""
         try:
             self.aborted += abort_uploads(
                 self.fs, self.root, self._own_key if key is None else lambda other: other == key
             )
+        except PermissionError:
+            return
         except StorageError:
             raise
         except Exception as exc:
