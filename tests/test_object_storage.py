@@ -518,7 +518,8 @@ def test_credentials_that_may_not_list_multipart_uploads_still_run(
     s3: object, s3_server: dict[str, str], documents: list[str], tmp_path: Path
 ) -> None:
     """A least-privilege key without s3:ListBucketMultipartUploads and s3:AbortMultipartUpload: the run (and its
-    rerun, which looks for a killed run's uploads) completes; the parts are then the bucket lifecycle rule's."""
+    rerun, which looks for a killed run's uploads) and an export to the bucket complete; the parts are then the
+    bucket lifecycle rule's."""
     import botocore.session
 
     iam = botocore.session.get_session().create_client(
@@ -552,6 +553,11 @@ def test_credentials_that_may_not_list_multipart_uploads_still_run(
         _, errors = process.communicate(timeout=120)
         assert process.returncode == 0, errors.decode()
     assert listed_shards(s3, f"s3://{bucket}/out") >= 2
+    export = [f"s3://{bucket}/out", "--to", "megatron", "--output", f"s3://{bucket}/megatron/text_document", "-q"]
+    command = [sys.executable, "-m", "tokenizer_service.tools.pretokenize.shards_cli", "export", *export]
+    exported = subprocess.run(command, cwd=ROOT, env={**os.environ, **env}, capture_output=True, timeout=120)
+    assert exported.returncode == 0, exported.stderr.decode()
+    assert sorted(objects_names(s3, f"s3://{bucket}/megatron")) == ["text_document.bin", "text_document.idx"]
 
 
 def s3fs_as(env: dict[str, str]) -> object:

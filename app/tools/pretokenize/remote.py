@@ -58,17 +58,24 @@ def abort_uploads(fs: Any, prefix: str, wanted: Callable[[str], bool]) -> int:
     """Abort the incomplete multipart uploads in `prefix`'s bucket whose key (``bucket/key``) is `wanted`; how many.
     Stores without multipart uploads of their own to list (every one but s3fs's): 0. The listing is s3fs's
     ``list_multipart_uploads`` (its first 1,000 uploads in the bucket: the S3 API's page), each abort its
-    ``abort_mpu``."""
+    ``abort_mpu``. Credentials that may not list or abort them (a policy without s3:ListBucketMultipartUploads or
+    s3:AbortMultipartUpload) leave them to the bucket's lifecycle rule: no reason to refuse a run or an export."""
     if not (hasattr(fs, "list_multipart_uploads") and hasattr(fs, "abort_mpu")):
         return 0
     bucket = prefix.split("/", 1)[0]
     aborted = 0
-    for upload in fs.list_multipart_uploads(bucket):
+    try:
+        uploads = fs.list_multipart_uploads(bucket)
+    except PermissionError:
+        return 0
+    for upload in uploads:
         if wanted(f"{bucket}/{upload['Key']}"):
             try:
                 fs.abort_mpu(bucket, upload["Key"], upload["UploadId"])
             except FileNotFoundError:  # aborted or completed meanwhile
                 continue
+            except PermissionError:
+                return aborted
             aborted += 1
     return aborted
 
@@ -105,15 +112,11 @@ class StagedOutput(OutputDir):
         return folder == self.root and _ours(name)
 
     def _abort_uploads(self, key: str | None = None) -> None:
-        """Abort this output's incomplete multipart uploads (only `key`'s, given one). Credentials that may not list
-        or abort them (a policy without s3:ListBucketMultipartUploads or s3:AbortMultipartUpload) leave them to the
-        bucket's lifecycle rule: that is no reason to refuse the run."""
+        """Abort this output's incomplete multipart uploads (only `key`'s, given one)."""
         try:
             self.aborted += abort_uploads(
                 self.fs, self.root, self._own_key if key is None else lambda other: other == key
             )
-        except PermissionError:
-            return
         except StorageError:
             raise
         except Exception as exc:
