@@ -431,6 +431,9 @@ def test_a_tekken_file_is_served_by_what_the_gate_chose_with_mistral_commons_ids
         promoted = libraries.load(files, libraries.REFERENCE)
         assert promoted.promote(route) and promoted.encoder == route  # what a PROMOTE frame does in a worker
         assert_mistral_commons_ids(promoted, reference, texts[:50])
+        promoted.fall_back()  # what shadow verification does on a mismatch: tiktoken again, for good
+        assert (promoted.encoder, promoted.fast) == ("tiktoken", None) and not promoted.promote(route)
+        assert_mistral_commons_ids(promoted, reference, texts[:50])
     assert_mistral_commons_ids(served, reference, texts)
 
 
