@@ -22,6 +22,7 @@ import numpy as np
 import orjson
 import pytest
 
+from tests.bodies import sent_body
 from tests.packed_rows import assert_same_rows
 from tokenizer_client import (
     AsyncTokenizerClient,
@@ -82,7 +83,7 @@ class Service:
             if path == "/readyz":
                 return httpx.Response(200, json={"ready": True})
             return httpx.Response(200, json={"default": self.default, "models": [{"name": "bytes", "sha256": sha256}]})
-        body = json.loads(request.content)
+        body = sent_body(request.content)
         model = body.get("model") or self.default
         binary = wire.MEDIA_TYPE in request.headers.get("accept", "")
         if path == "/v1/detokenize":
@@ -148,7 +149,10 @@ def test_tokenize_answers_are_read_alike_from_either_format(service, format):
         rows = client.tokenize(TEXTS, format=format)
     accept = wire.MEDIA_TYPE if format == "binary" else "application/json"
     assert service.requests[0].headers["accept"] == accept
-    assert service.requests[0].headers["content-type"] == "application/json"
+    # texts go as a binary frame with binary answers (docs/api.md, "Binary request bodies"), else as JSON
+    assert service.requests[0].headers["content-type"] == (
+        wire.MEDIA_TYPE if format == "binary" else "application/json"
+    )
     assert [row.tolist() for row in batch.to_list()] == byte_ids(TEXTS) == [row.tolist() for row in rows]
     assert batch.ids.dtype == np.int32 and batch.offsets.dtype == np.int64
     assert (batch.model, batch.model_sha256, len(batch), batch.num_tokens) == ("bytes", SHA, 4, 18)
@@ -186,7 +190,7 @@ def test_pack_stream_threads_the_carry_through_its_requests(service):
     whole = pack_concat(ids, wire.ragged_offsets(np.array([len(row) for row in byte_ids(texts)])), 16)
     np.testing.assert_array_equal(np.concatenate([b.input_ids for b in batches]), whole.input_ids)
     np.testing.assert_array_equal(batches[-1].leftover, whole.leftover)
-    carries = [json.loads(request.content).get("carry") for request in service.requests]
+    carries = [sent_body(request.content).get("carry") for request in service.requests]
     assert carries[0] is None and carries[1] == batches[0].leftover.tolist()
 
 
@@ -322,7 +326,7 @@ def test_async_prefetch_fails_over_and_reports_errors_with_their_position(servic
     texts[45] = "unreadable"
 
     def invalid_text(request: httpx.Request) -> httpx.Response | None:
-        sent = json.loads(request.content)["texts"] if request.method == "POST" else []
+        sent = sent_body(request.content)["texts"] if request.method == "POST" else []
         if "unreadable" in sent:
             return error(422, "invalid_text", "not valid UTF-8", field="texts", index=sent.index("unreadable"))
         return None
@@ -515,7 +519,7 @@ def test_a_pack_answer_of_another_seq_len_and_a_short_detokenize_answer_are_rais
     def wrong(request: httpx.Request) -> httpx.Response | None:
         if request.url.path == "/v1/detokenize":
             return httpx.Response(200, json={"model": "bytes", "texts": ["one"]})
-        body = json.loads(request.content)
+        body = sent_body(request.content)
         return Service.pack({**body, "seq_len": body["seq_len"] * 2}, *ragged(body["texts"]), "bytes", False, {})
 
     service.override = wrong

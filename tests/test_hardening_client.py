@@ -20,6 +20,7 @@ import numpy as np
 import orjson
 import pytest
 
+from tests.bodies import sent_body
 from tokenizer_client import (
     MalformedAnswerError,
     PackSpec,
@@ -58,7 +59,7 @@ class FakeServer:
             protocol_version = "HTTP/1.1"
 
             def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                body = sent_body(self.rfile.read(int(self.headers["content-length"])))
                 fake.last_body = body
                 status, content_type, content = fake.reply(self.path, body, self.headers.get("accept", ""))
                 self.send_response(status)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, TypeVar
 
+import numpy as np
 import orjson
 from pydantic import (
     AfterValidator,
@@ -23,6 +24,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from tokenizer_client import wire
 from tokenizer_service.core.errors import InvalidField, InvalidJSON, PayloadTooLarge
 
 MAX_NBEST_SIZE = 512
@@ -207,7 +209,12 @@ def parse_request(raw: bytes | bytearray | memoryview, model: type[Body], items:
     the item limit, 400 for bad JSON, 422 with the field and index (a lone surrogate in a text
     included, which SentencePiece cannot take).
     """
-    document, lenient = parse_json(raw)
+    if bytes(raw[: len(wire.MAGIC)]) == wire.MAGIC:  # a binary frame (JSON never starts so): texts as UTF-8 arrays
+        if items != "texts":
+            raise InvalidJSON(f"a {wire.MEDIA_TYPE} request body carries texts; this endpoint takes JSON")
+        document, lenient = texts_document(raw, max_items), False
+    else:
+        document, lenient = parse_json(raw)
     check_item_count(document, items, max_items)
     if items == "texts":
         check_item_count(document, "conversations", max_items)
@@ -222,6 +229,60 @@ def parse_request(raw: bytes | bytearray | memoryview, model: type[Body], items:
             index=index,
         )
     return body
+
+
+def texts_document(raw: bytes | bytearray | memoryview, max_items: int) -> dict[str, Any]:
+    """The request a binary body (tokenizer_client's `texts_frame`) stands for: its meta's fields, with `texts`
+    decoded from the frame's arrays ``texts`` (uint8, the texts' UTF-8 end to end) and ``offsets`` (int64, one
+    more than there are texts: each text's first byte, then the end). Every refusal says what and where."""
+    try:
+        frame = wire.decode(raw)
+    except wire.WireFormatError as exc:
+        raise InvalidJSON(f"request body is not a valid {wire.MEDIA_TYPE} frame: {exc}") from None
+    if not isinstance(frame.meta, dict):
+        raise InvalidField(f"a {wire.MEDIA_TYPE} body's meta must be an object of the request's fields")
+    if set(frame.arrays) != {"texts", "offsets"}:
+        raise InvalidField(
+            f"a {wire.MEDIA_TYPE} body carries two arrays, texts (uint8, the texts' UTF-8 end to end) and offsets "
+            f"(int64, where each text starts, then the end), not {sorted(frame.arrays)}",
+            field="texts",
+        )
+    if inside := sorted(set(frame.meta) & {"texts", "conversations", "records"}):
+        raise InvalidField(
+            f"{inside[0]} cannot be in a binary body's meta: the texts travel as its arrays", field=inside[0]
+        )
+    data, offsets = frame.arrays["texts"], frame.arrays["offsets"]
+    if data.dtype != np.uint8 or data.ndim != 1 or offsets.dtype != np.int64 or offsets.ndim != 1 or not len(offsets):
+        raise InvalidField(
+            f"a binary body's texts must be 1-D uint8 and its offsets 1-D int64 with at least one entry, not "
+            f"{data.dtype} {list(data.shape)} and {offsets.dtype} {list(offsets.shape)}",
+            field="texts",
+        )
+    count = len(offsets) - 1
+    if count > max_items:
+        raise PayloadTooLarge(f"{count} texts in one request exceed the limit of {max_items}", field="texts")
+    bounds = offsets.tolist()
+    if bounds[0] != 0 or bounds[-1] != len(data):
+        raise InvalidField(
+            f"a binary body's offsets must run from 0 to the {len(data)} bytes of its texts, not {bounds[0]} to "
+            f"{bounds[-1]}",
+            field="texts",
+        )
+    buffer = memoryview(data)
+    texts = []
+    for index in range(count):
+        start, end = bounds[index], bounds[index + 1]
+        if end < start:
+            raise InvalidField(f"texts[{index}]: its offsets go down ({start} to {end})", field="texts", index=index)
+        try:
+            texts.append(str(buffer[start:end], "utf-8"))
+        except UnicodeDecodeError as exc:
+            raise InvalidField(
+                f"texts[{index}] is not valid UTF-8 (its byte {exc.start}); text must be valid Unicode",
+                field="texts",
+                index=index,
+            ) from None
+    return {**frame.meta, "texts": texts}
 
 
 def check_item_count(document: object, field: str, limit: int) -> None:
