@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from tokenizer_service.core.models import TEKKEN, TIKTOKEN, tiktoken_ranks
+from tokenizer_service.core.models import TEKKEN, TIKTOKEN, parsed_json, tiktoken_ranks
 
 FASTOKENS, GIGATOKEN = "fastokens", "gigatoken"
 ENCODERS = (FASTOKENS, GIGATOKEN)
@@ -198,14 +198,6 @@ def non_merges(ranks: dict[bytes, int]) -> list[bytes]:
     return [token for _, token in sorted(found)]
 
 
-def parsed_json(document: str | bytes) -> Any:
-    """A tokenizer.json parsed with orjson (the stdlib where orjson refuses it: a lone surrogate escaped)."""
-    try:
-        return orjson.loads(document)
-    except orjson.JSONDecodeError:
-        return json.loads(document)
-
-
 def without_special_tokens(document: str | dict[str, Any]) -> str:
     """A tokenizer.json (its text, or parsed) with its special added tokens left out (ordinary ones kept)."""
     parsed = dict(parsed_json(document) if isinstance(document, str | bytes) else document)
@@ -320,7 +312,7 @@ def build(library: Any, name: str, module: Any) -> Any:
                     raise ValueError(f"gigatoken has no pretokenizer for {library.spec.encoding or 'this'} pattern")
                 return Gigatoken(BPETokenizer.from_tiktoken(str(library.files.main), scheme, None), special)
             return Gigatoken(load_hf_json(_document(library, True, specials=False)), special)
-        document = parsed_json(library.files.contents[0])  # parsed once: a 128k file takes 0.1-0.2 s a parse
+        document = parsed_json(library.files.contents[0])  # the parse loading it made (models.parsed_json)
         added_tokens = document.get("added_tokens") or []
         special = {added["content"]: added["id"] for added in added_tokens if added.get("special")}
         backend = load_hf_json(without_special_tokens(document))

@@ -48,6 +48,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 SENTENCEPIECE, TOKENIZERS, TIKTOKEN = "sentencepiece", "tokenizers", "tiktoken"
 TEKKEN = "mistral-common"  # Mistral's tekken.json, encoded as mistral-common's Tekkenizer encodes it
 LIBRARIES = (SENTENCEPIECE, TOKENIZERS, TIKTOKEN, TEKKEN)
@@ -282,8 +284,12 @@ def directory_file(directory: Path) -> str | None:
 def parsed_json(content: bytes) -> Any:
     """`content` parsed as JSON once for the steps of loading one model (recognizing it, its library, its special
     tokens: a 128k tokenizer.json takes 0.1-0.2 s a parse); read only. `tokenizer_service.core.libraries.load`
-    empties the cache when the model is loaded, so the parsed document is not kept."""
-    return json.loads(content)
+    empties the cache when the model is loaded, so the parsed document is not kept. orjson, or the stdlib where
+    orjson refuses the text (a lone surrogate escaped in a string)."""
+    try:
+        return orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return json.loads(content)
 
 
 def sniff(content: bytes) -> str | None:
