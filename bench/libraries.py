@@ -34,6 +34,8 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -142,10 +144,15 @@ def settle_gate(label: str, path: Path) -> list[dict]:
     files = find_model_files("bench", path)
     if files.library not in ("tokenizers", "tiktoken"):
         return []
-    library = libraries.load(files, libraries.REFERENCE)
     started = time.perf_counter()
-    _, differs, route = libraries.gate_verdict(library)
-    verdict = libraries.cached_verdict(libraries.gate_key(files)) or {"candidates": []}
+    # In a process of its own (the gate's cache shared through the environment): a scan makes its process
+    # single-threaded (libraries.single_threaded, as a worker runs), which would leave this one's baseline, the
+    # library's batch call on N threads, on one thread (Rayon's pool is sized once, at its first use).
+    command = [sys.executable, "-m", "tokenizer_service.core.gatescan", str(path)]
+    subprocess.run(command, check=False, capture_output=True)
+    verdict = libraries.cached_verdict(libraries.gate_key(files)) or {"candidates": [], "passed": False}
+    route = verdict.get("encoder") if verdict.get("passed") else None
+    differs = verdict.get("differs")
     print(f"  gate: {route or 'refused: ' + str(differs)} ({time.perf_counter() - started:.1f}s)", flush=True)
     for candidate in verdict["candidates"]:
         if candidate["passed"]:
