@@ -993,6 +993,25 @@ class _Planted:
         return changed.tobytes(), offsets
 
 
+class FastEncoded:
+    """A library a fast encoder may serve (`encoders.build` builds it): its reference library's copy is dropped
+    once one does (`_adopt_fast`) and loaded again when something needs it (a decode, a shadow check)."""
+
+    _reference: Any | None
+
+    def _load_reference(self) -> Any:
+        raise NotImplementedError
+
+    @property
+    def reference(self) -> Any:
+        if self._reference is None:  # dropped after the gate passed: loaded again for a decode or a check
+            self._reference = self._load_reference()
+        return self._reference
+
+    def _build_fast(self, module: Any, route: str) -> Any:
+        return encoders.build(self, route, module)
+
+
 # -- Hugging Face tokenizers ------------------------------------------------------------------------------
 
 REFERENCE_GROUP_CHARS = 1 << 20
@@ -1001,7 +1020,7 @@ REFERENCE_GROUP_CHARS = 1 << 20
 REFERENCE_MAX_TEXT_CHARS = 4 << 20
 
 
-class HuggingFace(Library):
+class HuggingFace(FastEncoded, Library):
     library = TOKENIZERS
 
     def __init__(self, files: ModelFiles, encoder: str = FAST, trusted: bool = False) -> None:
@@ -1048,15 +1067,6 @@ class HuggingFace(Library):
         reference.no_truncation()
         reference.no_padding()
         return reference
-
-    @property
-    def reference(self) -> Any:
-        if self._reference is None:  # dropped after the gate passed: loaded again for a detokenize
-            self._reference = self._load_reference()
-        return self._reference
-
-    def _build_fast(self, module: Any, route: str) -> Any:
-        return encoders.build(self, route, module)
 
     def _fast_adopted(self) -> None:
         self.max_text_chars = None
@@ -1143,7 +1153,7 @@ def tiktoken_rows(encoding: Any, texts: list[str], parse_special: bool) -> list[
     return [encoding.encode_ordinary(text) for text in texts]
 
 
-class Tiktoken(Library):
+class Tiktoken(FastEncoded, Library):
     library = TIKTOKEN
 
     @classmethod
@@ -1198,17 +1208,8 @@ class Tiktoken(Library):
             raise ModelLoadError(f"{self.files.path}: tiktoken cannot load it: {exc}") from exc
 
     @property
-    def reference(self) -> Any:
-        if self._reference is None:
-            self._reference = self._load_reference()
-        return self._reference
-
-    @property
     def special(self) -> list[str]:
         return list(self.spec.special_tokens)
-
-    def _build_fast(self, module: Any, route: str) -> Any:
-        return encoders.build(self, route, module)
 
     def reference_rows(self, texts: list[str], parse_special: bool) -> list[list[int]]:
         return self._reference_rows(texts, parse_special)
@@ -1303,7 +1304,7 @@ class MetaTiktoken(Tiktoken):
 # -- Mistral's tekken.json --------------------------------------------------------------------------------
 
 
-class Tekken(Library):
+class Tekken(FastEncoded, Library):
     """A tekken.json, encoded as mistral-common's Tekkenizer encodes a text (`encode(text, bos=False, eos=False)`):
     tiktoken over the vocabulary's ranks shifted past the special tokens, which it never matches in text; with
     parse_special_tokens every special-token string (fillers included) is its id, as tiktoken's
@@ -1356,15 +1357,6 @@ class Tekken(Library):
             )
         except ValueError as exc:  # a pattern tiktoken's regex engine refuses
             raise ModelLoadError(f"{self.files.path}: tiktoken cannot load it: {exc}") from exc
-
-    @property
-    def reference(self) -> Any:
-        if self._reference is None:  # dropped after the gate passed: loaded again for a detokenize
-            self._reference = self._load_reference()
-        return self._reference
-
-    def _build_fast(self, module: Any, route: str) -> Any:
-        return encoders.build(self, route, module)
 
     def fall_back(self) -> None:
         super().fall_back()
