@@ -17,17 +17,20 @@ import threading
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from tokenizer_client import TokenizedBatch, TokenizerClient
-from tokenizer_client._requests import TokenizeOptions
+from tokenizer_client.batches import TokenizedBatch
 from tokenizer_client.errors import TokenizerServiceError
 from tokenizer_client.wire import ragged_offsets
 from tokenizer_service.core import process, registry
 from tokenizer_service.core.models import ModelInfo
 from tokenizer_service.core.requests import EncodeOptions
+
+if TYPE_CHECKING:  # the client (httpx) is imported only by a run with --url
+    from tokenizer_client import TokenizerClient
+    from tokenizer_client._requests import TokenizeOptions
 
 Result = TypeVar("Result")
 
@@ -264,6 +267,8 @@ def tokenize_dialogue_via_service(
 ) -> Iterator[tuple[TokenizedBatch, Rejected]]:
     """Conversations or records through the service, `batch_size` a request, `depth` requests in flight (the
     client's retries and failover over its URLs); every answer's model sha256 checked."""
+    from tokenizer_client._requests import TokenizeOptions
+
     tokenize = TokenizeOptions(
         model,
         parse_special_tokens=parse_special_tokens,

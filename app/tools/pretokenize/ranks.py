@@ -6,9 +6,9 @@ about equal bytes (a file is never split); rank R writes `DIR/rank-RRRRR/`, a co
 output of its own (its metadata.json records R, W and the whole input list, so ranks that disagree
 refuse to mix). `merge` then writes `DIR/metadata.json` naming every rank's shards in rank order:
 `TokenDataset(DIR)` reads them all, no id copied. An output at a URL is merged in its store the same way
-(`merge_at`): one metadata.json object over the ranks' shard objects, none copied or moved. Ragged documents come out exactly as one run over the
-same inputs makes them; `concat` packing ends each rank's stream with its own leftover (in
-`leftovers`, by rank), and `best_fit` packs each shard's documents, as one run does.
+(`merge_at`): one metadata.json object over the ranks' shard objects, none copied or moved. Ragged documents
+come out exactly as one run over the same inputs makes them; `concat` packing ends each rank's stream with its
+own leftover (in `leftovers`, by rank), and `best_fit` packs each shard's documents, as one run does.
 """
 
 from __future__ import annotations

@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 from pydantic import ValidationError
 
-from tokenizer_client import TokenizedBatch, TokenizerClient, storage
+from tokenizer_client import storage
+from tokenizer_client.batches import TokenizedBatch
 from tokenizer_client.dataset import FORMAT_NAME, format_version, id_dtype
-from tokenizer_client.urls import parse_urls
 from tokenizer_service.core import libraries
 from tokenizer_service.core.gatescan import GateScan
 from tokenizer_service.core.models import ModelInfo, ModelLoadError
@@ -124,6 +124,8 @@ class Options:
         if self.workers < 1 or self.shard_tokens < 1:
             raise ValueError("--workers and --shard-tokens must be positive")
         if self.urls:
+            from tokenizer_client.urls import parse_urls  # httpx: imported only by a run with --url
+
             parse_urls(self.urls)  # a URL without http(s):// is refused here, with the fix
 
 
@@ -176,6 +178,8 @@ def resolve_local_model(name_or_path: str | None, chat_template: Path | None = N
 
 def resolve_service_model(urls: list[str], name: str | None) -> ModelInfo:
     """The model as every URL serves it; they must agree on its sha256."""
+    from tokenizer_client import TokenizerClient  # httpx: imported only by a run with --url
+
     infos = []
     for url in urls:
         with TokenizerClient(url) as client:
@@ -504,6 +508,8 @@ def _tokenize(
     )
     kind = {CONVERSATIONS: "conversations", PROMPT_COMPLETION: "records"}.get(options.kind)
     encoded_by: collections.Counter[str] = collections.Counter()
+    if urls:
+        from tokenizer_client import TokenizerClient  # httpx: imported only by a run with --url
     if kind is not None and urls:
         masked_batches = tokenize_dialogue_via_service(
             stack.enter_context(TokenizerClient(urls, timeout=300)),
