@@ -25,7 +25,6 @@ import os
 import platform
 import resource
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,12 +37,7 @@ import orjson
 import psutil
 
 from bench.inputs import ROOT, default_corpus, describe_corpus, documents_and_model
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tokenizer_service.tools.launcher import ServerNotReady, free_port, wait_listening
 
 
 def start_s3(log: Path) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
@@ -56,16 +50,11 @@ def start_s3(log: Path) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
             stdout=output,
             stderr=subprocess.STDOUT,
         )
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or server.poll() is not None:
-                server.kill()
-                raise SystemExit(f"moto's server did not start: {log.read_text()}") from None
-            time.sleep(0.1)
+    try:
+        wait_listening(port, server, log)
+    except ServerNotReady as exc:
+        server.kill()
+        raise SystemExit(f"moto's server did not start: {exc}") from None
     env = {
         "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
         "AWS_ACCESS_KEY_ID": "bench",

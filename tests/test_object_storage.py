@@ -12,7 +12,6 @@ import gzip
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from tests.conftest import ROOT
 from tokenizer_client import storage
 from tokenizer_client.dataset import TokenDataset
 from tokenizer_service.settings import BUNDLED_MODELS_DIR
+from tokenizer_service.tools.launcher import free_port, wait_listening
 from tokenizer_service.tools.pretokenize import main
 from tokenizer_service.tools.pretokenize.remote import MAX_PARTS, part_size
 
@@ -153,12 +153,6 @@ def test_part_size_keeps_multipart_uploads_within_10000_parts() -> None:
 # A real S3 API on 127.0.0.1
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """moto's S3 server in a process of its own, with IAM authentication from its fourth request on: the first three
@@ -179,15 +173,7 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, st
             stderr=subprocess.STDOUT,
         )
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or process.poll() is not None:
-                    raise AssertionError(f"moto did not start: {log.read_text()}") from None
-                time.sleep(0.1)
+        wait_listening(port, process, log)
         iam = botocore.session.get_session().create_client(
             "iam", region_name="us-east-1", endpoint_url=endpoint, aws_access_key_id="a", aws_secret_access_key="b"
         )

@@ -63,6 +63,25 @@ def wait_ready(url: str, process: subprocess.Popen[bytes], log: Path, timeout: f
     raise ServerNotReady(f"tokenizer-server not ready after {timeout}s:\n{log.read_text()}")
 
 
+def wait_listening(
+    port: int, process: subprocess.Popen[bytes], log: Path, timeout: float = READY_TIMEOUT_SECONDS
+) -> None:
+    """Until something listens on 127.0.0.1:`port` (another server than ours: moto's S3, for tests and
+    benchmarks); ServerNotReady with its log if `process` exits or `timeout` passes first (it is killed then)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if process.poll() is not None:
+                raise ServerNotReady(f"{process.args!r} exited with {process.returncode}:\n{log.read_text()}") from None
+            if time.monotonic() > deadline:
+                process.kill()
+                raise ServerNotReady(f"{process.args!r} not listening after {timeout}s:\n{log.read_text()}") from None
+            time.sleep(0.1)
+
+
 def stop(process: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
     """SIGTERM (the server drains and stops its workers), then SIGKILL past `timeout`."""
     if process.poll() is None:
