@@ -427,6 +427,20 @@ def write_dataset(
     return TokenDataset(path)
 
 
+def shard_file_sizes(count: int, num_ids: int, dtype: np.dtype, layout: str, masked: bool) -> dict[str, int | None]:
+    """A shard's files by suffix, with the size in bytes its metadata.json record implies (`count` documents or
+    rows, `num_ids` ids): None for the packed layout's .seg file, whose size its index's last offset says."""
+    sizes: dict[str, int | None] = {
+        IDX_SUFFIX: IDX_HEADER.size + (count + 1) * OFFSET_DTYPE.itemsize,
+        BIN_SUFFIX: num_ids * dtype.itemsize,
+    }
+    if layout == "packed":
+        sizes[SEG_SUFFIX] = None
+    if masked:
+        sizes[MASK_SUFFIX] = num_ids * MASK_DTYPE.itemsize
+    return sizes
+
+
 def read_shard(base: Path, dtype: np.dtype, expected: IndexHeader, masked: bool = False) -> Shard:
     """Memory-map one shard's files, ``base`` plus each suffix (`masked`: its ``.mask`` too); ValueError unless
     they are what `expected` says."""
@@ -613,15 +627,8 @@ class TokenDataset:
         name = self._names[index]
         count = int(self._count_starts[index + 1] - self._count_starts[index])
         num_ids = int(self._id_starts[index + 1] - self._id_starts[index])
-        sizes = {
-            IDX_SUFFIX: IDX_HEADER.size + (count + 1) * OFFSET_DTYPE.itemsize,
-            BIN_SUFFIX: num_ids * self.dtype.itemsize,
-        }
-        if self.layout == "packed":
-            sizes[SEG_SUFFIX] = None  # type: ignore[assignment]  # the store's size (the index's last offset)
-        if self.masked:
-            sizes[MASK_SUFFIX] = num_ids * MASK_DTYPE.itemsize
-        for suffix, size in sizes.items():
+        sizes = shard_file_sizes(count, num_ids, self.dtype, self.layout, self.masked)
+        for suffix, size in sizes.items():  # the .seg file's None: the store's size (the index's last offset)
             file = f"{name}{suffix}"
             storage.fetch(f"{self.url}/{file}", self.path / file, size, fs, f"{root}/{file}")
 

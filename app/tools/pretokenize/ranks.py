@@ -25,21 +25,17 @@ from typing import Any
 import numpy as np
 
 from tokenizer_client.dataset import (
-    BIN_SUFFIX,
     FORMAT_NAME,
     IDX_HEADER,
     IDX_SUFFIX,
     LAYOUTS,
-    MASK_DTYPE,
-    MASK_SUFFIX,
     METADATA_FILE,
-    OFFSET_DTYPE,
-    SEG_SUFFIX,
     IndexHeader,
     TokenDataset,
     check_metadata,
     is_masked,
     read_index_header,
+    shard_file_sizes,
 )
 from tokenizer_client.storage import StorageError, check_reachable, describe, filesystem, is_url
 from tokenizer_service.tools.pretokenize.store import TMP_SUFFIX, identity
@@ -228,15 +224,8 @@ def _shard_objects_problem(fs: Any, prefix: str, meta: dict[str, Any]) -> str | 
     for shard in meta["shards"]:
         count = int(shard["rows"] if packed else shard["documents"])
         num_ids = count * row if packed else int(shard["tokens"])
-        wanted: dict[str, int | None] = {
-            IDX_SUFFIX: IDX_HEADER.size + (count + 1) * OFFSET_DTYPE.itemsize,
-            BIN_SUFFIX: num_ids * dtype.itemsize,
-        }
-        if packed:
-            wanted[SEG_SUFFIX] = None  # its size is in the index's last offset: present is enough here
-        if is_masked(meta):
-            wanted[MASK_SUFFIX] = num_ids * MASK_DTYPE.itemsize
-        for suffix, size in wanted.items():
+        wanted = shard_file_sizes(count, num_ids, dtype, meta["layout"], is_masked(meta))
+        for suffix, size in wanted.items():  # the .seg file's None: its size is the index's; present is enough
             file = f"{shard['name']}{suffix}"
             if file not in sizes:
                 return f"{file} is missing"
