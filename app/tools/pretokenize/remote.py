@@ -80,6 +80,22 @@ def abort_uploads(fs: Any, prefix: str, wanted: Callable[[str], bool]) -> int:
     return aborted
 
 
+def upload_file(fs: Any, local: Path, key: str, url: str, where: str) -> None:
+    """Upload `local` to `key` (``bucket/key``) of `url`'s store, an S3 object of two parts or more in `part_size`
+    parts; StorageError naming `where` when it fails. s3fs aborts its upload when a part fails, unless the abort
+    fails too (the store went away); Ctrl-C leaves it going: it is aborted here if the store answers, else a rerun
+    aborts it (the upload's own failure is the one reported)."""
+    extra = {"chunksize": part_size(local.stat().st_size)} if protocol_of(url) in ("s3", "s3a") else {}
+    try:
+        fs.put_file(str(local), key, **extra)
+    except BaseException as exc:
+        with contextlib.suppress(Exception):
+            abort_uploads(fs, key, key.__eq__)
+        if isinstance(exc, Exception):
+            raise StorageError(describe(exc, where)) from None
+        raise
+
+
 class StagedOutput(OutputDir):
     """`OutputDir` for a URL: `path` is the local staging directory shards are written in, `url` where they go."""
 
@@ -96,7 +112,6 @@ class StagedOutput(OutputDir):
         # one folder per output URL, so that runs (ranks) sharing one --staging never meet
         super().__init__(self._base / hashlib.sha256(self.url.encode()).hexdigest()[:16])
         self.uploaded = 0  # objects uploaded by this run
-        self.aborted = 0  # incomplete multipart uploads of this output aborted (a killed run's, or this run's)
 
     @property
     def where(self) -> str:
@@ -111,12 +126,10 @@ class StagedOutput(OutputDir):
         folder, _, name = key.rpartition("/")
         return folder == self.root and _ours(name)
 
-    def _abort_uploads(self, key: str | None = None) -> None:
-        """Abort this output's incomplete multipart uploads (only `key`'s, given one)."""
+    def _abort_uploads(self) -> None:
+        """Abort this output's incomplete multipart uploads."""
         try:
-            self.aborted += abort_uploads(
-                self.fs, self.root, self._own_key if key is None else lambda other: other == key
-            )
+            abort_uploads(self.fs, self.root, self._own_key)
         except StorageError:
             raise
         except Exception as exc:
@@ -190,19 +203,7 @@ class StagedOutput(OutputDir):
                 final.unlink()  # uploaded: the store holds it now
 
     def _upload(self, local: Path) -> None:
-        key = self._key(local.name)
-        size = local.stat().st_size
-        extra = {"chunksize": part_size(size)} if protocol_of(self.url) in ("s3", "s3a") else {}
-        try:
-            self.fs.put_file(str(local), key, **extra)
-        except BaseException as exc:
-            # s3fs aborts its upload when a part fails, unless the abort fails too (the store went away); Ctrl-C
-            # leaves it going: abort it here if the store answers, else the rerun does (`prepare`)
-            with contextlib.suppress(StorageError):  # the store is not answering: the upload's failure is the one
-                self._abort_uploads(key)  # to report, and the rerun aborts it
-            if isinstance(exc, Exception):
-                raise StorageError(describe(exc, f"{self.url}/{local.name}")) from None
-            raise
+        upload_file(self.fs, local, self._key(local.name), self.url, f"{self.url}/{local.name}")
         self.uploaded += 1
 
     def _remove(self, name: str) -> None:

@@ -14,7 +14,6 @@ any progress bar; 1 for an output that fails verification.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import random
 import shutil
@@ -482,8 +481,7 @@ def open_dataset(args: argparse.Namespace, scratch: list[Path]) -> TokenDataset:
 def upload_export(staging: Path, url: str) -> int:
     """Every file an export wrote under `staging`, uploaded to the same place under `url`'s parent; the count."""
     from tokenizer_client.storage import describe as describe_storage
-    from tokenizer_client.storage import protocol_of
-    from tokenizer_service.tools.pretokenize.remote import abort_uploads, part_size
+    from tokenizer_service.tools.pretokenize.remote import abort_uploads, upload_file
 
     fs, root = filesystem(url)
     base = root.rstrip("/").rsplit("/", 1)[0] if "/" in root.rstrip("/") else root
@@ -493,18 +491,12 @@ def upload_export(staging: Path, url: str) -> int:
         abort_uploads(fs, base, targets.__contains__)
     except Exception as exc:
         raise StorageError(describe_storage(exc, url)) from None
-    multipart = protocol_of(url) in ("s3", "s3a")
     for target, path in targets.items():
-        extra = {"chunksize": part_size(path.stat().st_size)} if multipart else {}
         try:
             fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
-            fs.put_file(str(path), target, **extra)
-        except BaseException as exc:  # s3fs aborts a failed upload itself; Ctrl-C leaves it going: abort it
-            with contextlib.suppress(Exception):
-                abort_uploads(fs, target, target.__eq__)
-            if isinstance(exc, Exception):
-                raise StorageError(describe_storage(exc, fs.unstrip_protocol(target))) from None
-            raise
+        except Exception as exc:
+            raise StorageError(describe_storage(exc, fs.unstrip_protocol(target))) from None
+        upload_file(fs, path, target, url, fs.unstrip_protocol(target))
     return len(targets)
 
 
