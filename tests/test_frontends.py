@@ -160,6 +160,10 @@ def test_a_killed_supervisors_metrics_directory_is_removed_by_the_next_one(tmp_p
     try:
         assert not left[0].exists(), "the killed supervisor's metrics directory was not removed"
         assert alive.is_dir() and unnamed.is_dir()
+        # start() saw one front-end's /readyz; tokenizer_ready (livemin) is 1 once every front-end is ready
+        deadline = time.monotonic() + 30
+        while metric_total(second.url, "tokenizer_ready") != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert metric_total(second.url, "tokenizer_ready") == 1  # the new one's own directory serves /metrics
     finally:
         second.stop()
