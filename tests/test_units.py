@@ -363,3 +363,41 @@ def test_readiness_is_one_state_the_gauge_follows():
     assert state.readiness is Readiness.READY and gauge() == 1
     state.stopping()
     assert state.readiness is Readiness.STOPPING and gauge() == 0
+
+
+@pytest.mark.parametrize("algorithm", ["bpe", "unigram", "wordpiece", "wordlevel"])
+def test_a_tokenizer_jsons_vocabulary_size_is_read_from_the_document_as_the_library_counts_it(algorithm):
+    """hf_vocab_size reads the parsed file instead of building the library's vocabulary dict: the same number as
+    max(get_vocab(with_added_tokens=True)) + 1, with added tokens past the model's ids, inside them, and a gap."""
+    import orjson
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from tokenizer_service.core.models import hf_vocab_size
+
+    texts = [unicodedata.normalize("NFC", f"text {i} of {chr(0x4E00 + i)} words, and {i * 7} more") for i in range(300)]
+    model, trainer = {
+        "bpe": (models.BPE(), trainers.BpeTrainer(vocab_size=300)),
+        "unigram": (
+            models.Unigram(),
+            trainers.UnigramTrainer(vocab_size=600, unk_token="[UNK]", special_tokens=["[UNK]"]),
+        ),
+        "wordpiece": (models.WordPiece(unk_token="[UNK]"), trainers.WordPieceTrainer(special_tokens=["[UNK]"])),
+        "wordlevel": (models.WordLevel(unk_token="[UNK]"), trainers.WordLevelTrainer(special_tokens=["[UNK]"])),
+    }[algorithm]
+    tokenizer = Tokenizer(model)
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.add_special_tokens(["<|end|>", "<|pad|>"])
+    document = orjson.loads(tokenizer.to_str())
+    variants = [document]
+    gap = orjson.loads(tokenizer.to_str())
+    gap["added_tokens"][-1]["id"] += 40  # an added token past a gap
+    variants.append(gap)
+    inside = orjson.loads(tokenizer.to_str())
+    inside["added_tokens"] = inside["added_tokens"][:1]
+    inside["added_tokens"][0]["id"] = 3  # an added token with an id the model has
+    variants.append(inside)
+    for variant in variants:
+        loaded = Tokenizer.from_str(orjson.dumps(variant).decode())
+        expected = max(loaded.get_vocab(with_added_tokens=True).values()) + 1
+        assert hf_vocab_size(variant, loaded) == expected

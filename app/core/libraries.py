@@ -59,6 +59,7 @@ from tokenizer_service.core.models import (
     ModelLoadError,
     files_sha256,
     hf_model_type,
+    hf_vocab_size,
     parsed_json,
     tekken_spec,
     tiktoken_ranks,
@@ -1033,8 +1034,7 @@ class HuggingFace(FastEncoded, Library):
             )
         reference = self._load_reference()
         self.type = hf_model_type(document, reference)
-        vocab = reference.get_vocab(with_added_tokens=True)
-        self.vocab_size = max(vocab.values(), default=-1) + 1
+        self.vocab_size = hf_vocab_size(document, reference)
         ids = {}
         for role, token in files.special_tokens().items():
             if token is None:
@@ -1401,16 +1401,18 @@ LIBRARIES: dict[str, type[Library]] = {
 }
 
 
-def load(files: ModelFiles, encoder: str = FAST, trusted: bool = False) -> Library:
+def load(files: ModelFiles, encoder: str = FAST, trusted: bool = False, keep_parsed: bool = False) -> Library:
     """The model in its library, with fastokens in front when `encoder` is fast and it passes the gate
     (`trusted`: the announcing process passed the whole gate on these files; the check set only). Untrusted,
     a gate with no cached verdict scans here, blocking (the server and the pre-tokenizer scan beside their
-    work instead: tokenizer_service.core.gatescan)."""
+    work instead: tokenizer_service.core.gatescan). `keep_parsed`: keep the parsed document of its files for
+    a fast encoder built next in this process (`parsed_json.cache_clear()` once it is)."""
     _count("load", files)
     try:
         library = LIBRARIES[files.library].variant(files)(files, encoder, trusted)
     finally:
-        parsed_json.cache_clear()  # the document of its files is not kept once it is loaded
+        if not keep_parsed:
+            parsed_json.cache_clear()  # the document of its files is not kept once it is loaded
     planted = os.environ.get(PLANT_ENV)
     if planted and trusted:  # tests only: a worker whose fast encoder differs after its gate
         plant_difference(library, int(planted.removeprefix("U+"), 16))

@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 
 from tokenizer_service.core import chat, libraries
-from tokenizer_service.core.models import ID_LIMIT, ModelFiles, ModelInfo, ModelLoadError, find_model_files
+from tokenizer_service.core.models import ID_LIMIT, ModelFiles, ModelInfo, ModelLoadError, find_model_files, parsed_json
 
 logger = logging.getLogger("tokenizer")
 
@@ -25,8 +25,15 @@ _kept: dict[str, tuple[ModelFiles, libraries.Library]] = {}
 
 
 def kept_model(sha256: str) -> tuple[ModelFiles, libraries.Library] | None:
-    """The files `inspect_model(..., keep=True)` read and the library it loaded them in (handed over once)."""
+    """The files `inspect_model(..., keep=True)` read and the library it loaded them in (handed over once). The
+    parsed document of its files is kept until `release_kept()`."""
     return _kept.pop(sha256, None)
+
+
+def release_kept() -> None:
+    """Forget every library `inspect_model(..., keep=True)` kept, and the parse of its files."""
+    _kept.clear()
+    parsed_json.cache_clear()
 
 
 def inspect_model(
@@ -44,11 +51,11 @@ def inspect_model(
     fast encoder: `encoder` fastokens where the gate's cached verdict passed it, else the library, with
     `gate` "pending" where no verdict is cached (scanned beside the work: tokenizer_service.core.gatescan).
     A cached refusal is logged once. `wait`: a pending gate is run here instead, blocking (seconds to a minute).
-    `keep`: keep the loaded library for `kept_model` (the pre-tokenizer's pool adopts it instead of loading the
-    files again)."""
+    `keep`: keep the loaded library, and its parsed files, for `kept_model` (the pre-tokenizer's pool adopts it
+    instead of loading the files again, and builds its fast encoder without parsing them again)."""
     files = find_model_files(name, path, chat_template)
     try:
-        library = libraries.load(files, libraries.REFERENCE)
+        library = libraries.load(files, libraries.REFERENCE, keep_parsed=keep)
     except ModelLoadError as exc:
         raise ModelLoadError(f"model {name!r}: {exc}") from None
     except (KeyboardInterrupt, SystemExit, GeneratorExit):

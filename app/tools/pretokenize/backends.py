@@ -112,6 +112,7 @@ def local_pool(model: ModelInfo, workers: int) -> ProcessPoolExecutor:
         if os_threads() != before:  # loading it started a thread (a Rust pool): a fork would not copy it
             method = "spawn"
     del kept
+    registry.release_kept()  # and the parse of its files, kept for preload's fast encoder
     pool = ProcessPoolExecutor(
         max_workers=workers,
         mp_context=multiprocessing.get_context(method),
