@@ -22,6 +22,7 @@ import uvicorn
 from pydantic import ValidationError
 from pydantic_settings import CliSettingsSource
 
+from tokenizer_service.core import zygote
 from tokenizer_service.core.libraries import CACHE_DIR_ENV
 from tokenizer_service.core.models import ModelLoadError
 from tokenizer_service.core.registry import ModelRegistry
@@ -143,10 +144,12 @@ def _main(argv: list[str] | None) -> int:
     logging.basicConfig(level=settings.log_level.upper(), handlers=[held])
     try:  # every model read once here, so a wrong path is one line and not a failed lifespan
         paths = settings.model_paths()
-        registry = ModelRegistry.from_paths(
-            paths, settings.default_model, settings.encoder, settings.chat_template_paths(paths)
-        )
+        templates = settings.chat_template_paths(paths)
+        if settings.frontends == 1:  # its workers' models load in the zygote meanwhile, on another core
+            zygote.start(paths, settings.encoder, templates)
+        registry = ModelRegistry.from_paths(paths, settings.default_model, settings.encoder, templates)
     except (ConfigError, ModelLoadError) as exc:
+        zygote.stop()
         logging.getLogger().removeHandler(held)
         if settings.log_level in ("debug", "trace"):
             _log_to_stderr(settings.log_level, held)

@@ -33,6 +33,7 @@ from typing import Any
 import uvicorn
 from prometheus_client import multiprocess
 
+from tokenizer_service.core import zygote
 from tokenizer_service.core.process import exit_with_parent
 from tokenizer_service.metrics import MULTIPROCESS_DIR_ENV
 from tokenizer_service.settings import Settings
@@ -102,6 +103,8 @@ def frontend(settings: dict[str, Any], index: int, workers: int) -> None:
 
     config = Settings.model_validate({**settings, "workers": workers, "frontends": 1})
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    paths = config.model_paths()
+    zygote.start(paths, config.encoder, config.chat_template_paths(paths))  # its workers fork from it
     sock = listening_socket(config.host, config.port)
     server = uvicorn.Server(uvicorn.Config(create_app(config), **uvicorn_options(config)))
     logger.info("front-end %d: %d workers on %s:%d (SO_REUSEPORT)", index, workers, config.host, config.port)

@@ -1,7 +1,7 @@
 """Where the server's CPU goes, per request, against the same encoding in-process, measured in the same run.
 
     python -m bench.serving [--workers 2 8] [--docs 4096] [--rounds 3] [--singles 3000] [--passes 12]
-                            [--corpus FILE.txt|FILE.jsonl] [--model FILE]
+                            [--in-flight 4] [--corpus FILE.txt|FILE.jsonl] [--model FILE]
 
 For each worker count it starts a server on a free loopback port and prints:
   serial ceiling   worker CPU / main-process CPU per 256-document request: how many busy workers
@@ -13,8 +13,12 @@ For each worker count it starts a server on a free loopback port and prints:
                    single-threaded process of its own, as a worker is (for SentencePiece sp.encode(chunk, num_threads=1,
                    out_type="numpy"); for tokenizer.json and tiktoken the encoder the workers use,
                    fastokens where it passed its check), measured before each pass of requests / (main +
-                   workers) CPU; with 2 requests in flight, and one request at a time; beside the workers'
-                   CPU, their whole job (parse, checks, encode, answer) in such a process, without sockets
+                   workers) CPU; with --in-flight requests in flight (4: every worker busy, one request
+                   queued for each), and one request at a time; beside the workers' CPU, their whole job
+                   (parse, checks, encode, answer) in such a process, without sockets; and the same with
+                   the encode measured on two processes at once, each encoding half of every batch (both
+                   cores busy, as the workers are under load: cores that share caches or a host's SMT
+                   siblings slow each other down, which no service can avoid)
   split cost       one request at a time, the server's CPU (main + workers) on this server, which splits
                    a lone request over its idle workers, / on one started with --min-chunk-chars huge
                    (never splits), passes alternating; beside it, what the same split costs without any
@@ -65,7 +69,7 @@ from tokenizer_service.core.reference import InProcess
 from tokenizer_service.core.registry import model_info
 from tokenizer_service.core.requests import EncodeOptions
 from tokenizer_service.settings import Settings
-from tokenizer_service.tools.launcher import metric_total, stop
+from tokenizer_service.tools.launcher import metric_total, stop, worker_pids
 
 BATCH = 256
 # 256-document requests to the bare app for the batch floor: enough that the 10 ms granularity of
@@ -81,9 +85,9 @@ def cpu(process: psutil.Process) -> float:
     return times.user + times.system
 
 
-def spawned(process: psutil.Process, recursive: bool) -> list[psutil.Process]:
-    children = process.children(recursive=recursive)
-    return [child for child in children if "spawn_main" in " ".join(child.cmdline())]
+def spawned(process: psutil.Process) -> list[psutil.Process]:
+    """The worker processes of a server process (or with --frontends, the supervisor's front-ends)."""
+    return [psutil.Process(pid) for pid in worker_pids(process.pid)]
 
 
 class Meter:
@@ -93,8 +97,8 @@ class Meter:
     """
 
     def __init__(self, server: psutil.Process, frontends: int) -> None:
-        self.servers = spawned(server, recursive=False) if frontends > 1 else [server]
-        self.workers = [worker for front in self.servers for worker in spawned(front, recursive=False)]
+        self.servers = spawned(server) if frontends > 1 else [server]
+        self.workers = [worker for front in self.servers for worker in spawned(front)]
 
     def __enter__(self) -> Meter:
         self._main = sum(cpu(server) for server in self.servers)
@@ -275,6 +279,7 @@ def measure(
     singles: int,
     passes: int,
     reference: InProcess,
+    depth: int = 4,
 ) -> dict[str, float]:
     cores = len(os.sched_getaffinity(0))
     batches = [docs[i : i + BATCH] for i in range(0, len(docs), BATCH)]
@@ -296,14 +301,15 @@ def measure(
             in_flight(client, batches[:4], 2, "binary")  # warm connections, workers and heaps
             for text in docs[:200]:
                 client.tokenize_batch([text], model="bench")
-            # CPU per 256-document binary request, 2 in flight: enough requests that the 10 ms
+            # CPU per 256-document binary request, `depth` in flight: enough requests that the 10 ms
             # granularity of process CPU times does not matter.
-            inproc_cpu = main_cpu = worker_cpu = client_cpu = handling_ms = 0.0
+            inproc_cpu = pair_cpu = main_cpu = worker_cpu = client_cpu = handling_ms = 0.0
             for _ in range(passes):
                 inproc_cpu += work.whole()
+                pair_cpu += work.pair()
                 handling_ms += work.handling()  # in the same moments as the encode alone: the machine drifts
                 with Meter(server, frontends) as meter:
-                    tokens = in_flight(client, batches, 2, "binary")
+                    tokens = in_flight(client, batches, depth, "binary")
                     assert tokens == expected, (tokens, expected)
                 main_cpu += meter.main
                 worker_cpu += meter.worker
@@ -316,6 +322,7 @@ def measure(
             result["client_ms"] = client_cpu / requests * 1e3
             result["ceiling"] = worker_cpu / main_cpu
             result["efficiency"] = inproc_cpu / (main_cpu + worker_cpu)
+            result["efficiency_pair"] = pair_cpu / (main_cpu + worker_cpu)
             # One request at a time: the client alone, and the server's efficiency when requests come singly
             # (a lone large request is split over the idle workers), against the server that never splits,
             # and the same encode split over two processes in-process.
@@ -411,14 +418,15 @@ def measure(
 
 
 ROWS = [
-    ("serial ceiling (worker CPU / main CPU, 256-doc request)", "ceiling", "{:.1f}"),
+    ("serial ceiling (worker CPU / main CPU, 256-doc request, {depth} in flight)", "ceiling", "{:.1f}"),
     ("main-process CPU per 256-doc request (ms)", "main_ms", "{:.2f}"),
     ("floor: bare uvicorn app, same bodies in, same answer bytes out: server CPU (ms)", "floor_batch_ms", "{:.2f}"),
     ("serial ceiling at that floor (worker CPU / the floor's server CPU)", "ceiling_floor", "{:.1f}"),
     ("worker CPU per 256-doc request (ms)", "worker_ms", "{:.2f}"),
     ("  the same job in a process of its own, no sockets: parse, checks, encode, answer (ms)", "handling_ms", "{:.2f}"),
     ("  the library's encode alone, in a process of its own (ms)", "encode_ms", "{:.2f}"),
-    ("CPU efficiency, 2 in flight (in-process encode CPU / server CPU)", "efficiency", "{:.2f}"),
+    ("CPU efficiency, {depth} in flight (in-process encode CPU / server CPU)", "efficiency", "{:.2f}"),
+    ("  against the same encode on 2 processes at once (both cores busy)", "efficiency_pair", "{:.2f}"),
     ("CPU efficiency, one request at a time", "efficiency_serial", "{:.2f}"),
     ("CPU efficiency, one request at a time, never split (--min-chunk-chars huge)", "efficiency_whole", "{:.2f}"),
     ("a lone request's split: server CPU split / never split - 1", "split_cost", "{:+.1%}"),
@@ -437,7 +445,7 @@ ROWS = [
     ("floor: its server CPU per request (ms)", "floor_server_ms", "{:.3f}"),
     ("floor: its client CPU per request (ms)", "floor_client_ms", "{:.3f}"),
     ("client CPU per 256-doc binary request, 1 in flight (ms)", "client_serial_ms", "{:.2f}"),
-    ("client CPU per 256-doc binary request, 2 in flight (ms)", "client_ms", "{:.2f}"),
+    ("client CPU per 256-doc binary request, {depth} in flight (ms)", "client_ms", "{:.2f}"),
     ("binary, 2 in flight / the library's batch call", "binary/list", "{:.2f}"),
     ("binary, 2 in flight / numpy floor (SentencePiece)", "binary/floor", "{:.2f}"),
     ("  the cores' busy share meanwhile (client + server CPU / wall time x cores)", "busy", "{:.2f}"),
@@ -455,6 +463,7 @@ def main() -> None:
     parser.add_argument("--frontends", type=int, default=1, help="server processes sharing the port (SO_REUSEPORT)")
     parser.add_argument("--singles", type=int, default=3000)
     parser.add_argument("--passes", type=int, default=12, help="times the documents are sent for the CPU figures")
+    parser.add_argument("--in-flight", type=int, default=4, help="requests in flight for the CPU figures per request")
     parser.add_argument(
         "--model",
         type=Path,
@@ -471,12 +480,13 @@ def main() -> None:
     for workers in args.workers:
         print(f"measuring --workers {workers} --frontends {args.frontends} ...", flush=True)
         results[workers] = measure(
-            model, workers, args.frontends, docs, args.rounds, args.singles, args.passes, reference
+            model, workers, args.frontends, docs, args.rounds, args.singles, args.passes, reference, args.in_flight
         )
     print()
     print("| measure | " + " | ".join(f"--workers {w}" for w in results) + " |")
     print("|---|" + "---:|" * len(results))
     for label, key, form in ROWS:
+        label = label.format(depth=args.in_flight)
         print(f"| {label} | " + " | ".join(form.format(result[key]) for result in results.values()) + " |")
 
 

@@ -30,7 +30,7 @@ import sentencepiece as spm
 
 from tests.conftest import start_server, stop_server
 from tokenizer_service.settings import Settings
-from tokenizer_service.tools.launcher import metric_total
+from tokenizer_service.tools.launcher import metric_total, worker_pids
 
 pytestmark = pytest.mark.slow  # faults: workers killed, stalled, signals; part of .ci/run's slow stage
 
@@ -66,8 +66,7 @@ class Running:
 
     def workers(self) -> list[psutil.Process]:
         """The server's worker processes (every lane), not multiprocessing's resource tracker."""
-        children = psutil.Process(self.process.pid).children(recursive=True)
-        return [child for child in children if "spawn_main" in " ".join(child.cmdline())]
+        return [psutil.Process(pid) for pid in worker_pids(self.process.pid)]
 
 
 def fault_env() -> dict[str, str]:
@@ -591,7 +590,9 @@ def test_drain_timeout_bounds_shutdown_even_with_a_hung_worker(tmp_path_factory,
 
 
 def test_a_model_file_replaced_on_disk_is_never_served(tmp_path_factory, model_files, documents):
-    """Workers restarted after a crash check the file still holds the bytes announced at startup."""
+    """A worker restarted after a crash is a fork of the zygote, which holds the model announced at startup:
+    it serves that model, whatever the file holds now. One that loads the file itself (the zygote gone too)
+    checks the file still holds the bytes announced at startup, and refuses to start on it."""
     directory = tmp_path_factory.mktemp("swap")
     served = directory / "uni.model"
     shutil.copyfile(model_files["uni"], served)
@@ -602,6 +603,23 @@ def test_a_model_file_replaced_on_disk_is_never_served(tmp_path_factory, model_f
         restarts = server.metric("tokenizer_worker_restarts_total")
         victim = busiest_worker(server, lambda: [server.tokenize(documents[:500]) for _ in range(3)])
         victim.send_signal(signal.SIGKILL)  # idle by now: the pool's watchdog notices
+        server.wait_for_metric("tokenizer_worker_restarts_total", lambda value: value > restarts)
+        check_answer(server, ["after the swap"], server.tokenize(["after the swap"]))  # the announced model's ids
+        (zygote,) = [
+            child
+            for child in psutil.Process(server.process.pid).children()
+            if "multiprocessing.forkserver" in " ".join(child.cmdline())
+        ]
+        victims = server.workers()  # found through the zygote: once it is gone, they are no children of it
+        zygote.send_signal(signal.SIGKILL)  # multiprocessing starts another fork server, which holds no model
+        deadline = time.monotonic() + 10
+        while zygote.is_running() and zygote.status() != psutil.STATUS_ZOMBIE:  # dead; its parent reaps it later
+            assert time.monotonic() < deadline, "the zygote outlived SIGKILL"
+            time.sleep(0.02)
+        restarts = server.metric("tokenizer_worker_restarts_total")
+        assert victims
+        for victim in victims:
+            victim.send_signal(signal.SIGKILL)
         server.wait_for_metric("tokenizer_worker_restarts_total", lambda value: value > restarts)
         refused = server.tokenize(["after the swap"])
         assert refused.status_code == 503, refused.text  # never ids from the other file

@@ -21,13 +21,12 @@ import asyncio
 import contextlib
 import enum
 import logging
-import multiprocessing
 import socket
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from tokenizer_service.core import channel, process
+from tokenizer_service.core import channel, process, zygote
 from tokenizer_service.core.errors import Unavailable
 from tokenizer_service.core.poison import POISON_MEMORY
 from tokenizer_service.core.protocol import read_result_head
@@ -122,7 +121,7 @@ class Worker:
         self._numbers = 0
         self._timer: asyncio.TimerHandle | None = None
         self._transport: asyncio.Transport | None = None
-        context = multiprocessing.get_context("spawn")
+        context = zygote.context()  # forked from the zygote that loaded the models, where one started
         self.progress = context.RawValue("q", -1)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         for end in (ours, theirs):  # a whole answer in one write and one read where the system allows

@@ -9,9 +9,10 @@ An idle `ProcessPoolExecutor` worker waits on its call queue forever: if its par
 (`kill -9`, the OOM killer), it would live on, orphaned, holding every model in memory. A daemon
 thread waits on the parent's sentinel and ends the worker when the parent is gone.
 
-Workers started after a crash load the model files again. A file replaced on disk meanwhile would
-give ids from another model than the one whose sha256 the server announces, so a worker refuses to
-start on a file whose sha256 changed (the pool then answers 503 until the server is restarted).
+A server's workers fork from a zygote that loaded the models once (tokenizer_service.core.zygote); any model it
+does not hold as announced, a worker loads itself. A file replaced on disk meanwhile would give ids from another
+model than the one whose sha256 the server announces, so such a worker refuses to start on a file whose sha256
+changed (the pool then answers 503 until the server is restarted).
 
 `load_models` reads each model's files again, refuses any whose bytes changed since the server
 announced their sha256, and loads it in its library (tokenizer_service.core.libraries, with the fast encoder behind
@@ -116,8 +117,35 @@ def load_models(models: Sequence[ModelInfo]) -> None:
 
 
 def _held(info: ModelInfo) -> bool:
+    """Does this process hold `info`'s model as announced: its files' sha256, and the encoder that encodes it?"""
     library = _libraries.get(info.name)
-    return library is not None and _files[info.name].sha256 == info.sha256
+    return library is not None and _files[info.name].sha256 == info.sha256 and library.encoder == info.encoder
+
+
+def forget_models() -> None:
+    """Drop every model this process holds: the processes it forks load their own."""
+    _libraries.clear()
+    _files.clear()
+
+
+FORK_SAFE_THREADS = {"jemalloc_bg_thd"}  # jemalloc's background threads: its fork handlers restart them in a child
+
+
+def os_threads() -> int:
+    """Threads of this process, the native ones included (a Rust library's pool), where Linux says; jemalloc's
+    background threads (pyarrow's, gigatoken's allocator) left out."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 0  # unknown
+    count = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as file:
+                count += file.read().strip() not in FORK_SAFE_THREADS
+        except OSError:  # the thread ended meanwhile
+            continue
+    return count
 
 
 def preload(info: ModelInfo, kept: tuple[Any, Library] | None = None) -> None:

@@ -40,6 +40,34 @@ def metric_total(url: str, name: str, **labels: str) -> float:
     return total
 
 
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:  # gone, or no /proc
+        return []
+
+
+def _command(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def worker_pids(pid: int) -> list[int]:
+    """The worker processes under the server process `pid` (for tests, benchmarks; Linux): those forked from its
+    zygote (children of multiprocessing's fork server) and those spawned (a worker, or with --frontends a
+    front-end), not the fork server itself nor multiprocessing's resource tracker."""
+    found = []
+    for child in _children(pid):
+        command = _command(child)
+        if b"spawn_main" in command:
+            found.append(child)
+        elif b"multiprocessing.forkserver" in command:  # the zygote: its children are the workers
+            found.extend(_children(child))
+    return found
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))

@@ -10,7 +10,6 @@ batch: (index in the chunk, the service's message), which the run reports as bad
 from __future__ import annotations
 
 import multiprocessing
-import os
 import signal
 import sys
 import threading
@@ -53,26 +52,6 @@ def chunks(texts: Iterable[str], max_chars: int, max_texts: int) -> Iterator[lis
         yield chunk
 
 
-FORK_SAFE_THREADS = {"jemalloc_bg_thd"}  # jemalloc's background threads: its fork handlers restart them in a child
-
-
-def os_threads() -> int:
-    """Threads of this process, the native ones included (a Rust library's pool), where Linux says; jemalloc's
-    background threads (pyarrow's, gigatoken's allocator) left out."""
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return 0  # unknown
-    count = 0
-    for task in tasks:
-        try:
-            with open(f"/proc/self/task/{task}/comm") as file:
-                count += file.read().strip() not in FORK_SAFE_THREADS
-        except OSError:  # the thread ended meanwhile
-            continue
-    return count
-
-
 def start_method(model: ModelInfo) -> str:
     """fork where it is safe (Linux, no other Python thread; the native threads numpy's OpenBLAS and pyarrow's
     jemalloc start at import are rebuilt in a forked child by their own fork handlers): the
@@ -107,9 +86,9 @@ def local_pool(model: ModelInfo, workers: int) -> ProcessPoolExecutor:
     method = start_method(model)
     kept = registry.kept_model(model.sha256)
     if method == "fork":
-        before = os_threads()
+        before = process.os_threads()
         process.preload(model, kept)
-        if os_threads() != before:  # loading it started a thread (a Rust pool): a fork would not copy it
+        if process.os_threads() != before:  # loading it started a thread (a Rust pool): a fork would not copy it
             method = "spawn"
     del kept
     registry.release_kept()  # and the parse of its files, kept for preload's fast encoder
