@@ -1413,10 +1413,17 @@ def load(files: ModelFiles, encoder: str = FAST, trusted: bool = False, keep_par
     finally:
         if not keep_parsed:
             parsed_json.cache_clear()  # the document of its files is not kept once it is loaded
-    planted = os.environ.get(PLANT_ENV)
-    if planted and trusted:  # tests only: a worker whose fast encoder differs after its gate
-        plant_difference(library, int(planted.removeprefix("U+"), 16))
+    if trusted:
+        plant_if_asked(library)
     return library
+
+
+def plant_if_asked(library: Library) -> None:
+    """Tests only (PLANT_ENV set): a fast encoder put in front after its gate, which then differs (in a worker
+    that loads the model, or in the process its workers fork from, once the fast encoder is in front)."""
+    planted = os.environ.get(PLANT_ENV)
+    if planted:
+        plant_difference(library, int(planted.removeprefix("U+"), 16))
 
 
 def flatten_rows(ids: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:

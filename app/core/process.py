@@ -161,6 +161,7 @@ def preload(info: ModelInfo, kept: tuple[Any, Library] | None = None) -> None:
     library = _libraries[info.name]
     if libraries.is_fast(info.encoder):
         library.promote(info.encoder, keep_reference=True)
+        libraries.plant_if_asked(library)
     library.reference_rows(["a"], False)  # loads the reference library where promoting dropped it
 
 
