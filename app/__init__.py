@@ -1,3 +1,4 @@
-"""tokenizer-service server: batched SentencePiece tokenization on a pool of worker processes."""
+"""tokenizer-service server: batched tokenization (SentencePiece, tokenizer.json, tiktoken, tekken.json) on a pool of
+worker processes."""
 
 __version__ = "0.1.0"

@@ -56,7 +56,10 @@ def _add_argument(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -
 def _source(argv: list[str]) -> CliSettingsSource[Settings]:
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="Serve SentencePiece tokenization over HTTP on a pool of worker processes.",
+        description=(
+            "Serve tokenization (SentencePiece, tokenizer.json, tiktoken, tekken.json) over HTTP on a pool of worker "
+            "processes."
+        ),
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,  # --work is not --workers: an error names the flag as written

@@ -101,6 +101,19 @@ def test_frames_without_a_checksum_are_read_with_one_warning(
 # -- 10: a run that wrote no shard leaves nothing that blocks the next -----------------------------------------
 
 
+def test_a_wrong_parquet_column_is_refused_before_a_model_is_read(
+    documents: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The first Parquet input's columns are read before the model loads (a 128k tokenizer.json takes a second
+    or two): a model path that is not there is never reached."""
+    path = write_parquet(tmp_path / "rows.parquet", list(documents[:10]))
+    missing = tmp_path / "no-such-model.json"
+    command = ["--local", "--model", missing, "--workers", "1", "-q", "--text-field", "body"]
+    assert pretokenize(path, *command, "--output", tmp_path / "out") == 1
+    error = one_line(capsys.readouterr().err)
+    assert "no column 'body'" in error and "no-such-model" not in error
+
+
 def test_a_wrong_parquet_column_leaves_nothing_behind(
     documents: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -66,7 +66,7 @@ FIXED = (
 )
 
 
-VERSION = 4  # of the texts below and the scan: a cached verdict of another version is not used
+VERSION = 5  # of the texts below and the scan (5: gigatoken encodes a text a call): a verdict of another is not used
 
 LONG_TOKEN_CHARS = 256  # a longer special-token string is checked alone and in one context, never repeated
 TOKENS_PER_TEXT = 64  # special-token strings batched into one check text (a long one gets a text of its own)

@@ -223,15 +223,15 @@ class Gigatoken:
         self._cut = re.compile("|".join(re.escape(token) for token in tokens)) if tokens else None
 
     def _flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        if not texts:
-            return np.zeros(0, dtype=np.uint32), np.zeros(1, dtype=np.uint64)
-        layout = self.backend.encode_batch(texts, parallel=False).layout  # awkward: offsets and content
-        offsets = np.asarray(layout.offsets.data).astype(np.uint64, copy=False)
-        ids = np.ascontiguousarray(np.asarray(layout.content.data), dtype=np.uint32)
-        if offsets[0] != 0 or len(ids) != offsets[-1]:
-            ids = np.ascontiguousarray(ids[offsets[0] : offsets[-1]])
-            offsets = offsets - offsets[0]
-        return ids, np.ascontiguousarray(offsets)
+        # One `encode` a text (a uint32 array each), not `encode_batch`: that builds an awkward Array, 0.25 ms a
+        # call whatever the batch (a single text costs 0.03 ms this way), and its first call imports awkward
+        # (0.16 s); on 256 documents the two take the same time.
+        encode = self.backend.encode
+        rows = [encode(text) for text in texts]
+        offsets = np.zeros(len(rows) + 1, dtype=np.uint64)
+        np.cumsum(np.fromiter(map(len, rows), dtype=np.uint64, count=len(rows)), out=offsets[1:])
+        ids = np.concatenate(rows) if rows else np.zeros(0, dtype=np.uint32)
+        return ids.astype(np.uint32, copy=False), offsets
 
     def encode_batch_flat(
         self, texts: list[str], add_special_tokens: bool = False, split_special_tokens: bool = True

@@ -55,6 +55,7 @@ from tokenizer_service.tools.pretokenize.sources import (
     NoTextError,
     Position,
     Source,
+    check_first_parquet,
     expand_inputs,
     holds_text,
     record_reason,
@@ -374,6 +375,7 @@ def run(
             "inputs": [[source.path, source.size] for source in sources],
         }
         sources, output = sources[start:end], rank_directory(options.output, options.rank)
+    check_first_parquet(sources, str(options.text_field), options.kind)  # a misnamed column: before any model loads
     with ExitStack() as stack:
         urls = options.urls
         model = (

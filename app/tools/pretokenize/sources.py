@@ -527,19 +527,7 @@ class DocumentReader:
             file = parquet.ParquetFile(raw)
         except Exception as exc:  # pyarrow raises ArrowInvalid and others for a file that is not Parquet
             raise InputError(f"{source.path}: not a Parquet file ({exc})") from exc
-        field = self.text_field
-        names = file.schema_arrow.names
-        if self.kind == PROMPT_COMPLETION:
-            columns = ["prompt", "completion"]
-        elif field not in names and self.default_field and self.kind == CONVERSATIONS and SHAREGPT_FIELD in names:
-            columns = [SHAREGPT_FIELD]
-        else:
-            columns = [field]
-        if any(column not in names for column in columns):
-            missing = next(column for column in columns if column not in names)
-            listed = ", ".join(names)
-            fix = "" if self.kind == PROMPT_COMPLETION else "; name it with --text-field"
-            raise NoTextError(f"{source.path}: no column {missing!r} (columns: {listed}){fix}")
+        columns = parquet_columns(source.path, file.schema_arrow.names, self.text_field, self.kind)
         row = first_row = 0
         groups = []
         group_ends = []  # (last row, bytes of the file up to the end of the row group)
@@ -580,7 +568,7 @@ class DocumentReader:
                         continue
                 elif type(value) is not str:
                     described = JSON_TYPES.get(type(value), type(value).__name__)
-                    self._bad(source, row, f"column {field!r} is {described}, not a string")
+                    self._bad(source, row, f"column {columns[0]!r} is {described}, not a string")
                     continue
                 source.documents += 1
                 yield value, Position(index, group_bytes, row, source.documents, source.bad_records)
@@ -693,6 +681,36 @@ def _suggest(fields: dict[str, Any], text_field: str) -> str:
     longest = max(strings, key=lambda name: len(fields[name]))
     why = "missing" if text_field not in fields else _describe_value(fields[text_field])
     return f"--text-field {text_field} is {why} here: pass --text-field {longest} (the longest string in it)"
+
+
+def parquet_columns(path: str, names: list[str], text_field: str, kind: str) -> list[str]:
+    """The columns of a Parquet file (its column `names`) that hold what `kind` reads; NoTextError naming the
+    one it lacks."""
+    if kind == PROMPT_COMPLETION:
+        columns = ["prompt", "completion"]
+    elif (
+        text_field not in names
+        and text_field == DEFAULT_FIELDS[kind]
+        and kind == CONVERSATIONS
+        and SHAREGPT_FIELD in names
+    ):
+        columns = [SHAREGPT_FIELD]
+    else:
+        columns = [text_field]
+    if any(column not in names for column in columns):
+        missing = next(column for column in columns if column not in names)
+        listed = ", ".join(names)
+        fix = "" if kind == PROMPT_COMPLETION else "; name it with --text-field"
+        raise NoTextError(f"{path}: no column {missing!r} (columns: {listed}){fix}")
+    return columns
+
+
+def check_first_parquet(sources: list[Source], text_field: str, kind: str) -> None:
+    """Read the schema of the first Parquet input (its footer only) and refuse now, before a model is loaded,
+    one without the column to read: the one-line error a misnamed --text-field gets at once."""
+    first = next((source for source in sources if source.format == "parquet"), None)
+    if first is not None:
+        parquet_columns(first.path, _parquet_file(first).schema_arrow.names, text_field, kind)
 
 
 def _parquet_file(source: Source) -> Any:
