@@ -376,3 +376,25 @@ def test_a_text_too_long_for_tokenizers_memory_is_a_413_naming_it(models):
     assert caught.value.index == 11 and caught.value.field == "texts"
     fast = libraries.load(find_model_files("b", models["hfbpe"]))
     assert libraries.is_fast(fast.encoder) and fast.max_text_chars is None  # fastokens: 0.4 GiB for 32 MiB
+
+
+def test_a_worker_keeps_what_its_zygote_loaded_only_as_announced(models):
+    """A worker forked from the zygote (process.preload there) keeps the model it inherits when the announcement
+    names its sha256 and encoder; another encoder it loads itself, and another sha256 it refuses."""
+    import dataclasses
+
+    from tokenizer_service.core import process
+
+    info = inspect_model("m", models["hfbpe"])
+    try:
+        process.preload(info)
+        held = process.library("m")
+        assert held.encoder == info.encoder and libraries.is_fast(info.encoder)
+        process.load_models([info])
+        assert process.library("m") is held  # nothing loaded again
+        process.load_models([dataclasses.replace(info, encoder="tokenizers")])
+        assert process.library("m") is not held and process.library("m").encoder == "tokenizers"
+        with pytest.raises(process.ModelChanged, match="changed since the server started"):
+            process.load_models([dataclasses.replace(info, sha256="0" * 64)])
+    finally:
+        process.forget_models()
