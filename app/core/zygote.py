@@ -18,10 +18,15 @@ thread (which a fork would not copy) forgets what it loaded, so its workers load
 
 from __future__ import annotations
 
+import os
+import signal
+
+if "TOKENIZER_ZYGOTE_MODELS" in os.environ:  # the fork server, importing this first: Ctrl-C is the server's to handle
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a KeyboardInterrupt here would only print a traceback)
+
 import logging
 import multiprocessing
 import multiprocessing.forkserver
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
