@@ -21,8 +21,8 @@ from __future__ import annotations
 import os
 import signal
 
-if "TOKENIZER_ZYGOTE_MODELS" in os.environ:  # the fork server, importing this first: Ctrl-C is the server's to handle
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a KeyboardInterrupt here would only print a traceback)
+if "TOKENIZER_ZYGOTE_MODELS" in os.environ:  # MODELS_ENV: in the fork server, which imports this first, before all
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle: here, only a traceback
 
 import logging
 import multiprocessing
