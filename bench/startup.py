@@ -42,7 +42,7 @@ import psutil
 
 from bench.inputs import RESULTS, ROOT
 from bench.peers import PEERS, corpus_documents, measure, peer_model, write_parquet
-from tokenizer_service.tools.launcher import free_port
+from tokenizer_service.tools.launcher import free_port, stop
 
 OUT = RESULTS / "startup"
 CORPUS = PEERS / "corpus-20docs.parquet"
@@ -82,13 +82,7 @@ def server_ready(model: Path, env: dict[str, str]) -> tuple[float, float]:
             ready = time.perf_counter() - started
             cpu = tree_cpu(psutil.Process(process.pid))
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            stop(process)  # SIGTERM, then SIGKILL past its timeout
             with contextlib.suppress(ProcessLookupError, PermissionError):  # no worker left behind
                 os.killpg(process.pid, signal.SIGKILL)
     return ready, cpu

@@ -410,20 +410,19 @@ def hf_vocab_size(document: dict[str, Any], loaded: Any) -> int:
     (the loaded model's `get_vocab` builds a dict of every token: 0.1 s for 128k); the loaded model's where the
     document's vocabulary has a shape this does not know."""
     vocab = document["model"].get("vocab")
+    top: int | None = None
     if isinstance(vocab, dict) and all(type(value) is int for value in vocab.values()):
         top = max(vocab.values(), default=-1)
     elif isinstance(vocab, list):  # Unigram: [piece, score] pairs, ids by position
         top = len(vocab) - 1
-    else:
-        return max(loaded.get_vocab(with_added_tokens=True).values(), default=-1) + 1
     added = document.get("added_tokens") or []
     # tokenizers gives an added token the file's id only where that id follows the ones before it (else the next
     # free one): where any differs, the library counts
-    if not all(
+    if top is not None and all(
         type(token.get("id")) is int and loaded.token_to_id(token.get("content")) == token["id"] for token in added
     ):
-        return max(loaded.get_vocab(with_added_tokens=True).values(), default=-1) + 1
-    return max([top, *(token["id"] for token in added)]) + 1
+        return max([top, *(token["id"] for token in added)]) + 1
+    return max(loaded.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
 
 # -- tiktoken ranks ------------------------------------------------------------------------------------
