@@ -118,7 +118,11 @@ class Settings(BaseSettings):
     max_texts: int = option("N", "most texts in one request (413 above)", 8192, ge=1)
     max_seq_len: int = option("TOKENS", "largest seq_len /v1/pack accepts", 131072, ge=2)
     min_chunk_chars: int = option(
-        "CHARS", "a request is split over workers only in chunks at least this many characters long", 16384, ge=1
+        "CHARS",
+        "a request is split over workers only in chunks at least this many characters long (UTF-8 bytes where a "
+        "binary body's texts reach the encoder undecoded)",
+        16384,
+        ge=1,
     )
     max_queued_bytes: int | None = option(
         "BYTES",

@@ -55,12 +55,12 @@ from typing import Any
 
 import httpx
 import numpy as np
-import orjson
 import psutil
 
 from bench.floor import measure_floor
 from bench.inputs import default_corpus, describe_corpus, documents_and_model, start_server
 from tokenizer_client import TokenizerClient, wire
+from tokenizer_client._requests import texts_frame
 from tokenizer_service.core import channel, libraries
 from tokenizer_service.core.handler import Handler, Limits, TextMarker
 from tokenizer_service.core.models import SENTENCEPIECE, find_model_files
@@ -114,9 +114,16 @@ class Meter:
         self.client = time.process_time() - self._client
 
 
+def frame_body(payload: dict[str, Any]) -> bytes:
+    """The body TokenizerClient sends for a binary answer: the texts as a frame of UTF-8 (`texts_frame`)."""
+    body = texts_frame(payload)
+    assert body is not None, "texts that are not valid Unicode"
+    return body
+
+
 def binary_answer_bytes(url: str, body: bytes) -> int:
     """The size of the service's binary answer to one /v1/tokenize body."""
-    headers = {"content-type": "application/json", "accept": wire.MEDIA_TYPE}
+    headers = {"content-type": wire.MEDIA_TYPE, "accept": wire.MEDIA_TYPE}
     response = httpx.post(f"{url}/v1/tokenize", content=body, headers=headers, timeout=120)
     response.raise_for_status()
     return len(response.content)
@@ -184,7 +191,7 @@ def _encoding(model: Path, batches: list[list[str]], half: int, barrier: Any, co
     work = load(model)
     encode = encoder(work)
     handle = handler(model, work)
-    payloads = [request_head(TOKENIZE, True, 1, False) + orjson.dumps({"texts": batch}) for batch in batches]
+    payloads = [request_head(TOKENIZE, True, 1, False) + frame_body({"texts": batch}) for batch in batches]
     middle = BATCH // 2
     encode(batches[0])  # caches warm, as the workers' are
     while (command := connection.recv()) is not None:
@@ -370,14 +377,14 @@ def measure(
             result["single_worker_ms"] = meter.worker / singles * 1e3
             result["single_client_ms"] = (time.process_time() - client_started) / singles * 1e3
             result["single_encode_warm_ms"], result["single_encode_evicted_ms"] = work.singles()
-            bare = measure_floor([orjson.dumps({"texts": [text], "model": "bench"}) for text in docs[:singles]])
+            bare = measure_floor([frame_body({"texts": [text], "model": "bench"}) for text in docs[:singles]])
             result["floor_p50_ms"] = bare["p50_ms"]
             result["floor_server_ms"] = bare["server_ms"]
             result["floor_client_ms"] = bare["client_ms"]
             # The batch floor: the bare app reading the same 256-document bodies and answering as many bytes
             # as this service's binary answer to each: the least a server process built on uvicorn spends
             # moving a batch's bytes, and so the highest serial ceiling one could reach.
-            bodies = [orjson.dumps({"texts": batch, "model": "bench"}) for batch in batches]
+            bodies = [frame_body({"texts": batch, "model": "bench"}) for batch in batches]
             sizes = [binary_answer_bytes(url, body) for body in bodies]
             repeat = max(1, FLOOR_BATCH_REQUESTS // len(bodies))
             result["floor_batch_ms"] = measure_floor(bodies * repeat, sizes * repeat)["server_ms"]

@@ -305,3 +305,26 @@ def test_a_panic_at_the_first_encode_falls_back_and_is_logged_once(
     assert library.encoder == "tokenizers" and library.fast is None
     lines = [record.getMessage() for record in caplog.records if f"{encoder} cannot load it" in record.getMessage()]
     assert len(lines) == 1 and "PanicException" in lines[0], lines
+
+
+def test_gigatoken_reads_a_binary_bodys_utf8_as_it_reads_str(library_models, tmp_path, monkeypatch):
+    """A binary body's texts reach gigatoken as their UTF-8 bytes (`Utf8Texts`, never decoded): the same ids as the
+    same texts given as str, in both special-token modes, and the reference library's."""
+    from tokenizer_service.core.requests import EncodeOptions
+    from tokenizer_service.core.texts import Utf8Texts
+
+    monkeypatch.setenv(libraries.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(checkset, "code_points", lambda: list(range(0x1000)))
+    files = find_model_files("hfbpe", library_models["hfbpe"])
+    library = libraries.load(files, "gigatoken")
+    reference = libraries.load(files, libraries.REFERENCE)
+    assert library.encoder == "gigatoken" and library.takes_utf8 and not reference.takes_utf8
+    texts = [*read_multilingual()[:400], "", "<|endoftext|> a<unk>b", "\u00e9\u0301 \U0001f600\r\n\t"]
+    as_utf8 = Utf8Texts.of(texts)
+    for parse in (False, True):
+        options = EncodeOptions(parse_special_tokens=parse)
+        got_ids, got_lengths = library.encode(as_utf8, options)
+        ids, lengths = library.encode(texts, options)
+        want_ids, want_lengths = reference.encode(texts, options)
+        assert got_ids.tolist() == ids.tolist() == want_ids.tolist()
+        assert got_lengths.tolist() == lengths.tolist() == want_lengths.tolist()

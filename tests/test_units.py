@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenizer_client import wire
@@ -401,3 +401,59 @@ def test_a_tokenizer_jsons_vocabulary_size_is_read_from_the_document_as_the_libr
         loaded = Tokenizer.from_str(orjson.dumps(variant).decode())
         expected = max(loaded.get_vocab(with_added_tokens=True).values()) + 1
         assert hf_vocab_size(variant, loaded) == expected
+
+
+# -- a binary body's texts as UTF-8 (tokenizer_service.core.texts) ------------------------------------------
+
+
+def test_utf8_texts_read_slice_and_pickle_as_a_list_of_str():
+    import pickle
+
+    from tokenizer_service.core.texts import Utf8Texts, text_sizes
+
+    texts = ["", "a", "\u00e9t\u00e9", "\U0001f600", "", "z\n"]
+    held = Utf8Texts.of(texts)
+    assert list(held) == texts and len(held) == 6 and held == texts and held[-1] == "z\n" and held[2] == "\u00e9t\u00e9"
+    assert held[1:4] == texts[1:4] and held[4:2] == [] and held[::2] == texts[::2]
+    assert held.utf8() == [text.encode() for text in texts] and text_sizes(held).tolist() == [0, 1, 5, 4, 0, 2]
+    assert text_sizes(texts).tolist() == [0, 1, 3, 1, 0, 2]  # a list of str: characters
+    part = pickle.loads(pickle.dumps(held[2:4]))
+    assert part == texts[2:4] and part.data == "\u00e9t\u00e9\U0001f600".encode()  # only its own bytes travel
+    with pytest.raises(IndexError):
+        held[6]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.binary(max_size=40), st.lists(st.integers(0, 40), max_size=6), st.sampled_from([b"", b"\xc3\xa9", b"\xf0\x9f"])
+)
+def test_utf8_texts_check_says_what_decoding_each_text_says(data, cuts, middle):
+    """`all_valid` on the whole buffer agrees with decoding each text on its own, sequences cut between two texts
+    included; a refused frame names the first text that does not decode."""
+    from tokenizer_client import wire
+    from tokenizer_service.core.errors import InvalidField
+    from tokenizer_service.core.requests import TokenizeRequest, parse_request
+    from tokenizer_service.core.texts import all_valid
+
+    data = data[:20] + middle + data[20:]
+    bounds = [0, *sorted(min(cut, len(data)) for cut in cuts), len(data)]
+    offsets = np.array(bounds, dtype=np.int64)
+
+    def decodes(index: int) -> bool:
+        try:
+            data[bounds[index] : bounds[index + 1]].decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+        return True
+
+    valid = [decodes(index) for index in range(len(bounds) - 1)]
+    assert all_valid(data, offsets) == all(valid)
+    body = wire.encode({"texts": np.frombuffer(data, dtype=np.uint8), "offsets": offsets}, {})
+    if all(valid):
+        assert parse_request(body, TokenizeRequest, "texts", 100).texts == [
+            data[bounds[i] : bounds[i + 1]].decode() for i in range(len(bounds) - 1)
+        ]
+    else:
+        with pytest.raises(InvalidField) as raised:
+            parse_request(body, TokenizeRequest, "texts", 100)
+        assert raised.value.index == valid.index(False)

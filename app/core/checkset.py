@@ -66,7 +66,9 @@ FIXED = (
 )
 
 
-VERSION = 5  # of the texts below and the scan (5: gigatoken encodes a text a call): a verdict of another is not used
+# of the texts below and the scan (5: gigatoken encodes a text a call; 6: as UTF-8 bytes): a verdict of another is
+# not used
+VERSION = 6
 
 LONG_TOKEN_CHARS = 256  # a longer special-token string is checked alone and in one context, never repeated
 TOKENS_PER_TEXT = 64  # special-token strings batched into one check text (a long one gets a text of its own)

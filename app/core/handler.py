@@ -70,6 +70,7 @@ from tokenizer_service.core.requests import (
     TokenizeRequest,
     parse_request,
 )
+from tokenizer_service.core.texts import Utf8Texts, text_sizes
 
 NO_OPTIONS = EncodeOptions()  # what a detokenize chunk carries
 
@@ -172,14 +173,15 @@ class Handler:
         position, info = self.model(request.model)
         if request.texts is None:  # conversations or prompt-completion records
             return self.dialogue(route, binary, request, position, info)
-        if (known := self.poison.find(info.name, request.texts)) is not None:
+        texts = readable(request.texts, self.libraries[position])
+        if (known := self.poison.find(info.name, texts)) is not None:
             raise PoisonInput(
                 f"texts[{known}] was found earlier to crash or hang a tokenizer worker; it is refused",
                 field="texts",
                 index=known,
             )
         if self.libraries[position].normalizes:
-            check_expansion(request.texts, len(body), self.limits.max_request_bytes)
+            check_expansion(texts, len(body), self.limits.max_request_bytes)
         if isinstance(request, PackRequest):
             context = pack_context(request, info, position, binary, self.limits.max_seq_len)
             # both already checked: request.add_bos by its schema, context.add_eos against the model
@@ -191,8 +193,7 @@ class Handler:
             options = request  # a TokenizeRequest is its EncodeOptions, with the texts besides
             check_special_tokens(options.add_bos, options.add_eos, info)
         seeded = options.seed is not None
-        texts = request.texts
-        sizes = np.fromiter((len(text) for text in texts), dtype=np.int64, count=len(texts))
+        sizes = text_sizes(texts)
         parts = 1 if careful or seeded else max_parts
         bounds = chunk_bounds(sizes, parts, self.limits.min_chunk_chars)
         if seeded or len(bounds) > 1:
@@ -376,11 +377,12 @@ class Handler:
     # -- tokenizing ----------------------------------------------------------------------------------
 
     def encode(
-        self, model: int, texts: list[str], options: EncodeOptions, first_index: int, careful: bool
+        self, model: int, texts: Sequence[str], options: EncodeOptions, first_index: int, careful: bool
     ) -> tuple[np.ndarray, np.ndarray, float]:
         """(ids, offsets, seconds): exactly what the model's library gives for each text in-process, in order."""
         started = time.monotonic()
         library = self.libraries[model]
+        texts = readable(texts, library)
         if careful:
             id_parts, length_parts = [], []
             for position, text in enumerate(texts):
@@ -538,6 +540,14 @@ def check_expansion(texts: list[str], body_bytes: int, limit: int) -> None:
                     field="texts",
                     index=index,
                 )
+
+
+def readable(texts: Sequence[str], library: Library) -> Sequence[str]:
+    """The texts as `library` encodes them: a binary body's `Utf8Texts` stay UTF-8 for an encoder that reads it,
+    and are decoded once for any other."""
+    if isinstance(texts, Utf8Texts) and not library.takes_utf8:
+        return list(texts)
+    return texts
 
 
 def chunk_bounds(sizes: np.ndarray, max_chunks: int, min_chunk_size: int) -> list[tuple[int, int]]:

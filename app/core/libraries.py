@@ -147,7 +147,13 @@ class Library(ABC):
     fast: Any | None = None  # fastokens' tokenizer, when it encodes this model
     shadow: Any | None = None  # a tokenizer_service.core.shadow.Shadow sampling what fastokens encodes
 
-    def encode(self, texts: list[str], options: Any, first_index: int = 0) -> Encoded:
+    @property
+    def takes_utf8(self) -> bool:
+        """Whether `encode` reads texts as UTF-8 (a `Utf8Texts` from a binary body) without decoding them: its fast
+        encoder does (gigatoken), and no text length is checked in characters."""
+        return self.fast is not None and getattr(self.fast, "takes_utf8", False) and self.max_text_chars is None
+
+    def encode(self, texts: Sequence[str], options: Any, first_index: int = 0) -> Encoded:
         """Ids of each text exactly as the library gives them in-process, then BOS and EOS, then max_length."""
         if options.sample is not None:
             raise InvalidField(
@@ -175,7 +181,7 @@ class Library(ABC):
         return ids, lengths
 
     @abstractmethod
-    def encode_plain(self, texts: list[str], parse_special: bool) -> Encoded:
+    def encode_plain(self, texts: Sequence[str], parse_special: bool) -> Encoded:
         """The library's ids of each text, nothing added."""
 
     @abstractmethod
@@ -777,7 +783,7 @@ def _try_candidates(library: Any, encoder: str) -> tuple[list[dict[str, Any]], d
                 results.append({"route": route, "passed": False, "differs": differs})
                 continue  # the converted ranks next, where there are
 
-            def encode(texts: list[str], fast: Any = fast) -> int:
+            def encode(texts: Sequence[str], fast: Any = fast) -> int:
                 return len(_fast_flat(fast, texts, False)[0])
 
             try:
@@ -801,7 +807,7 @@ def _try_candidates(library: Any, encoder: str) -> tuple[list[dict[str, Any]], d
             if measured is not None:
                 rss, mtps, load_seconds = measured
             else:  # no process could be started: measured here (memory freed earlier may hide some of it)
-                mtps = encoders.tokens_per_cpu_second(encode, sample)
+                mtps = encoders.tokens_per_cpu_second(encode, encoders.as_read(fast, sample))
             results.append(
                 {"route": route, "passed": True, "differs": None, "mtps": round(mtps, 3), "rss_mib": round(rss, 1),
                  "load_seconds": round(load_seconds, 3)}
@@ -850,12 +856,14 @@ def _measure_main() -> None:
         print(json.dumps(None))
         return
 
-    def encode(texts: list[str]) -> int:
+    def encode(texts: Sequence[str]) -> int:
         return len(_fast_flat(fast, texts, False)[0])
 
     encode(sample)
     rss = max(0.0, encoders.rss_mib() - before)
-    print(json.dumps([rss, encoders.tokens_per_cpu_second(encode, sample), seconds]), flush=True)
+    print(
+        json.dumps([rss, encoders.tokens_per_cpu_second(encode, encoders.as_read(fast, sample)), seconds]), flush=True
+    )
 
 
 def _refusal(results: Sequence[dict[str, Any]], pinned: bool) -> str:
@@ -1134,7 +1142,7 @@ def _fast_rows(fast: Any) -> Callable[[list[str], bool], list[list[int]]]:
     return rows
 
 
-def _fast_flat(fast: Any, texts: list[str], parse_special: bool) -> Encoded:
+def _fast_flat(fast: Any, texts: Sequence[str], parse_special: bool) -> Encoded:
     if not texts:
         return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64)
     ids, offsets = fast.encode_batch_flat(texts, add_special_tokens=False, split_special_tokens=not parse_special)

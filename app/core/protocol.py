@@ -124,7 +124,7 @@ class Chunk:
     options: EncodeOptions
     first_index: int
     binary: bool
-    texts: list[str] | None = None  # tokenize, pack
+    texts: Sequence[str] | None = None  # tokenize, pack (a list, or a binary body's `Utf8Texts`)
     ids: np.ndarray | None = None  # detokenize: ragged ids and offsets
     offsets: np.ndarray | None = None
 

@@ -26,6 +26,7 @@ from pydantic_core import PydanticCustomError
 
 from tokenizer_client import wire
 from tokenizer_service.core.errors import InvalidField, InvalidJSON, PayloadTooLarge
+from tokenizer_service.core.texts import Utf8Texts, all_valid
 
 MAX_NBEST_SIZE = 512
 """sentencepiece's kMaxNBestSize; it raises on 0, 1 or more."""
@@ -212,9 +213,11 @@ def parse_request(raw: bytes | bytearray | memoryview, model: type[Body], items:
     if bytes(raw[: len(wire.MAGIC)]) == wire.MAGIC:  # a binary frame (JSON never starts so): texts as UTF-8 arrays
         if items != "texts":
             raise InvalidJSON(f"a {wire.MEDIA_TYPE} request body carries texts; this endpoint takes JSON")
-        document, lenient = texts_document(raw, max_items), False
-    else:
-        document, lenient = parse_json(raw)
+        document = texts_document(raw, max_items)
+        texts = document.pop("texts")
+        # validated without its texts (each checked UTF-8 already, and kept so: tokenizer_service.core.texts)
+        return validate(model, {**document, "texts": []}).model_copy(update={"texts": texts})
+    document, lenient = parse_json(raw)
     check_item_count(document, items, max_items)
     if items == "texts":
         check_item_count(document, "conversations", max_items)
@@ -233,8 +236,9 @@ def parse_request(raw: bytes | bytearray | memoryview, model: type[Body], items:
 
 def texts_document(raw: bytes | bytearray | memoryview, max_items: int) -> dict[str, Any]:
     """The request a binary body (tokenizer_client's `texts_frame`) stands for: its meta's fields, with `texts`
-    decoded from the frame's arrays ``texts`` (uint8, the texts' UTF-8 end to end) and ``offsets`` (int64, one
-    more than there are texts: each text's first byte, then the end). Every refusal says what and where."""
+    (a `Utf8Texts`: each text checked to be UTF-8, none decoded) from the frame's arrays ``texts`` (uint8, the
+    texts' UTF-8 end to end) and ``offsets`` (int64, one more than there are texts: each text's first byte, then
+    the end). Every refusal says what and where."""
     try:
         frame = wire.decode(raw)
     except wire.WireFormatError as exc:
@@ -268,21 +272,29 @@ def texts_document(raw: bytes | bytearray | memoryview, max_items: int) -> dict[
             f"{bounds[-1]}",
             field="texts",
         )
-    buffer = memoryview(data)
-    texts = []
-    for index in range(count):
+    text_bytes = data.tobytes()
+    if not (bool(np.all(offsets[1:] >= offsets[:-1])) and all_valid(text_bytes, offsets)):
+        refuse_texts(text_bytes, bounds)
+    texts = Utf8Texts(text_bytes, bounds)
+    return {**frame.meta, "texts": texts}
+
+
+def refuse_texts(data: bytes, bounds: list[int]) -> None:
+    """Raise the 422 for the first text whose offsets go down or whose bytes are not UTF-8."""
+    view = memoryview(data)
+    for index in range(len(bounds) - 1):
         start, end = bounds[index], bounds[index + 1]
         if end < start:
             raise InvalidField(f"texts[{index}]: its offsets go down ({start} to {end})", field="texts", index=index)
         try:
-            texts.append(str(buffer[start:end], "utf-8"))
+            str(view[start:end], "utf-8")
         except UnicodeDecodeError as exc:
             raise InvalidField(
                 f"texts[{index}] is not valid UTF-8 (its byte {exc.start}); text must be valid Unicode",
                 field="texts",
                 index=index,
             ) from None
-    return {**frame.meta, "texts": texts}
+    raise AssertionError("refuse_texts found every text valid")
 
 
 def check_item_count(document: object, field: str, limit: int) -> None:
