@@ -448,6 +448,7 @@ def test_utf8_texts_check_says_what_decoding_each_text_says(data, cuts, middle):
 
     valid = [decodes(index) for index in range(len(bounds) - 1)]
     assert all_valid(data, offsets) == all(valid)
+    assert all_valid(data, offsets, window=3) == all(valid)  # sequences across the decoder's windows
     body = wire.encode({"texts": np.frombuffer(data, dtype=np.uint8), "offsets": offsets}, {})
     if all(valid):
         assert parse_request(body, TokenizeRequest, "texts", 100).texts == [

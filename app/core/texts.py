@@ -10,10 +10,13 @@ Pure logic: no I/O.
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Iterator, Sequence
 from typing import Any, overload
 
 import numpy as np
+
+VALIDATE_WINDOW = 1 << 20  # bytes decoded at a time to check a frame's texts are UTF-8
 
 
 class Utf8Texts(Sequence[str]):
@@ -94,12 +97,17 @@ def text_sizes(texts: Sequence[str]) -> np.ndarray:
     return np.fromiter((len(text) for text in texts), dtype=np.int64, count=len(texts))
 
 
-def all_valid(data: bytes, offsets: np.ndarray) -> bool:
+def all_valid(data: bytes, offsets: np.ndarray, window: int = VALIDATE_WINDOW) -> bool:
     """Whether every text ``data[offsets[i]:offsets[i + 1]]`` is valid UTF-8 (offsets from 0 to len(data),
     non-decreasing): the whole buffer decodes, and no text starts with a continuation byte (a sequence cut
-    between two texts would decode whole). One pass in C; the caller finds which text is not."""
+    between two texts would decode whole). Decoded `window` bytes at a time by an incremental decoder (a sequence
+    may span two windows), so the str it builds and drops stays small; the caller finds which text is not."""
+    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    view = memoryview(data)
     try:
-        str(data, "utf-8")
+        for start in range(0, len(data), window):
+            decoder.decode(view[start : start + window])
+        decoder.decode(b"", final=True)
     except UnicodeDecodeError:
         return False
     if len(offsets) > 2 and len(data):
