@@ -273,3 +273,39 @@ def test_export_before_merge_says_to_merge(ragged: Path, tmp_path: Path, capsys:
         f"tokenizer-shards: {ranked} is a ranked output (rank-RRRRR directories, no metadata.json over them yet): "
         f"run tokenizer-shards merge {ranked} first"
     )
+
+
+# -- a Parquet text column's values as Arrow holds them ----------------------------------------------------------
+
+
+def test_parquet_texts_reach_the_fast_encoder_as_utf8_and_bad_values_are_bad_records(
+    multilingual: list[str], library_models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The local pool takes a Parquet column's texts as their UTF-8 (never decoded in the parent; gigatoken reads
+    the bytes): the ids are the reference library's; a null and a value that is not UTF-8 are bad records that say
+    which row and why, the rest of the file tokenized."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tokenizer_service.core import libraries
+    from tokenizer_service.core.models import find_model_files
+    from tokenizer_service.core.requests import EncodeOptions
+
+    good = multilingual[:300]
+    assert len(good) > 100
+    values = [text.encode() for text in good[:100]] + [None, b"bad \xff byte"] + [t.encode() for t in good[100:]]
+    column = pa.array(values, type=pa.binary()).view(pa.string())
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"text": column}), path, row_group_size=128)
+    model = library_models["hfbpe"]
+    out = tmp_path / "out"
+    assert pretokenize(path, "--local", "--model", model, "--workers", "2", "-q", "--output", out) == 0
+    errors = capsys.readouterr().err
+    assert "rows.parquet:102: column 'text' is not valid UTF-8 (its byte 4)" in errors, errors
+    assert "rows.parquet:101:" in errors
+    dataset = TokenDataset(out)
+    assert dataset.metadata["bad_records"] == 2 and dataset.metadata["model"]["encoder"] == "gigatoken"
+    reference = libraries.load(find_model_files("hfbpe", model), libraries.REFERENCE)
+    ids, lengths = reference.encode(good, EncodeOptions(add_eos=True))  # the pre-tokenizer's default
+    got = [dataset[i].tolist() for i in range(len(dataset))]
+    assert got == [row.tolist() for row in np.split(ids, np.cumsum(lengths)[:-1])]

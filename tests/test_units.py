@@ -489,3 +489,13 @@ def test_shared_slots_carry_large_payloads_each_way_and_leave_the_rest_to_the_so
     assert bytes(reply_view) == b"z" * 80_000 and bytes(worker.read(again[2])[1]) == b"y" * 70_000
     with pytest.raises(ValueError, match="no shared slot"):
         server.read(channel.SLOT_HEAD.pack(channel.SLOTS, 10))
+
+
+def test_a_chunk_travels_as_utf8_whatever_its_texts_came_as():
+    from tokenizer_service.core.texts import Utf8Texts, as_utf8
+
+    texts = ["h\u00e9", memoryview("\u4e16\u754c".encode()), b"ok"]
+    sent = as_utf8(texts)
+    assert isinstance(sent, Utf8Texts) and list(sent) == ["h\u00e9", "\u4e16\u754c", "ok"]
+    # a lone surrogate cannot be UTF-8: str all, for the encoder to refuse as it would have
+    assert as_utf8(["a", memoryview(b"b"), "\ud800"]) == ["a", "b", "\ud800"]

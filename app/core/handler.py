@@ -70,7 +70,7 @@ from tokenizer_service.core.requests import (
     TokenizeRequest,
     parse_request,
 )
-from tokenizer_service.core.texts import Utf8Texts, text_sizes
+from tokenizer_service.core.texts import readable, text_sizes
 
 NO_OPTIONS = EncodeOptions()  # what a detokenize chunk carries
 
@@ -540,14 +540,6 @@ def check_expansion(texts: list[str], body_bytes: int, limit: int) -> None:
                     field="texts",
                     index=index,
                 )
-
-
-def readable(texts: Sequence[str], library: Library) -> Sequence[str]:
-    """The texts as `library` encodes them: a binary body's `Utf8Texts` stay UTF-8 for an encoder that reads it,
-    and are decoded once for any other."""
-    if isinstance(texts, Utf8Texts) and not library.takes_utf8:
-        return list(texts)
-    return texts
 
 
 def chunk_bounds(sizes: np.ndarray, max_chunks: int, min_chunk_size: int) -> list[tuple[int, int]]:

@@ -47,6 +47,7 @@ from tokenizer_service.core.libraries import Library
 from tokenizer_service.core.models import ModelInfo, find_model_files
 from tokenizer_service.core.requests import EncodeOptions
 from tokenizer_service.core.shadow import Shadow, ShadowMismatch
+from tokenizer_service.core.texts import readable
 
 if TYPE_CHECKING:
     from tokenizer_client.batches import TokenizedBatch
@@ -175,7 +176,7 @@ def library(name: str) -> Library:
 
 
 def encode_chunk(
-    model: str, texts: list[str], options: EncodeOptions, encoder: str | None = None
+    model: str, texts: Sequence[str], options: EncodeOptions, encoder: str | None = None
 ) -> tuple[TokenizedBatch, str]:
     """Tokenize texts[i] exactly as the model's library would in-process (the pre-tokenizer's pool): the ids,
     and what encoded them. `encoder` fastokens: the model's gate passed in the background since the pool
@@ -186,7 +187,7 @@ def encode_chunk(
     shadow = _pretokenize_shadow(model, library)
     if libraries.is_fast(encoder) and library.fast is None and library.promote(encoder):
         shadow.watch(model, library)
-    ids, lengths = library.encode(texts, options)
+    ids, lengths = library.encode(readable(texts, library), options)
     for report in shadow.run():  # before the chunk is handed back: a wrong chunk never reaches a shard
         if report.mismatch is not None:
             raise ShadowMismatch(

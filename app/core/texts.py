@@ -81,12 +81,31 @@ class Utf8Texts(Sequence[str]):
         return np.diff(np.asarray(self.bounds, dtype=np.int64))
 
     @classmethod
-    def of(cls, texts: Sequence[str]) -> Utf8Texts:
-        """The same texts as UTF-8 (a ``str`` with a lone surrogate raises UnicodeEncodeError)."""
-        encoded = [text.encode("utf-8") for text in texts]
+    def of(cls, texts: Sequence[str | bytes | memoryview]) -> Utf8Texts:
+        """The same texts as UTF-8 (a ``str`` with a lone surrogate raises UnicodeEncodeError); bytes-like ones are
+        taken to be UTF-8 already."""
+        encoded = [text.encode("utf-8") if isinstance(text, str) else text for text in texts]
         bounds = np.zeros(len(encoded) + 1, dtype=np.int64)
         np.cumsum([len(item) for item in encoded], out=bounds[1:])
         return cls(b"".join(encoded), bounds.tolist())
+
+
+def readable(texts: Sequence[str], library: Any) -> Sequence[str]:
+    """The texts as `library` (a tokenizer_service.core.libraries.Library) encodes them: `Utf8Texts` stay UTF-8
+    for an encoder that reads it (`library.takes_utf8`) and are decoded once for any other."""
+    if isinstance(texts, Utf8Texts) and not library.takes_utf8:
+        return list(texts)
+    return texts
+
+
+def as_utf8(texts: list[Any]) -> Sequence[str]:
+    """`texts` (str, or bytes-like UTF-8) as `Utf8Texts` to send to another process (one bytes object to pickle
+    instead of a str each); as a list of str where one cannot be UTF-8 (a lone surrogate: the encoder's own error
+    says so)."""
+    try:
+        return Utf8Texts.of(texts)
+    except UnicodeEncodeError:
+        return [text if isinstance(text, str) else str(text, "utf-8") for text in texts]
 
 
 def text_sizes(texts: Sequence[str]) -> np.ndarray:

@@ -26,6 +26,7 @@ from tokenizer_client.wire import ragged_offsets
 from tokenizer_service.core import process, registry
 from tokenizer_service.core.models import ModelInfo
 from tokenizer_service.core.requests import EncodeOptions
+from tokenizer_service.core.texts import as_utf8
 
 if TYPE_CHECKING:  # the client (httpx) is imported only by a run with --url
     from tokenizer_client import TokenizerClient
@@ -38,8 +39,9 @@ class ServedModelChanged(Exception):
     """The service answered with another model file than the one the output was started with."""
 
 
-def chunks(texts: Iterable[str], max_chars: int, max_texts: int) -> Iterator[list[str]]:
-    """Consecutive texts in lists of at most `max_texts` texts and about `max_chars` characters."""
+def chunks(texts: Iterable[Any], max_chars: int, max_texts: int) -> Iterator[list[Any]]:
+    """Consecutive texts (str, or memoryviews of UTF-8) in lists of at most `max_texts` texts and about `max_chars`
+    characters (bytes)."""
     chunk: list[str] = []
     size = 0
     for text in texts:
@@ -137,8 +139,10 @@ def tokenize_locally(
 
     `encoder()`, asked as each chunk is sent: fastokens once the model's gate passed in the background (the
     worker promotes the model before it encodes that chunk). `encoded_by` counts texts by what encoded them."""
+    # each chunk travels as UTF-8 (one bytes object to pickle; a Parquet column's texts are that already), which
+    # gigatoken reads as it is
     submitted = (
-        pool.submit(process.encode_chunk, model, chunk, options, encoder())
+        pool.submit(process.encode_chunk, model, as_utf8(chunk), options, encoder())
         for chunk in chunks(texts, chunk_chars, 1 << 16)
     )
     for batch, used in in_order(submitted, depth):

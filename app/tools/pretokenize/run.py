@@ -495,7 +495,9 @@ def _tokenize(
             holds_text(path, str(options.text_field), options.kind) for path in corpus[after : after + LOOK_AHEAD_FILES]
         )
 
-    reader = DocumentReader(sources, str(options.text_field), on_bad, warn, options.kind)
+    # the local pool takes a Parquet column's texts as their UTF-8, as Arrow holds them (tokenizer_service.core.texts)
+    utf8 = not urls and options.kind == TEXT
+    reader = DocumentReader(sources, str(options.text_field), on_bad, warn, options.kind, utf8=utf8)
     positions: deque[Position] = deque()
 
     def texts() -> Iterator[Any]:

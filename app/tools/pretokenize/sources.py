@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
+import numpy as np
 import orjson
 
 from tokenizer_client.storage import StorageError, filesystem, is_url
@@ -464,8 +465,12 @@ class DocumentReader:
         on_bad: Callable[[str], None],
         warn: Callable[[str], None] | None = None,
         kind: str = TEXT,
+        utf8: bool = False,
     ) -> None:
+        """`utf8`: a Parquet text column's documents come as their UTF-8 bytes (memoryviews of Arrow's buffers,
+        checked to be UTF-8), never decoded here: what the local pool sends on as `Utf8Texts`."""
         self.sources = sources
+        self.utf8 = utf8
         self.text_field = text_field
         self.kind = kind
         self.default_field = text_field == DEFAULT_FIELDS[kind]
@@ -547,7 +552,7 @@ class DocumentReader:
         group_end, group_bytes = next(ends, (0, 0))
         for batch in file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns, row_groups=groups):
             if self.kind == TEXT:
-                values = batch.column(0).to_pylist()
+                values = text_values(batch.column(0), self.utf8)
             else:  # a record of the columns, read as a JSON record is
                 rows = zip(*(column.to_pylist() for column in batch.columns), strict=True)
                 values = [dict(zip(columns, row, strict=True)) for row in rows]
@@ -566,7 +571,10 @@ class DocumentReader:
                     except ValueError as exc:
                         self._bad(source, row, str(exc))
                         continue
-                elif type(value) is not str:
+                elif isinstance(value, UnicodeDecodeError):
+                    self._bad(source, row, f"column {columns[0]!r} is not valid UTF-8 (its byte {value.start})")
+                    continue
+                elif type(value) is not str and type(value) is not memoryview:
                     described = JSON_TYPES.get(type(value), type(value).__name__)
                     self._bad(source, row, f"column {columns[0]!r} is {described}, not a string")
                     continue
@@ -662,6 +670,41 @@ class DocumentReader:
 
 
 PEEK_CHARS = 60
+
+
+def text_values(column: Any, utf8: bool) -> list[Any]:
+    """A Parquet text column's values: each a str (with `utf8`: a memoryview of its UTF-8, never decoded), None for
+    a null, and for a value that is not UTF-8 the UnicodeDecodeError saying where; a column of another type: its
+    Python values (refused one by one)."""
+    import pyarrow as pa
+
+    if column.type not in (pa.string(), pa.large_string()):
+        return list(column.to_pylist())
+    try:
+        column.validate(full=True)  # Arrow's own UTF-8 check of the whole batch
+        valid = True
+    except pa.ArrowInvalid:
+        valid = False
+    if valid and not utf8:
+        return list(column.to_pylist())
+    _validity, offsets_buffer, data_buffer = column.buffers()
+    width = np.int64 if column.type == pa.large_string() else np.int32
+    count = len(column)
+    bounds = np.frombuffer(offsets_buffer, dtype=width)[column.offset : column.offset + count + 1].tolist()
+    data = memoryview(data_buffer) if data_buffer is not None else memoryview(b"")
+    present = column.is_valid().to_pylist() if column.null_count else None
+    views = [data[bounds[i] : bounds[i + 1]] if present is None or present[i] else None for i in range(count)]
+    if valid:
+        return views
+    values: list[Any] = []
+    for view in views:
+        try:
+            text = None if view is None else str(view, "utf-8")
+        except UnicodeDecodeError as exc:
+            values.append(exc)
+            continue
+        values.append(view if utf8 else text)
+    return values
 
 
 def _describe_value(value: Any) -> str:
