@@ -460,37 +460,6 @@ def test_utf8_texts_check_says_what_decoding_each_text_says(data, cuts, middle):
         assert raised.value.index == valid.index(False)
 
 
-# -- large payloads through memory shared with a worker (channel.SharedSlots) ---------------------------------
-
-
-def test_shared_slots_carry_large_payloads_each_way_and_leave_the_rest_to_the_socket():
-    from tokenizer_service.core import channel
-
-    region = bytearray(channel.REGION_BYTES)
-    server, worker = channel.SharedSlots(region, server=True), channel.SharedSlots(region, server=False)
-    body = [b"head", bytes(range(256)) * 400]  # 102,404 bytes: over SHARED_MIN_BYTES
-    placed = server.put(channel.REQUEST, body)
-    assert placed is not None
-    slot, kind, head = placed
-    assert kind == channel.REQUEST | channel.SHARED and kind & ~channel.SHARED == channel.REQUEST
-    assert worker.read(head) == (slot, memoryview(b"".join(body)))  # read in place, on the other side
-    assert server.put(channel.REQUEST, [b"x" * 100]) is None  # small: the socket
-    assert server.put(channel.REQUEST, [b"x" * (channel.SLOT_BYTES + 1)]) is None  # too large: the socket
-    other = server.put(channel.REQUEST, body)
-    assert other is not None and other[0] != slot
-    assert server.put(channel.REQUEST, body) is None  # both slots held: the socket
-    server.release(slot)
-    again = server.put(channel.CHUNK, [b"y" * 70_000])
-    assert again is not None and again[0] == slot
-    # the worker's replies use the other half: they never overwrite a job's payload
-    answer = worker.put(channel.DONE, [b"z" * 80_000])
-    assert answer is not None
-    _reply_slot, reply_view = server.read(answer[2])
-    assert bytes(reply_view) == b"z" * 80_000 and bytes(worker.read(again[2])[1]) == b"y" * 70_000
-    with pytest.raises(ValueError, match="no shared slot"):
-        server.read(channel.SLOT_HEAD.pack(channel.SLOTS, 10))
-
-
 def test_a_chunk_travels_as_utf8_whatever_its_texts_came_as():
     from tokenizer_service.core.texts import Utf8Texts, as_utf8
 

@@ -1,5 +1,4 @@
-"""The byte protocol between the server process and one worker process, over a socket pair (and, for large
-payloads, the memory they share: `SharedSlots`).
+"""The byte protocol between the server process and one worker process, over a socket pair.
 
 Every message, either way, is one frame::
 
@@ -21,7 +20,6 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from typing import Any
 
 HEADER = struct.Struct("<IIB")
 HEADER_SIZE = HEADER.size
@@ -35,8 +33,6 @@ POISON = 5  # remember a text that killed workers (no reply)
 FALLBACK = 6  # encode this model with its reference library from now on (no reply)
 PROMOTE = 7  # encode this model with fastokens from now on: its gate passed in the background (no reply)
 
-RELEASE = 8  # an answer's shared slot (below) is read: the worker may write into it again (no reply)
-
 # Worker to server
 DONE = 11  # the whole answer: meta + body bytes
 SPLIT = 12  # the request is large: here are its chunks (seeded: all of them, for the sampler)
@@ -45,63 +41,6 @@ FAILED = 14  # the request is refused: an error body (JSON)
 PONG = 15
 SHARE = 16  # before a job's reply: chunks of a large request for other workers; the job's own chunk follows
 VERIFIED = 17  # unsolicited (job 0), after a reply: shadow verification's count, and a mismatch if one was found
-
-
-# -- large payloads through shared memory ------------------------------------------------------------------
-#
-# Beside its socket, each worker shares a region with the server: SLOTS slots for job payloads (the server
-# writes them, the worker reads them in place) and SLOTS for reply payloads (the other way). A payload of at least
-# SHARED_MIN_BYTES that fits a free slot goes there, and its frame carries only SLOT_HEAD with the kind's SHARED
-# bit set: no socket copies of a request body or an answer (712 KB and 560 KB for 256 multilingual documents) on
-# either side. The socket still orders everything. A job's slot is the server's again once the job's reply has
-# come; a reply's slot is the worker's again once a RELEASE for it comes (the server copies the payload out
-# first). No slot free, or a payload too large: the socket carries it, as before.
-
-SHARED = 0x80  # kind bit: the payload lies in a shared slot, the frame holds SLOT_HEAD
-SLOT_HEAD = struct.Struct("<BQ")  # slot, payload length
-SLOTS = 2  # each way: DEPTH jobs a worker holds, and a reply being read while the next is written
-SLOT_BYTES = 2 * 1024 * 1024
-SHARED_MIN_BYTES = 64 * 1024  # smaller payloads take one socket write and read, as cheap
-REGION_BYTES = 2 * SLOTS * SLOT_BYTES
-
-
-class SharedSlots:
-    """One side's view of a worker's shared region: it writes into its own SLOTS slots (the server: jobs; the
-    worker: replies) and reads the other side's. Pure bookkeeping over a buffer; the socket carries the frames."""
-
-    def __init__(self, region: Any, server: bool) -> None:
-        self.view = memoryview(region).cast("B")
-        if len(self.view) < REGION_BYTES:
-            raise ValueError(f"a shared region needs {REGION_BYTES} bytes, not {len(self.view)}")
-        self._own, self._theirs = (0, SLOTS * SLOT_BYTES) if server else (SLOTS * SLOT_BYTES, 0)
-        self.free = list(range(SLOTS))
-
-    def put(self, kind: int, parts: Sequence[bytes | bytearray | memoryview]) -> tuple[int, int, bytes] | None:
-        """Copy a payload into a free slot of ours: (slot, the kind with SHARED set, the frame's payload), or None
-        where it goes by the socket (small, too large, or no slot free)."""
-        size = sum(len(part) for part in parts)
-        if size < SHARED_MIN_BYTES or size > SLOT_BYTES or not self.free:
-            return None
-        slot = self.free.pop()
-        position = self._own + slot * SLOT_BYTES
-        for part in parts:
-            data = memoryview(part).cast("B")
-            self.view[position : position + len(data)] = data
-            position += len(data)
-        return slot, kind | SHARED, SLOT_HEAD.pack(slot, size)
-
-    def release(self, slot: int) -> None:
-        """A slot of ours is free again."""
-        if 0 <= slot < SLOTS and slot not in self.free:
-            self.free.append(slot)
-
-    def read(self, payload: bytes | bytearray | memoryview) -> tuple[int, memoryview]:
-        """(slot, the payload in place) for a frame with SHARED set: a slot of the other side's."""
-        slot, size = SLOT_HEAD.unpack_from(payload)
-        if slot >= SLOTS or size > SLOT_BYTES:
-            raise ValueError(f"no shared slot {slot} of {size} bytes")
-        start = self._theirs + slot * SLOT_BYTES
-        return slot, self.view[start : start + size]
 
 
 def frame(job: int, kind: int, payload: bytes | bytearray | memoryview = b"") -> list[bytes | bytearray | memoryview]:

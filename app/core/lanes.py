@@ -58,19 +58,7 @@ class WorkerCrashed(Exception):
 class Job:
     """One message for a worker, and the future its reply settles."""
 
-    __slots__ = (
-        "deadline",
-        "future",
-        "interim",
-        "kind",
-        "number",
-        "parts",
-        "queued_at",
-        "sent",
-        "slot",
-        "stamp",
-        "units",
-    )
+    __slots__ = ("deadline", "future", "interim", "kind", "number", "parts", "queued_at", "sent", "stamp", "units")
 
     def __init__(
         self,
@@ -91,7 +79,6 @@ class Job:
         self.future = future
         self.number = 0
         self.sent = False
-        self.slot = -1  # the shared slot its payload went through (channel.SharedSlots), -1: the socket
         self.queued_at = time.monotonic()
 
 
@@ -136,16 +123,13 @@ class Worker:
         self._transport: asyncio.Transport | None = None
         context = zygote.context()  # forked from the zygote that loaded the models, where one started
         self.progress = context.RawValue("q", -1)
-        # large job payloads and replies pass through memory shared with the process (channel.SharedSlots)
-        self.region = context.RawArray("B", channel.REGION_BYTES)
-        self.slots = channel.SharedSlots(self.region, server=True)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         for end in (ours, theirs):  # a whole answer in one write and one read where the system allows
             for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
                 end.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
         self.process = context.Process(
             target=process.serve,
-            args=(theirs, lane.startup, self.progress, self.region),
+            args=(theirs, lane.startup, self.progress),
             name=f"tokenizer-{lane.name}-{slot}",
             daemon=True,
         )
@@ -177,13 +161,7 @@ class Worker:
         self.inflight.append(job)
         if len(self.inflight) == 1:
             self._start_clock(job)
-        placed = self.slots.put(job.kind, job.parts)
-        if placed is None:
-            job.slot = -1
-            self._transport.writelines(channel.frame_parts(job.number, job.kind, job.parts))
-        else:
-            job.slot, kind, head = placed
-            self._transport.writelines(channel.frame(job.number, kind, head))
+        self._transport.writelines(channel.frame_parts(job.number, job.kind, job.parts))
 
     def fall_back(self, payload: bytes, kind: int = channel.FALLBACK) -> None:
         """A FALLBACK (or a PROMOTE): the encoder of one model changes."""
@@ -215,17 +193,6 @@ class Worker:
         self.process.kill()
 
     def replied(self, number: int, kind: int, payload: Buffer) -> None:
-        if kind & channel.SHARED:  # copied out of the shared slot, which the worker may then write again
-            try:
-                slot, view = self.slots.read(payload)
-            except ValueError as exc:
-                logger.error("%s worker %s: %s; restarting it", self.lane.name, self.pid, exc)
-                self.process.kill()
-                return
-            payload, kind = bytes(view), kind & ~channel.SHARED
-            del view
-            assert self._transport is not None
-            self._transport.writelines(channel.frame(0, channel.RELEASE, bytes([slot])))
         if kind == channel.VERIFIED:  # unsolicited, between replies: shadow verification's findings
             if self.lane.on_verified is not None:
                 self.lane.on_verified(payload)
@@ -240,9 +207,6 @@ class Worker:
                 job.interim(payload)
             return
         job = self.inflight.popleft()
-        if job.slot >= 0:  # the worker is done with the job's payload
-            self.slots.release(job.slot)
-            job.slot = -1
         if self.inflight:
             self._start_clock(self.inflight[0])
         elif self._timer is not None:

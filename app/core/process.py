@@ -269,9 +269,8 @@ class Startup:
     limits: Limits
 
 
-def serve(connection: socket.socket, startup: Startup, progress: Any, region: Any) -> None:
-    """A worker process's whole life: load the models, then answer jobs until the socket closes. Large payloads
-    come and go through `region`, the memory it shares with the server (channel.SharedSlots)."""
+def serve(connection: socket.socket, startup: Startup, progress: Any) -> None:
+    """A worker process's whole life: load the models, then answer jobs until the socket closes."""
     # A process group of its own: a signal to the server's group (`timeout`, `kill -- -PGID`, Ctrl-C)
     # must not kill workers ahead of the drain; the server stops them after it, by closing their
     # sockets or with SIGKILL, and a worker whose server is gone exits on its own (exit_with_parent).
@@ -290,7 +289,6 @@ def serve(connection: socket.socket, startup: Startup, progress: Any, region: An
         shadow.watch(info.name, watched)
     positions = {info.name: position for position, info in enumerate(startup.models)}
     reader = channel.FrameReader()
-    slots = channel.SharedSlots(region, server=False)
     connection.setblocking(True)
     while True:
         received = connection.recv_into(reader.buffer())
@@ -300,12 +298,6 @@ def serve(connection: socket.socket, startup: Startup, progress: Any, region: An
         big = False
         while frames:
             number, kind, payload = frames.pop(0)
-            if kind == channel.RELEASE:  # the server read the reply in that slot
-                slots.release(payload[0])
-                continue
-            if kind & channel.SHARED:  # read in place: the slot is not written again before this job's reply
-                _slot, payload = slots.read(payload)
-                kind &= ~channel.SHARED
             if kind == channel.POISON:
                 handler.remember_poison(payload)
                 continue
@@ -318,14 +310,14 @@ def serve(connection: socket.socket, startup: Startup, progress: Any, region: An
                     shadow.watch(startup.models[position].name, libraries_of_models[position])
                 continue
             try:
-                reply, parts = handler.handle(kind, payload, _sharer(connection, number, slots))
+                reply, parts = handler.handle(kind, payload, _sharer(connection, number))
             except Exception:
                 traceback.print_exc()
                 reply, parts = channel.FAILED, [INTERNAL_ERROR]
             big = big or len(payload) >= memory.TRIM_AFTER_BYTES
             del payload
             try:
-                _send_all(connection, _framed(slots, number, reply, parts))
+                _send_all(connection, channel.frame_parts(number, reply, parts))
             except (BrokenPipeError, ConnectionResetError):
                 return  # the server stopped while this job ran
             del parts
@@ -347,23 +339,12 @@ def _verify(connection: socket.socket, shadow: Shadow, positions: dict[str, int]
     return True
 
 
-def _framed(slots: channel.SharedSlots, number: int, kind: int, parts: Sequence[Buffer]) -> list[Buffer]:
-    """A reply's frame: its payload in a free shared slot where it is large and fits, else on the socket."""
-    placed = slots.put(kind, parts)
-    if placed is None:
-        return channel.frame_parts(number, kind, parts)
-    _slot, shared_kind, head = placed
-    return channel.frame(number, shared_kind, head)
-
-
-def _sharer(
-    connection: socket.socket, number: int, slots: channel.SharedSlots
-) -> Callable[[int, Sequence[Buffer]], None]:
+def _sharer(connection: socket.socket, number: int) -> Callable[[int, Sequence[Buffer]], None]:
     """Send a frame for job `number` before its reply (a SHARE); a server that is gone is not an error here."""
 
     def share(kind: int, parts: Sequence[Buffer]) -> None:
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            _send_all(connection, _framed(slots, number, kind, parts))
+            _send_all(connection, channel.frame_parts(number, kind, parts))
 
     return share
 
