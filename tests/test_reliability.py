@@ -294,6 +294,25 @@ def test_a_text_that_kills_workers_is_refused_by_index_and_others_are_served(fau
     check_answer(faulty, texts, faulty.tokenize(texts))
 
 
+def test_a_killing_text_in_a_binary_body_is_remembered_as_in_json(faulty, documents):
+    """The client's default body is a frame of UTF-8 (docs/api.md, "Binary request bodies"): the text that killed
+    the workers is found in it as in JSON, remembered, and refused from memory the next time."""
+    from tokenizer_client import wire
+    from tokenizer_client._requests import texts_frame
+
+    headers = {**faulty.headers, "content-type": wire.MEDIA_TYPE}
+    text = "FAULT:kill from a binary body"
+    body = texts_frame({"texts": [*documents[:5], text], "model": "uni"})
+    assert body is not None
+    response = httpx.post(f"{faulty.url}/v1/tokenize", content=body, headers=headers, timeout=60)
+    assert response.status_code == 422 and response.json()["error"]["index"] == 5, response.text
+    restarts = faulty.metric("tokenizer_worker_restarts_total")
+    again = texts_frame({"texts": ["fine", text], "model": "uni"})
+    answer = httpx.post(f"{faulty.url}/v1/tokenize", content=again, headers=headers, timeout=60)
+    assert answer.status_code == 422 and answer.json()["error"]["index"] == 1, answer.text
+    assert faulty.metric("tokenizer_worker_restarts_total") == restarts  # refused from memory: nothing crashed
+
+
 @pytest.mark.parametrize("position", [20, 350], ids=["kept chunk", "shared chunk"])
 def test_a_killing_text_in_a_lone_split_request_is_refused_by_index(faulty, documents, position):
     """A lone large request is split over both idle workers: the one that parsed it keeps the first chunk and

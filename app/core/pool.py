@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import orjson
 
+from tokenizer_client import wire
 from tokenizer_service.core import channel
 from tokenizer_service.core.errors import PoisonInput, ServiceError, Unavailable
 from tokenizer_service.core.handler import Limits
@@ -54,6 +55,7 @@ from tokenizer_service.core.protocol import (
     read_verified,
     request_head,
 )
+from tokenizer_service.core.requests import texts_document
 from tokenizer_service.metrics import Metrics
 
 logger = logging.getLogger("tokenizer.pool")
@@ -307,7 +309,8 @@ class WorkerPool:
         if route == DETOKENIZE:
             return "ids", None, None
         try:
-            document = orjson.loads(body)
+            # a binary body (its texts as a frame of UTF-8) or JSON: the request the worker parsed
+            document = texts_document(body, 1 << 62) if body[: len(wire.MAGIC)] == wire.MAGIC else orjson.loads(body)
             name = document.get("model") or self.default
             model = next(position for position, info in enumerate(self.models) if info.name == name)
             return "texts", model, document["texts"][index]
