@@ -231,8 +231,8 @@ class Gigatoken:
         # (0.16 s); on 256 documents the two take the same time. Every text goes in as UTF-8 bytes, as a binary
         # body's texts arrive (the gate checks this very call); a str is encoded to them first.
         encode = self.backend.encode
-        items = texts.utf8() if isinstance(texts, Utf8Texts) else [text.encode("utf-8") for text in texts]
-        rows = [encode(item) for item in items]
+        items = texts.each_utf8() if isinstance(texts, Utf8Texts) else (text.encode("utf-8") for text in texts)
+        rows = [encode(item) for item in items]  # one text's bytes at a time: no second copy of the request
         offsets = np.zeros(len(rows) + 1, dtype=np.uint64)
         np.cumsum(np.fromiter(map(len, rows), dtype=np.uint64, count=len(rows)), out=offsets[1:])
         ids = np.concatenate(rows) if rows else np.zeros(0, dtype=np.uint32)

@@ -73,8 +73,13 @@ class Utf8Texts(Sequence[str]):
 
     def utf8(self) -> list[bytes]:
         """Each text's UTF-8 bytes."""
+        return list(self.each_utf8())
+
+    def each_utf8(self) -> Iterator[bytes]:
+        """Each text's UTF-8 bytes, one at a time."""
         data, bounds = self.data, self.bounds
-        return [data[bounds[index] : bounds[index + 1]] for index in range(len(bounds) - 1)]
+        for index in range(len(bounds) - 1):
+            yield data[bounds[index] : bounds[index + 1]]
 
     def sizes(self) -> np.ndarray:
         """Each text's size in UTF-8 bytes (int64)."""
