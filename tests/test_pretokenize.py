@@ -306,8 +306,9 @@ def interrupt_after_first_shard(args: list[str], out: Path, stop: signal.Signals
         (signal.SIGKILL, []),
         (signal.SIGKILL, ["--seq-len", "100", "--strategy", "concat"]),
         (signal.SIGINT, ["--seq-len", "100", "--strategy", "best_fit"]),
+        (signal.SIGTERM, ["--seq-len", "100", "--strategy", "concat"]),
     ],
-    ids=["kill-9-ragged", "kill-9-concat", "ctrl-c-best-fit"],
+    ids=["kill-9-ragged", "kill-9-concat", "ctrl-c-best-fit", "sigterm-concat"],
 )
 @pytest.mark.slow  # runs killed and resumed, every input kind; .ci/run's slow stage
 def test_an_interrupted_run_resumes_to_byte_identical_files(
@@ -319,7 +320,10 @@ def test_an_interrupted_run_resumes_to_byte_identical_files(
     assert pretokenize(*args, "--output", reference, "-q") == 0
 
     returncode, errors = interrupt_after_first_shard([*args, "--output", str(resumed), "-q"], resumed, stop)
-    assert returncode == (130 if stop == signal.SIGINT else -signal.SIGKILL), errors
+    # SIGTERM, as a scheduler ends a job (to every process of it): the workers die of it, the run stops as on Ctrl-C
+    assert returncode == {signal.SIGINT: 130, signal.SIGTERM: 143}.get(stop, -signal.SIGKILL), errors
+    if stop != signal.SIGKILL:
+        assert "Traceback" not in errors and "the complete shards in" in errors, errors
     interrupted = json.loads((resumed / "metadata.json").read_text())
     assert not interrupted["complete"], "the run finished before it could be interrupted"
     done = len(interrupted["shards"])

@@ -82,7 +82,8 @@ def local_workers(model: ModelInfo, input_bytes: int, workers: int) -> int:
 
 def local_pool(model: ModelInfo, workers: int) -> ProcessPoolExecutor:
     """Start every worker now, with SIGINT ignored from birth: Ctrl-C reaches the whole process group,
-    and a worker still starting up would otherwise die with a traceback instead of finishing its chunk.
+    and a worker still starting up would otherwise die with a traceback instead of finishing its chunk (SIGTERM
+    kills a worker at once: the command's process stops the run as on Ctrl-C, `cli.Terminated`).
     Forked workers inherit the model this process loads first (`process.preload`: the library `inspect_model`
     kept, with the fast encoder put in front of it); if loading it started a native thread, they are spawned."""
     method = start_method(model)
@@ -100,12 +101,16 @@ def local_pool(model: ModelInfo, workers: int) -> ProcessPoolExecutor:
         initializer=process.start,
         initargs=((model,),),
     )
+    # Workers ignore SIGINT, and die of SIGTERM (a scheduler's) whatever this process does with it: its handler would
+    # raise in a forked worker waiting for a chunk
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous_term = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         for _ in range(workers):  # each submit starts one more process until there are `workers`
             pool.submit(process.ping)
     finally:
         signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGTERM, previous_term)
     return pool
 
 

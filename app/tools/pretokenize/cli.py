@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import errno
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -428,18 +430,22 @@ def main(argv: list[str] | None = None) -> int:
         return run_ranks_on_ray(options, args.ray, args.world_size, quiet=args.quiet)
     bar = ProgressBar(enabled=not args.quiet)
     bad_records = BadRecordLog(bar.write)
+    previous = (
+        signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() else None
+    )
     try:
         try:
             summary = run(options, report_bad=bad_records, progress=bar.update, warn=bar.write)
         finally:
             bad_records.close()
             bar.close()  # before any message below
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
+        what, status = ("terminated (SIGTERM)", 143) if isinstance(stop, Terminated) else ("interrupted", 130)
         print(
-            f"interrupted: the complete shards in {args.output} are kept; run the same command again to go on",
+            f"{what}: the complete shards in {args.output} are kept; run the same command again to go on",
             file=sys.stderr,
         )
-        return 130
+        return status
     except (OutputError, InputRefused) as exc:
         print(f"tokenizer-pretokenize: {exc}", file=sys.stderr)
         return 2
@@ -456,6 +462,18 @@ def main(argv: list[str] | None = None) -> int:
         output = options.staging or Path(tempfile.gettempdir()) if is_url(args.output) else Path(args.output)
         print(f"tokenizer-pretokenize: {describe_os_error(exc, output)}", file=sys.stderr)
         return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     if not args.quiet:
         print(describe(summary))
     return 0
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM: a scheduler ending or preempting the job (Slurm, Kubernetes). The run stops as on Ctrl-C, its
+    complete shards kept for the same command to go on from (exit 143); its workers die of the signal itself."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise Terminated
