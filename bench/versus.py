@@ -25,13 +25,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
 
 from bench.inputs import default_corpus, describe_corpus, documents_and_model
-from bench.serving import BATCH, Meter, encoder, load
+from bench.serving import BATCH, Meter, encoder, in_flight, load
 from tokenizer_client import TokenizerClient
 from tokenizer_service.core import libraries
 from tokenizer_service.tools.launcher import ServerProcess, stop
@@ -58,18 +57,6 @@ def settle(model: Path, env: dict[str, str]) -> None:
         env={**os.environ, **env},
         stdout=subprocess.DEVNULL,
     )
-
-
-def send(client: TokenizerClient, batches: list[list[str]], passes: int, depth: int) -> int:
-    """Every batch `passes` times, `depth` requests in flight: the number of requests."""
-
-    def one(batch: list[str]) -> int:
-        return client.tokenize_batch(batch, model="bench").num_tokens
-
-    with ThreadPoolExecutor(depth) as pool:
-        for _ in range(passes):
-            list(pool.map(one, batches))
-    return passes * len(batches)
 
 
 def main() -> None:
@@ -102,7 +89,7 @@ def main() -> None:
         encode = encoder(work)
         print(f"this tree's workers encode with {work.encoder}; {args.in_flight} in flight", flush=True)
         for _, client in servers.values():
-            send(client, batches, 1, args.in_flight)  # warm: connections, workers' caches
+            in_flight(client, batches, args.in_flight, "binary")  # warm: connections, workers' caches
         baseline: list[float] = []
         main_ms: dict[str, list[float]] = {name: [] for name in servers}
         worker_ms: dict[str, list[float]] = {name: [] for name in servers}
@@ -115,7 +102,9 @@ def main() -> None:
             for name, (server, client) in servers.items():
                 assert server.process is not None
                 with Meter(psutil.Process(server.process.pid), 1) as meter:
-                    requests = send(client, batches, args.passes, args.in_flight)
+                    for _ in range(args.passes):
+                        in_flight(client, batches, args.in_flight, "binary")
+                requests = args.passes * len(batches)
                 main_ms[name].append(meter.main / requests * 1e3)
                 worker_ms[name].append(meter.worker / requests * 1e3)
     finally:
@@ -126,16 +115,17 @@ def main() -> None:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(scratch / "tree")], check=False)
         shutil.rmtree(scratch, ignore_errors=True)
 
+    if min(min(main_ms[name]) for name in servers) <= 0:  # process CPU times tick in 10 ms steps
+        sys.exit("bench.versus: too few requests a round to measure the server process's CPU; raise --passes or --docs")
+
     def spread(values: list[float], form: str) -> str:
         return f"{form.format(statistics.median(values))} ({form.format(min(values))}-{form.format(max(values))})"
 
     print(f"\nthe workers' encode in-process (ms per {BATCH}-doc request): {spread(baseline, '{:.2f}')}\n")
     print("| server | server process (ms/request) | workers (ms/request) | CPU efficiency | serial ceiling |")
     print("|---|---:|---:|---:|---:|")
-    total = {}
     for name in servers:
         main, workers = main_ms[name], worker_ms[name]
-        total[name] = statistics.median([m + w for m, w in zip(main, workers, strict=True)])
         efficiency = [b / (m + w) for b, m, w in zip(baseline, main, workers, strict=True)]
         ceiling = [w / m for m, w in zip(main, workers, strict=True)]
         print(

@@ -20,7 +20,7 @@ VALIDATE_WINDOW = 1 << 20  # bytes decoded at a time to check a frame's texts ar
 
 
 class Utf8Texts(Sequence[str]):
-    """Texts ``data[bounds[i]:bounds[i + 1]]``, each valid UTF-8 (see `invalid_text`)."""
+    """Texts ``data[bounds[i]:bounds[i + 1]]``, each valid UTF-8 (checked by `all_valid` or made by `of`)."""
 
     __slots__ = ("bounds", "data")
 

@@ -42,7 +42,7 @@ class ServedModelChanged(Exception):
 def chunks(texts: Iterable[Any], max_chars: int, max_texts: int) -> Iterator[list[Any]]:
     """Consecutive texts (str, or memoryviews of UTF-8) in lists of at most `max_texts` texts and about `max_chars`
     characters (bytes)."""
-    chunk: list[str] = []
+    chunk: list[Any] = []
     size = 0
     for text in texts:
         chunk.append(text)

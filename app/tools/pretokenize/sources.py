@@ -679,14 +679,14 @@ def text_values(column: Any, utf8: bool) -> list[Any]:
     import pyarrow as pa
 
     if column.type not in (pa.string(), pa.large_string()):
-        return list(column.to_pylist())
+        return column.to_pylist()
     try:
         column.validate(full=True)  # Arrow's own UTF-8 check of the whole batch
         valid = True
     except pa.ArrowInvalid:
         valid = False
     if valid and not utf8:
-        return list(column.to_pylist())
+        return column.to_pylist()
     _validity, offsets_buffer, data_buffer = column.buffers()
     width = np.int64 if column.type == pa.large_string() else np.int32
     count = len(column)
