@@ -8,12 +8,16 @@ runs find it through `AWS_ENDPOINT_URL`, as they would MinIO, R2 or Ceph.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -422,23 +426,73 @@ def our_uploads(fs: object, bucket: str, prefix: str) -> list[str]:
     return sorted(upload["Key"] for upload in uploads if upload["Key"].rpartition("/")[0] == prefix)
 
 
+class PartsHeld:
+    """A TCP relay on 127.0.0.1 in front of the S3 server that holds every part upload (`PUT ...?partNumber=`) until
+    `release()`: a run that goes through it is mid-upload, its multipart upload created and no part landed, for as
+    long as the test needs, however fast the server. Everything else passes as it comes."""
+
+    PART = re.compile(rb"^PUT [^ ]*[?&]partNumber=", re.MULTILINE)
+
+    def __init__(self, endpoint: str) -> None:
+        self.target = ("127.0.0.1", int(endpoint.rsplit(":", 1)[1]))
+        self.released = threading.Event()
+        self.holds = 0  # part uploads held so far
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def release(self) -> None:
+        self.released.set()
+
+    def close(self) -> None:
+        self.released.set()
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            threading.Thread(target=self._pipe, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, False), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket, requests: bool) -> None:
+        tail = b""
+        try:
+            while data := source.recv(1 << 16):
+                if requests and self.PART.search(tail + data):  # a request line cut between two reads included
+                    self.holds += 1
+                    self.released.wait()
+                tail = data[-256:]
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                with contextlib.suppress(OSError):
+                    end.shutdown(socket.SHUT_RDWR)
+
+
 def interrupt_mid_multipart_upload(
-    process: subprocess.Popen[bytes], fs: object, bucket: str, prefix: str, sig: signal.Signals
+    process: subprocess.Popen[bytes], fs: object, bucket: str, prefix: str, sig: signal.Signals, held: PartsHeld
 ) -> bool:
-    """Send `sig` to `process` while a multipart upload of an object under `prefix` is under way; False if the run
-    ended first."""
+    """Send `sig` to `process` once a multipart upload of an object under `prefix` is under way and a part of it is
+    held by `held` (released once the signal is sent); False if the run ended first."""
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and process.poll() is None:
-            if our_uploads(fs, bucket, prefix):
+            if held.holds and our_uploads(fs, bucket, prefix):  # a part on its way, held
                 if sig == signal.SIGKILL:
                     os.killpg(process.pid, sig)
                 else:
                     os.kill(process.pid, sig)
                 return True
-            time.sleep(0.002)
+            time.sleep(0.01)
         return False
     finally:
+        held.release()
         process.wait(timeout=120)
 
 
@@ -462,18 +516,22 @@ def test_multipart_uploads_cut_short_are_aborted_and_a_rerun_aborts_a_killed_run
         (key, s3.call_s3("create_multipart_upload", Bucket=bucket, Key=key)["UploadId"])  # type: ignore[attr-defined]
         for key in ("out-2/00000.bin", "killed/rank-00000/00000.bin")
     ]
+    held = PartsHeld(os.environ["AWS_ENDPOINT_URL"])
     try:
         env = {"TOKENIZER_UPLOAD_PART_MIB": "5"}
+        slowed = {**env, "AWS_ENDPOINT_URL": held.url}
         args = [f"s3://{bucket}/in/", "--local", "--model", MODEL, "--workers", "1", "--shard-tokens", "6000000"]
 
-        interrupted = run_cli([*args, "-q", "--output", f"s3://{bucket}/interrupted"], env, start_new_session=True)
-        assert interrupt_mid_multipart_upload(interrupted, s3, bucket, "interrupted", signal.SIGINT)
+        interrupted = run_cli([*args, "-q", "--output", f"s3://{bucket}/interrupted"], slowed, start_new_session=True)
+        assert interrupt_mid_multipart_upload(interrupted, s3, bucket, "interrupted", signal.SIGINT, held)
         assert interrupted.returncode == 130, interrupted.stderr.read().decode()  # type: ignore[union-attr]
         assert our_uploads(s3, bucket, "interrupted") == []  # aborted by the run itself
 
         command = [*args, "-q", "--output", f"s3://{bucket}/killed", "--staging", tmp_path / "staging"]
-        killed = run_cli(command, env, start_new_session=True)
-        assert interrupt_mid_multipart_upload(killed, s3, bucket, "killed", signal.SIGKILL)
+        held.released.clear()
+        held.holds = 0
+        killed = run_cli(command, slowed, start_new_session=True)
+        assert interrupt_mid_multipart_upload(killed, s3, bucket, "killed", signal.SIGKILL, held)
         assert our_uploads(s3, bucket, "killed") == ["killed/00000.bin"]  # what a kill -9 leaves
         rerun = run_cli(command, env)
         _, errors = rerun.communicate(timeout=300)
@@ -494,6 +552,7 @@ def test_multipart_uploads_cut_short_are_aborted_and_a_rerun_aborts_a_killed_run
         sizes = {path.rsplit("/", 1)[-1]: size for path, size in s3.du(f"{bucket}/export", total=False).items()}  # type: ignore[attr-defined]
         assert sizes["text_document.bin"] == dataset.num_tokens * 2 > 10 << 20  # two parts or more
     finally:
+        held.close()
         for key, upload_id in others:
             s3.abort_mpu(bucket, key, upload_id)  # type: ignore[attr-defined]
     assert s3.list_multipart_uploads(bucket) == []  # type: ignore[attr-defined]
