@@ -46,12 +46,15 @@ def wait_for_encoder(url: str, name: str, encoder: str) -> None:
         time.sleep(0.2)
 
 
-def loads(directory: Path) -> dict[tuple[int, str], collections.Counter[str]]:
-    """(pid, process name) -> how many model loads and fast-encoder builds it made."""
+def loads(directory: Path, reference: bool = False) -> dict[tuple[int, str], collections.Counter[str]]:
+    """(pid, process name) -> how many model loads and fast-encoder builds it made (and with `reference`, how many
+    times it loaded the reference library: to describe a model no process described before, for a check, a shadow
+    verification, or to encode)."""
     counts: dict[tuple[int, str], collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for line in (directory / "loads.txt").read_text().splitlines():
         pid, name, kind, _file = line.split(" ", 3)
-        counts[int(pid), name][kind] += 1
+        if kind != "reference" or reference:
+            counts[int(pid), name][kind] += 1
     return counts
 
 
@@ -89,8 +92,9 @@ def test_the_server_is_ready_before_the_scan_and_promotes_when_it_passes(held_se
     for _ in range(4):  # every worker promoted: fast ids, checked by shadow verification at rate 1
         ids = httpx.post(f"{url}/v1/tokenize", json={"texts": texts}, timeout=60).json()["ids"]
         assert ids == [reference.encode(text) for text in texts]
-    (verdict,) = [json.loads(path.read_text()) for path in (hold.parent / "cache" / "gate").glob("*.json")]
-    assert verdict["passed"] and "files_sha256" in verdict["key"]
+    kept = [json.loads(path.read_text()) for path in (hold.parent / "cache" / "gate").glob("*.json")]
+    (verdict,) = [found for found in kept if "passed" in found]  # and the model's description
+    assert verdict["passed"] and "files_sha256" in verdict["key"] and len(verdict["checkset_ids"]) == 64
 
 
 def test_each_process_loads_the_model_once(held_server):
@@ -157,7 +161,8 @@ def test_the_pretokenizer_switches_to_the_fast_encoder_between_chunks_with_exact
         if not hold.exists():  # after the first chunk, encoded by the reference library: let the scan report
             hold.touch()
             deadline = time.monotonic() + SCAN_SECONDS
-            while not list(verdicts.glob("*.json")):  # the verdict is cached after it was sent to the run
+            while not any("passed" in json.loads(path.read_text()) for path in verdicts.glob("*.json")):
+                # the verdict is cached after it was sent to the run (beside the model's description)
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
 
@@ -185,14 +190,21 @@ def test_the_pretokenizer_switches_to_the_fast_encoder_between_chunks_with_exact
     assert len(forked) + len(spawned) <= 2 and (forked or len(spawned) == 2), found
 
 
-def test_a_pretokenize_run_loads_the_model_once_in_all_and_forks_its_workers_loaded(library_models, tmp_path):
-    """With the verdict cached, the command's process loads the model once and builds its fast encoder once;
-    its two workers are forked from it with both (they load and build nothing) and give the reference's ids."""
+@pytest.mark.parametrize("shadow_rate", ["0", "1"])
+def test_a_pretokenize_run_loads_the_model_once_in_all_and_forks_its_workers_loaded(
+    library_models, tmp_path, shadow_rate
+):
+    """With the verdict cached, the command's process loads the model once and builds its fast encoder once,
+    described from the cache and checked against the check set's digest: its reference library never loads there.
+    Its two workers are forked from it with both (they load and build nothing) and give the reference's ids. On
+    so small an input the reference library is left to a worker that samples a text for shadow verification:
+    none at rate 0; at rate 1 (every text), each worker that encoded a chunk loads it once."""
     from tokenizer_client.dataset import TokenDataset
 
     cache, counts = tmp_path / "cache", tmp_path / "counts"
     counts.mkdir()
     env = {**os.environ, libraries.CACHE_DIR_ENV: str(cache), libraries.COUNT_ENV: str(counts)}
+    env |= {"TOKENIZER_SHADOW_RATE": shadow_rate, "TOKENIZER_SHADOW_INTERVAL_SECONDS": "0"}
     settle = [sys.executable, "-m", "tokenizer_service.core.gatescan", str(library_models["hfbpe"])]
     subprocess.run(settle, env={**env, libraries.COUNT_ENV: ""}, check=True, capture_output=True, timeout=SCAN_SECONDS)
     texts = read_multilingual()[:200]
@@ -201,9 +213,14 @@ def test_a_pretokenize_run_loads_the_model_once_in_all_and_forks_its_workers_loa
     command = [sys.executable, "-m", "tokenizer_service.tools.pretokenize", str(source), "--local", "--workers", "2"]
     command += ["--model", str(library_models["hfbpe"]), "--output", str(tmp_path / "out"), "-q"]
     subprocess.run(command, env=env, check=True, capture_output=True, timeout=300)
-    found = loads(counts)
-    assert list(found.values()) == [collections.Counter(load=1, fast=1)], found  # one process: the command's
-    assert next(iter(found))[1] == "MainProcess", found
+    found = loads(counts, reference=True)
+    command_process = [count for (_, name), count in found.items() if name == "MainProcess"]
+    workers = [count for (_, name), count in found.items() if name != "MainProcess"]
+    assert command_process == [collections.Counter(load=1, fast=1)], found
+    if shadow_rate == "0":
+        assert workers == [], found
+    else:
+        assert workers and all(count == collections.Counter(reference=1) for count in workers), found
     reference = Reference(library_models["hfbpe"])
     dataset = TokenDataset(tmp_path / "out")
     assert libraries.is_fast(dataset.metadata["model"]["encoder"]), dataset.metadata["model"]

@@ -152,6 +152,8 @@ def test_a_library_that_panics_at_load_is_one_line_exit_2(tmp_path, monkeypatch,
     monkeypatch.chdir(tmp_path)
     for key in [key for key in os.environ if key.startswith("TOKENIZER_")]:
         monkeypatch.delenv(key)
+    # a cache of its own: one where these ranks were described before would not load the library to describe them
+    monkeypatch.setenv(libraries.CACHE_DIR_ENV, str(tmp_path / "cache"))
     assert cli.main(["--port", "0", "--model", "r=r.tiktoken"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("tokenizer-server: model 'r': tiktoken cannot load "), lines
@@ -166,6 +168,7 @@ def test_a_stop_asked_for_while_loading_is_not_turned_into_a_refusal(tmp_path, m
         raise stop()
 
     monkeypatch.setattr(tiktoken, "Encoding", stopped)
+    monkeypatch.setenv(libraries.CACHE_DIR_ENV, str(tmp_path / "cache"))  # no description of these ranks kept
     with pytest.raises(stop):
         inspect_model("r", write_ranks(tmp_path / "r.tiktoken", {"<|endoftext|>": 256}))
     with pytest.raises(ModelLoadError):  # and anything else is one

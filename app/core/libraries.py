@@ -17,7 +17,10 @@ gate: when a process loads a model, fastokens must give the reference library's 
 the built-in check set (tokenizer_service.core.checkset) in both special-token modes, and on every code point and
 special-token string (`scan`; the verdict cached by `gate_key` in `cache_dir()`); otherwise that model is
 encoded by the reference library, logged once, and its `encoder` says so. ``encoder="reference"`` skips
-it. After the gate, shadow verification (tokenizer_service.core.shadow) watches it.
+it. After the gate, shadow verification (tokenizer_service.core.shadow) watches it. A later start reads the
+verdict, the model's description (`description_key`) and the digest of the check set's ids (`checkset_ids`)
+from the cache: it proves the route it builds gives those ids, and loads the reference library only when
+something encodes or decodes with it.
 
 Every library runs single-threaded in a worker (`single_threaded`): one process per core already.
 """
@@ -537,7 +540,7 @@ def edge_separator(library: Any) -> tuple[str, int] | None:
 
 
 def cache_dir() -> Path:
-    """Where gate verdicts are kept: $TOKENIZER_CACHE_DIR/gate,
+    """Where gate verdicts (and the descriptions of the models they are of) are kept: $TOKENIZER_CACHE_DIR/gate,
     else $XDG_CACHE_HOME (~/.cache)/tokenizer-service/gate."""
     configured = os.environ.get(CACHE_DIR_ENV)
     if configured:
@@ -590,11 +593,12 @@ def remember_verdict(
     seconds: float,
     route: str | None = None,
     candidates: Sequence[dict[str, Any]] = (),
+    checkset_ids: str | None = None,
 ) -> None:
-    """Keep a verdict (written atomically): passed or not, the route chosen (`encoder`) and what each candidate
-    measured, so a later start builds the chosen one without measuring again; a cache that cannot be written
-    is silently no cache."""
-    path = _cache_file(key)
+    """Keep a verdict (written atomically): passed or not, the route chosen (`encoder`), what each candidate
+    measured, and the digest of the check set's ids (`checkset_ids`), so a later start builds the chosen one
+    without measuring again, nor loading the reference library; a cache that cannot be written is silently no
+    cache."""
     verdict = {
         "key": key,
         "passed": differs is None,
@@ -603,12 +607,20 @@ def remember_verdict(
         "encoder": route if differs is None else None,
         "candidates": list(candidates),
     }
+    if checkset_ids is not None:
+        verdict["checkset_ids"] = checkset_ids
+    _write_cache(key, verdict)
+
+
+def _write_cache(key: dict[str, Any], value: dict[str, Any]) -> None:
+    """`value` as the cache's file for `key`, written atomically; a cache that cannot be written is silently none."""
+    path = _cache_file(key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=".verdict-", suffix=".tmp")
+        descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=".cached-", suffix=".tmp")
         try:
             with os.fdopen(descriptor, "w") as file:
-                json.dump(verdict, file)
+                json.dump(value, file)
             os.replace(temporary, path)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -616,6 +628,46 @@ def remember_verdict(
             raise
     except OSError:
         return
+
+
+def checkset_ids(rows: Rows, texts: list[str]) -> str:
+    """A digest of the ids `rows` gives the check set in both special-token modes. Kept in a verdict that passed
+    (the reference's ids and the chosen route's were the same), so a later start proves the route it builds gives
+    them again without loading the reference library (`gate_verdict`)."""
+    digest = hashlib.sha256()
+    for parse_special in (False, True):
+        for row in rows(texts, parse_special):
+            ids = np.asarray(row, dtype="<i8")
+            digest.update(len(ids).to_bytes(8, "little"))
+            digest.update(ids.tobytes())
+    return digest.hexdigest()
+
+
+# -- what a model is, kept beside the verdicts ------------------------------------------------------------
+
+DESCRIPTION = 1  # what a cached description holds; a new one reads no older file
+
+
+def description_key(files: ModelFiles) -> dict[str, Any]:
+    """What a model's description (`FastEncoded.describe`) depends on: its reference library and that library's
+    version, the tokenizer files' bytes and the special-token roles its files name."""
+    return {
+        "description": DESCRIPTION,
+        "reference": f"{files.library} {_version(TIKTOKEN if files.library == TEKKEN else files.library)}",
+        "files_sha256": files_sha256(files.contents),
+        "roles": files.special_tokens(),
+    }
+
+
+def cached_description(key: dict[str, Any]) -> dict[str, Any] | None:
+    """The description a process that loaded these very files in the same reference library kept, or None."""
+    try:
+        found = json.loads(_cache_file(key).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(found, dict) or found.get("key") != key or not isinstance(found.get("description"), dict):
+        return None
+    return found["description"]
 
 
 def _fastokens() -> Any | None:
@@ -916,12 +968,19 @@ def gate_verdict(
         names = [chosen] if chosen else [r for c in _candidates(select) for r in encoders.routes(library, c)]
         differs: str | None = None
         texts: list[str] | None = None
+        kept_key, kept = _passed_verdict(library.files, key, verdict, select)
         for name in names:
             fast, differs = _build_fast(library, name)
             if fast is not None:
                 texts = check_texts(library) if texts is None else texts
-                differs = gate(str(library.files.path), library._reference_rows, _safe_rows(fast), texts)
+                ours = kept is not None and kept["encoder"] == name
+                recorded = kept.get("checkset_ids") if kept is not None and ours else None
+                differs, digest = _check_set(library, fast, texts, recorded)
                 if differs is None:
+                    if kept_key is not None and kept is not None and ours and digest != recorded:
+                        # a verdict from before digests (or a stale one): kept with this one, so the next start
+                        # needs no reference library
+                        _write_cache(kept_key, {**kept, "checkset_ids": digest})
                     if report is not None:
                         report(None, 0.0, name)
                     return fast, None, name
@@ -944,8 +1003,39 @@ def gate_verdict(
         seconds = time.monotonic() - started
         if report is not None:
             report(differs, seconds, route)
-        remember_verdict(key, differs, seconds, route, results)
-        return (built.get(route) if route else None), differs, route
+        fast = built.get(route) if route else None
+        digest = checkset_ids(_safe_rows(fast), check_texts(library)) if fast is not None else None
+        remember_verdict(key, differs, seconds, route, results, digest)
+        return fast, differs, route
+
+
+def _passed_verdict(
+    files: ModelFiles, key: dict[str, Any] | None, verdict: dict[str, Any] | None, select: str
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(its key, the verdict) that passed a fast encoder for these files: `verdict` read for `key`, else (a worker
+    told its route) the one the announcing process read, for its candidates or every one; else (None, None)."""
+    keys = [key] if key is not None else [gate_key(files, select), gate_key(files, FAST)]
+    for found_key in keys:
+        found = verdict if found_key is key and verdict is not None else cached_verdict(found_key)
+        if found is not None and found["passed"]:
+            return found_key, found
+    return None, None
+
+
+def _check_set(library: Any, fast: Any, texts: list[str], recorded: str | None) -> tuple[str | None, str | None]:
+    """(None, the digest of its ids) when the route `fast`, built again for a model whose gate passed it, gives the
+    check set's ids: those whose digest its verdict kept (`recorded`; the reference library need not load), else
+    the reference library's. A digest that differs is checked against the reference library, which says what
+    differs: (what differs, None)."""
+    rows = _safe_rows(fast)
+    if recorded is not None:
+        try:
+            if checkset_ids(rows, texts) == recorded:
+                return None, recorded
+        except Exception:  # the gate below runs it again and says what it raised
+            pass
+    differs = gate(str(library.files.path), library._reference_rows, rows, texts)
+    return differs, (checkset_ids(rows, texts) if differs is None else None)
 
 
 @contextlib.contextmanager
@@ -1004,18 +1094,38 @@ class _Planted:
 
 class FastEncoded:
     """A library a fast encoder may serve (`encoders.build` builds it): its reference library's copy is dropped
-    once one does (`_adopt_fast`) and loaded again when something needs it (a decode, a shadow check)."""
+    once one does (`_adopt_fast`) and loaded again when something needs it (a decode, a shadow check). A model
+    described before by the same library (`_described`) does not load it at all until then."""
 
-    _reference: Any | None
+    files: ModelFiles
+    _reference: Any | None = None
 
     def _load_reference(self) -> Any:
         raise NotImplementedError
 
+    def _new_reference(self) -> Any:
+        _count("reference", self.files)
+        return self._load_reference()
+
     @property
     def reference(self) -> Any:
-        if self._reference is None:  # dropped after the gate passed: loaded again for a decode or a check
-            self._reference = self._load_reference()
+        if self._reference is None:  # dropped after the gate passed, or never loaded: loaded for a decode or a check
+            self._reference = self._new_reference()
         return self._reference
+
+    def _described(self, describe: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+        """What `describe` reads from the reference library of the model (its vocabulary size, special tokens' ids),
+        kept beside the gate's verdicts (`description_key`): a later process reads it there instead of loading the
+        library (0.3-0.5 s for a 128k tokenizer.json), which then loads only when something encodes or decodes
+        with it. Loaded here, the library is kept."""
+        key = description_key(self.files)
+        found = cached_description(key)
+        if found is not None:
+            return found
+        self._reference = self._new_reference()
+        described = describe(self._reference)  # a ModelLoadError here: nothing kept
+        _write_cache(key, {"key": key, "description": described})
+        return described
 
     def _build_fast(self, module: Any, route: str) -> Any:
         return encoders.build(self, route, module)
@@ -1040,30 +1150,36 @@ class HuggingFace(FastEncoded, Library):
                 f"{files.main}: BPE dropout ({document['model']['dropout']}) makes its ids random; set "
                 '"dropout": null in the file to serve it'
             )
-        reference = self._load_reference()
-        self.type = hf_model_type(document, reference)
-        self.vocab_size = hf_vocab_size(document, reference)
-        ids = {}
-        for role, token in files.special_tokens().items():
+        described = self._described(lambda reference: self._describe(document, reference))
+        self.type, self.vocab_size, ids = described["type"], described["vocab_size"], described["ids"]
+        self.bos_id, self.eos_id, self.pad_id, self.unk_id = ids["bos"], ids["eos"], ids["pad"], ids["unk"]
+        self.normalizes = document.get("normalizer") is not None
+        self.special: list[str] = described["special"]
+        self._holes: frozenset[int] | None = None
+        self.fast: Any | None = None
+        self.encoder = TOKENIZERS
+        self.max_text_chars = REFERENCE_MAX_TEXT_CHARS
+        if encoder != REFERENCE:
+            _adopt_fast(self, trusted, encoder)
+
+    def _describe(self, document: dict[str, Any], reference: Any) -> dict[str, Any]:
+        ids: dict[str, int] = {}
+        for role, token in self.files.special_tokens().items():
             if token is None:
                 ids[role] = -1
                 continue
             found = reference.token_to_id(token)
             if found is None:
                 raise ModelLoadError(
-                    f"{files.files[-1]} names {role}_token {token!r}, which {files.main} does not have"
+                    f"{self.files.files[-1]} names {role}_token {token!r}, which {self.files.main} does not have"
                 )
             ids[role] = found
-        self.bos_id, self.eos_id, self.pad_id, self.unk_id = ids["bos"], ids["eos"], ids["pad"], ids["unk"]
-        self.normalizes = document.get("normalizer") is not None
-        self.special = [added.content for added in reference.get_added_tokens_decoder().values()]
-        self._holes: frozenset[int] | None = None
-        self._reference: Any | None = reference
-        self.fast: Any | None = None
-        self.encoder = TOKENIZERS
-        self.max_text_chars = REFERENCE_MAX_TEXT_CHARS
-        if encoder != REFERENCE:
-            _adopt_fast(self, trusted, encoder)
+        return {
+            "type": hf_model_type(document, reference),
+            "vocab_size": hf_vocab_size(document, reference),
+            "ids": ids,
+            "special": [added.content for added in reference.get_added_tokens_decoder().values()],
+        }
 
     def _load_reference(self) -> Any:
         import tokenizers
@@ -1173,8 +1289,7 @@ class Tiktoken(FastEncoded, Library):
         self.files = files
         self.spec = tiktoken_spec(files)
         self.type = "bpe"
-        reference = self._load_reference()
-        self.vocab_size = reference.n_vocab
+        self.vocab_size = self._described(lambda reference: {"vocab_size": reference.n_vocab})["vocab_size"]
         ids = {"unk": -1}
         for role, token in self.spec.tokens.items():
             if token is None:
@@ -1188,7 +1303,6 @@ class Tiktoken(FastEncoded, Library):
                 )
         self.bos_id, self.eos_id, self.pad_id, self.unk_id = ids["bos"], ids["eos"], ids["pad"], ids["unk"]
         self.normalizes = False
-        self._reference: Any | None = reference
         self.fast: Any | None = None
         self.encoder = TIKTOKEN
         if encoder != REFERENCE:
@@ -1339,7 +1453,7 @@ class Tekken(FastEncoded, Library):
         )
         self.normalizes = False
         self.encoder = TIKTOKEN
-        self._reference: Any | None = self._load_reference()
+        self._described(lambda reference: {})  # tiktoken loads these files (or said why not) once
         self.fast: Any | None = None
         if encoder != REFERENCE:
             _adopt_fast(self, trusted, encoder)

@@ -149,11 +149,13 @@ def os_threads() -> int:
     return count
 
 
-def preload(info: ModelInfo, kept: tuple[Any, Library] | None = None) -> None:
+def preload(info: ModelInfo, kept: tuple[Any, Library] | None = None, reference: bool = True) -> None:
     """Load `info`'s model here, in the parent of a pool about to fork, so its workers start with it loaded: the
     encoder it was announced with (the fast encoder's check set runs here, once), and the reference library kept
     for the workers' shadow verification. `kept`: the files and the library `inspect_model` described the model
-    with (its reference library), adopted instead of reading and loading the files again."""
+    with, adopted instead of reading and loading the files again. `reference` False, behind a fast encoder: the
+    reference library is left to load in a worker when it first needs it (a text sampled for shadow
+    verification), which on a small input none does."""
     libraries.single_threaded()  # before any library here first encodes: the workers inherit it
     if kept is None or kept[0].sha256 != info.sha256:
         load_models((info,))
@@ -163,7 +165,8 @@ def preload(info: ModelInfo, kept: tuple[Any, Library] | None = None) -> None:
     if libraries.is_fast(info.encoder):
         library.promote(info.encoder, keep_reference=True)
         libraries.plant_if_asked(library)
-    library.reference_rows(["a"], False)  # loads the reference library where promoting dropped it
+    if reference or library.fast is None:
+        library.reference_rows(["a"], False)  # loads the reference library where promoting dropped it
 
 
 def ping() -> int:

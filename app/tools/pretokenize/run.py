@@ -548,7 +548,7 @@ def _tokenize(
     else:
         remaining = sum(source.size for source in sources if not source.done)
         workers = local_workers(model, remaining, options.workers)  # fewer for a small input on a fast encoder
-        pool = stack.enter_context(local_pool(model, workers))
+        pool = stack.enter_context(local_pool(model, workers, remaining))
         stack.callback(pool.shutdown, wait=True, cancel_futures=True)  # also on Ctrl-C: first, cancel the rest
         chunk_chars = int(np.clip(remaining // (8 * workers), *LOCAL_CHUNK_CHARS))
         batches = tokenize_locally(
