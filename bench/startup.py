@@ -1,6 +1,6 @@
 """Start-up of the two commands, against the floors of the same machine in the same run (issue 33).
 
-    python -m bench.startup [--rounds 5] [--model PATH]
+    python -m bench.startup [--rounds 5] [--model PATH] [--versus REV]
 
 Issue 33 asks for "a start in under two seconds". With the 128k byte-level BPE tokenizer.json of bench/peers.py
 (trained once, bench/results/; --model for another), its gate verdict settled once beforehand
@@ -15,6 +15,9 @@ round measures, in an order that rotates from round to round (the machine drifts
                files of NNNNN.bin/.idx under their final names; the output directory polled every 5 ms)
   floors       python -c pass (the interpreter); the reference library, tokenizers, loading the model alone;
                gigatoken loading it alone (`gigatoken_rs.load_hf_json`, as app/core/encoders.py does), if installed
+
+--versus REV measures the two commands at commit REV too (from a git worktree, as bench/versus.py serves it), in the
+same rounds. The service's modules are compiled first (`compileall`), as an installed package has them.
 
 Targets (the issue's): the server ready within 3 s; the first shard within 2 s, the whole 20-document run under
 2.5 CPU-s. The floors say how much of that any Python process that loads the model pays on this machine.
@@ -33,6 +36,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -42,6 +46,7 @@ import psutil
 
 from bench.inputs import RESULTS, ROOT
 from bench.peers import PEERS, corpus_documents, measure, peer_model, write_parquet
+from bench.versus import checkout
 from tokenizer_service.tools.launcher import free_port, stop
 
 OUT = RESULTS / "startup"
@@ -122,15 +127,40 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--model", type=Path, help="a tokenizer.json or its directory (default: bench/peers.py's)")
+    parser.add_argument("--versus", metavar="REV", help="also measure the commands at commit REV, in the same rounds")
     args = parser.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="startup-"))
+    try:
+        measure_rounds(args, scratch)
+    finally:
+        if args.versus:
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(scratch / "tree")], check=False
+            )
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def measure_rounds(args: argparse.Namespace, scratch: Path) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     documents = corpus_documents(1)
     write_parquet(CORPUS, documents[:20])
     model = (args.model or peer_model(documents)).resolve()
     file = model / "tokenizer.json" if model.is_dir() else model
     env = {**os.environ, "TOKENIZER_CACHE_DIR": str(CACHE)}
-    scan = [sys.executable, "-m", "tokenizer_service.core.gatescan", str(model)]
-    print(subprocess.run(scan, env=env, cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip())
+    trees = {"": env}  # a row's suffix -> the environment its commands run in
+    if args.versus:
+        trees[f" at {args.versus}"] = {**env, "PYTHONPATH": str(checkout(args.versus, scratch))}
+    for tree_env in trees.values():  # each tree settles its own gate (and keeps what it keeps beside it)
+        scan = [sys.executable, "-m", "tokenizer_service.core.gatescan", str(model)]
+        print(subprocess.run(scan, env=tree_env, cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip())
+    # The service's modules compiled, as an installed package has them (pip compiles at install): a checkout run
+    # under PYTHONDONTWRITEBYTECODE (which this machine sets) would compile some 40 of them at every start (0.13 s)
+    for tree in {
+        ROOT,
+        *(Path(tree_env["PYTHONPATH"]).resolve() for tree_env in trees.values() if "PYTHONPATH" in tree_env),
+    }:
+        folders = ["app", "client"] if tree == ROOT else ["tokenizer_service/", "tokenizer_client/"]
+        subprocess.run([sys.executable, "-m", "compileall", "-q", *folders], cwd=tree, check=True, capture_output=True)
 
     load = f"tokenizers.Tokenizer.from_file({str(file)!r})"
     floors = {
@@ -154,24 +184,26 @@ def main() -> None:
     def record(name: str, value: float) -> None:
         rows.setdefault(name, []).append(value)
 
-    things = ["server", "pretokenize", *floors]
+    things = [*(f"server{tree}" for tree in trees), *(f"pretokenize{tree}" for tree in trees), *floors]
     for round_index in range(args.rounds):
         shift = round_index % len(things)
         for thing in things[shift:] + things[:shift]:
-            if thing == "server":
-                ready, cpu = server_ready(model, env)
-                record("server ready (s)", ready)
-                record("server CPU at ready (CPU-s)", cpu)
-            elif thing == "pretokenize":
-                shard, wall, cpu = pretokenize(model, env)
-                record("pretokenize first shard (s)", shard)
-                record("pretokenize wall (s)", wall)
-                record("pretokenize CPU (CPU-s)", cpu)
+            if thing.startswith("server"):
+                tree = thing.removeprefix("server")
+                ready, cpu = server_ready(model, trees[tree])
+                record(f"server ready (s){tree}", ready)
+                record(f"server CPU at ready (CPU-s){tree}", cpu)
+            elif thing.startswith("pretokenize"):
+                tree = thing.removeprefix("pretokenize")
+                shard, wall, cpu = pretokenize(model, trees[tree])
+                record(f"pretokenize first shard (s){tree}", shard)
+                record(f"pretokenize wall (s){tree}", wall)
+                record(f"pretokenize CPU (CPU-s){tree}", cpu)
             else:
                 measured = measure([sys.executable, "-c", floors[thing]], OUT / "runs.log", env)
                 record(f"{thing}, wall (s)", measured.wall)
                 record(f"{thing}, CPU (CPU-s)", measured.cpu)
-        said = ", ".join(f"{name} {values[-1]:.2f}" for name, values in list(rows.items())[:5])
+        said = ", ".join(f"{name} {values[-1]:.2f}" for name, values in list(rows.items())[: 5 * len(trees)])
         print(f"round {round_index + 1}/{args.rounds}: {said}", flush=True)
 
     targets = {"server ready (s)": "3", "pretokenize first shard (s)": "2", "pretokenize CPU (CPU-s)": "2.5"}
