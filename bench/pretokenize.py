@@ -2,7 +2,7 @@
 
     python -m bench.pretokenize [--corpus FILE] [--docs N] [--rounds R] [--model FILE]
     python -m bench.pretokenize --ranks W [--docs N] [--rounds R]
-    python -m bench.pretokenize --peers [--rounds R] [--mb 40] [--model DIR] [--only us,gigatoken,...]
+    python -m bench.pretokenize --peers [--rounds R] [--mb 40] [--fresh] [--model DIR] [--only us,gigatoken,...]
 
 With --peers it compares instead, on a 40 MB Parquet corpus and a 128k byte-level BPE tokenizer.json, the
 pre-tokenizer (with its Megatron export) against gigatoken, datatrove and Hugging Face datasets, each installed in
@@ -167,11 +167,17 @@ def main() -> None:
     )
     parser.add_argument("--mb", type=float, default=40, help="--peers: the corpus's size in MB of text")
     parser.add_argument("--only", default="us,gigatoken,datatrove,datasets", help="--peers: the tools to run")
+    parser.add_argument(
+        "--fresh", action="store_true", help="--peers: fresh documents from Debian packages (bench/fresh_corpus.py)"
+    )
     args = parser.parse_args()
     if args.peers:
+        from bench.fresh_corpus import build_fresh_corpus
         from bench.peers import run_peers
 
-        run_peers(args.rounds, args.mb, args.model, args.only.split(","))  # --model: a tokenizer.json's directory
+        corpus = build_fresh_corpus(args.mb) if args.fresh else None  # else the repeated corpus of --mb
+        # --model: a tokenizer.json's directory
+        run_peers(args.rounds, args.mb, args.model, args.only.split(","), corpus)
         return
     docs, model = documents_and_model(args.corpus, args.docs, args.model)
     if args.ranks:
