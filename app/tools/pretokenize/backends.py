@@ -26,6 +26,7 @@ from tokenizer_client.wire import ragged_offsets
 from tokenizer_service.core import process, registry
 from tokenizer_service.core.models import ModelInfo
 from tokenizer_service.core.requests import EncodeOptions
+from tokenizer_service.core.slots import IdsInSlot, Slots
 from tokenizer_service.core.texts import as_utf8
 
 if TYPE_CHECKING:  # the client (httpx) is imported only by a run with --url
@@ -86,13 +87,16 @@ def local_workers(model: ModelInfo, input_bytes: int, workers: int) -> int:
 REFERENCE_BEFORE_FORK_BYTES = 16 << 20
 
 
-def local_pool(model: ModelInfo, workers: int, input_bytes: int | None = None) -> ProcessPoolExecutor:
+def local_pool(
+    model: ModelInfo, workers: int, input_bytes: int | None = None, slots: Slots | None = None
+) -> ProcessPoolExecutor:
     """Start every worker now, with SIGINT ignored from birth: Ctrl-C reaches the whole process group,
     and a worker still starting up would otherwise die with a traceback instead of finishing its chunk (SIGTERM
     kills a worker at once: the command's process stops the run as on Ctrl-C, `cli.Terminated`).
     Forked workers inherit the model this process loads first (`process.preload`: the library `inspect_model`
     kept, with the fast encoder put in front of it, and its reference library from REFERENCE_BEFORE_FORK_BYTES of
-    `input_bytes`, or when that is not known); if loading it started a native thread, they are spawned."""
+    `input_bytes`, or when that is not known); if loading it started a native thread, they are spawned. Forked
+    workers also inherit `slots` (`tokenize_locally` passes chunks through them: `slots.shared` says so)."""
     method = start_method(model)
     kept = registry.kept_model(model.sha256)
     if method == "fork":
@@ -101,6 +105,9 @@ def local_pool(model: ModelInfo, workers: int, input_bytes: int | None = None) -
         process.preload(model, kept, reference)
         if process.os_threads() != before:  # loading it started a thread (a Rust pool): a fork would not copy it
             method = "spawn"
+        elif slots is not None:
+            process.share(slots)
+            slots.shared = True
     del kept
     registry.release_kept()  # and the parse of its files, kept for preload's fast encoder
     pool = ProcessPoolExecutor(
@@ -147,18 +154,30 @@ def tokenize_locally(
     depth: int,
     encoder: Callable[[], str | None] = lambda: None,
     encoded_by: Counter[str] | None = None,
+    slots: Slots | None = None,
 ) -> Iterator[TokenizedBatch]:
     """Tokenize on the pool in chunks of about `chunk_chars` characters, `depth` chunks in flight.
 
     `encoder()`, asked as each chunk is sent: fastokens once the model's gate passed in the background (the
-    worker promotes the model before it encodes that chunk). `encoded_by` counts texts by what encoded them."""
-    # each chunk travels as UTF-8 (one bytes object to pickle; a Parquet column's texts are that already), which
-    # gigatoken reads as it is
+    worker promotes the model before it encodes that chunk). `encoded_by` counts texts by what encoded them.
+    `slots` the workers share (`local_pool`, at least `depth` of them): chunk k goes in and comes back through slot
+    k % depth, free again by then, as `in_order` has handed out chunk k - depth (its ids copied out below)."""
+    # each chunk travels as UTF-8 (a Parquet column's texts are that already), which gigatoken reads as it is
+    shared = slots if slots is not None and slots.shared and slots.count >= depth else None
+
+    def sent(number: int, chunk: list[Any]) -> Any:
+        utf8 = as_utf8(chunk)
+        in_slot = shared.put_texts(number % depth, utf8) if shared is not None else None
+        return in_slot if in_slot is not None else utf8
+
     submitted = (
-        pool.submit(process.encode_chunk, model, as_utf8(chunk), options, encoder())
-        for chunk in chunks(texts, chunk_chars, 1 << 16)
+        pool.submit(process.encode_chunk, model, sent(number, chunk), options, encoder())
+        for number, chunk in enumerate(chunks(texts, chunk_chars, 1 << 16))
     )
     for batch, used in in_order(submitted, depth):
+        if isinstance(batch, IdsInSlot):
+            assert shared is not None
+            batch = TokenizedBatch(shared.take_ids(batch), batch.offsets, model, None)
         if encoded_by is not None:
             encoded_by[used] += len(batch)
         yield batch

@@ -1,0 +1,99 @@
+"""Shared memory between the pre-tokenizer and its forked workers (tokenizer_service.core.slots): a chunk's texts in,
+its ids back, through the same slot; a chunk that does not fit goes through the pipe, with the same ids."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sentencepiece as spm
+
+from tokenizer_client.dataset import TokenDataset
+from tokenizer_service.core.slots import Slots
+from tokenizer_service.core.texts import Utf8Texts
+
+
+def test_texts_and_ids_go_through_a_slot_and_what_does_not_fit_is_refused():
+    slots = Slots(2, text_bytes=16, ids_bytes=40)
+    texts = Utf8Texts.of(["x", "héllo", "", "wörld", "y"])[1:4]  # a slice: its bounds do not start at 0
+    put = slots.put_texts(1, texts)
+    assert put is not None and put.slot == 1 and put.bounds == [0, 6, 6, 12]
+    assert list(slots.take_texts(put)) == ["héllo", "", "wörld"]
+    assert slots.put_texts(0, Utf8Texts.of(["x" * 17])) is None
+    ids = np.arange(10, dtype=np.int32)
+    kept = slots.put_ids(1, ids, np.array([0, 4, 10]))
+    assert kept is not None and kept.count == 10
+    assert list(slots.take_texts(put)) == ["héllo", "", "wörld"]  # the ids' part of a slot is its own
+    np.testing.assert_array_equal(slots.take_ids(kept), ids)
+    assert slots.put_ids(0, np.arange(11, dtype=np.int32), np.array([0, 11])) is None
+
+
+def write_in_child(slots: Slots) -> None:
+    slots.put_ids(1, np.arange(5, dtype=np.int32) * 3, np.array([0, 5]))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork")
+def test_a_forked_process_shares_the_slots_it_inherited():
+    slots = Slots(2, text_bytes=16, ids_bytes=64)
+    child = multiprocessing.get_context("fork").Process(target=write_in_child, args=(slots,))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    from tokenizer_service.core.slots import IdsInSlot
+
+    assert slots.take_ids(IdsInSlot(1, 5, np.array([0, 5]))).tolist() == [0, 3, 6, 9, 12]
+
+
+def test_chunks_too_big_for_a_slot_go_through_the_pipe_with_the_same_ids(
+    documents: list[str], model_files: dict[str, Path], tmp_path: Path
+):
+    """About 3 MB of text, so chunks of about 190 KB (and the document that crosses that), and slots of 200 KiB
+    of text: a chunk that holds one of the three 300 KB documents does not fit and travels pickled, the others go
+    through the slots; every document has sentencepiece's ids."""
+    source = tmp_path / "in.txt"
+    texts: list[str] = []
+    for text in (text for text in documents * 50 if text.strip()):
+        texts.append(text)
+        if sum(map(len, texts)) > 2_100_000:
+            break
+    for place in (len(texts) // 4, len(texts) // 2, 3 * len(texts) // 4):
+        texts[place] = (texts[place].strip() + " ") * (300_000 // len(texts[place]))
+    source.write_text("\n\n".join(texts) + "\n")
+    out = tmp_path / "out"
+    args = [source, "--local", "--workers", "2", "--model", model_files["uni"], "-q", "--output", out]
+    # a process of its own, with no other thread: its workers fork (pytest's process may have threads by now)
+    ran = subprocess.run(
+        [sys.executable, "-c", SMALL_SLOTS_RUN, *map(str, args)], capture_output=True, text=True, timeout=300
+    )
+    assert ran.returncode == 0, ran.stderr
+    sent = json.loads(ran.stdout.splitlines()[-1])
+    assert sent["slot"] > 0 and sent["pipe"] > 0, sent
+    sp = spm.SentencePieceProcessor(model_file=str(model_files["uni"]))
+    dataset = TokenDataset(out)
+    assert [dataset[index].tolist() for index in range(len(dataset))] == sp.encode(texts, add_eos=True)
+
+
+SMALL_SLOTS_RUN = """
+import json, sys
+from tokenizer_service.core import slots
+from tokenizer_service.tools.pretokenize import main
+
+slots.TEXT_BYTES, slots.IDS_BYTES = 200 << 10, 400 << 10
+sent = {"slot": 0, "pipe": 0}
+put_texts = slots.Slots.put_texts
+
+def counted(self, slot, chunk):
+    found = put_texts(self, slot, chunk)
+    sent["slot" if found is not None else "pipe"] += 1
+    return found
+
+slots.Slots.put_texts = counted
+code = main(sys.argv[1:])
+print(json.dumps(sent))
+sys.exit(code)
+"""
