@@ -144,6 +144,30 @@ def test_verify_finds_a_damaged_shard(outputs, tmp_path, capsys):
     assert error.startswith("tokenizer-shards: verify failed:") and "Traceback" not in error
 
 
+@pytest.mark.parametrize("kernel", ["copies", "refuses", "stops midway"])
+def test_a_whole_shard_is_appended_by_the_kernel_or_written_with_the_same_bytes(outputs, tmp_path, monkeypatch, kernel):
+    """One Megatron .bin of every shard: the kernel appends each whole shard's .bin (copy_file_range); where it
+    cannot, or fails after copying part of one, that shard is written from its mapping. The bytes are the ids
+    either way."""
+    real = os.copy_file_range
+    calls = []
+
+    def copy(source: int, target: int, count: int) -> int:
+        calls.append(count)
+        if kernel == "refuses":
+            raise OSError(18, "Invalid cross-device link")
+        if kernel == "stops midway" and len(calls) == 2:
+            raise OSError(5, "Input/output error")
+        return real(source, target, min(count, 1000) if kernel == "stops midway" else count)
+
+    monkeypatch.setattr(os, "copy_file_range", copy)
+    prefix = tmp_path / "corpus"
+    assert shards(["export", str(outputs["ragged"]), "--to", "megatron", "--output", str(prefix), "-q"]) == 0
+    assert calls
+    expected = np.asarray(all_ids(outputs["ragged"]), dtype=TokenDataset(outputs["ragged"]).shard(0).ids.dtype)
+    assert prefix.with_suffix(".bin").read_bytes() == expected.tobytes()
+
+
 @pytest.mark.readers
 @pytest.mark.parametrize("per_shard", [False, True])
 def test_megatron_reads_the_export(outputs, tmp_path, per_shard):

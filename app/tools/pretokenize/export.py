@@ -366,8 +366,34 @@ def _write_atomically(path: Path, write: Callable[[Any], None]) -> None:
 
 def _write_ids(file: Any, pieces: list[Piece], progress: Progress) -> None:
     for part in pieces:
-        file.write(memoryview(np.ascontiguousarray(part.ids)).cast("B"))
+        if part.file is None or not _appended(part.file, file):
+            file.write(memoryview(np.ascontiguousarray(part.ids)).cast("B"))
         progress(len(part.ids))
+
+
+def _appended(source: Path, file: Any) -> bool:
+    """The whole of `source` (a shard's ``.bin``: the piece's very bytes) appended to `file` by the kernel
+    (`copy_file_range`: no page of it mapped here, half the CPU of writing it from the shard's mapping); False, with
+    nothing written, where the kernel or the filesystems cannot."""
+    copy = getattr(os, "copy_file_range", None)
+    if copy is None:
+        return False
+    file.flush()
+    start = file.seek(0, os.SEEK_END)
+    try:
+        with open(source, "rb") as shard:
+            left = os.fstat(shard.fileno()).st_size
+            while left > 0:
+                copied = copy(shard.fileno(), file.fileno(), left)
+                if copied == 0:
+                    raise OSError(f"{source} ended early")
+                left -= copied
+    except OSError:
+        file.truncate(start)  # whatever part was copied
+        file.seek(start)
+        return False
+    file.seek(0, os.SEEK_END)  # the writer's position, past what the kernel appended
+    return True
 
 
 # -- megatron -------------------------------------------------------------------------------------------------
