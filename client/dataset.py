@@ -90,7 +90,7 @@ import re
 import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -262,7 +262,7 @@ def _create(path: Path) -> IO[bytes]:
 
 def write_shard(
     base: Path,
-    ids: np.ndarray,
+    ids: np.ndarray | Sequence[np.ndarray],
     offsets: np.ndarray,
     seg: np.ndarray | None = None,
     *,
@@ -274,28 +274,32 @@ def write_shard(
     """Write one shard's files, `base` plus each suffix; returns their paths (``.bin``, ``.idx``, packed ``.seg``,
     with `mask` ``.mask``: one 0/1 an id).
 
-    Ragged: `ids` are the documents end to end, `offsets` where each starts. Packed (`seg` given): `ids`
-    are rows of `seq_len`, `offsets` index `seg`, each row's segment boundaries. `opener(path)` opens a
-    file for writing; the pre-tokenizer's writes a temporary file and renames it once the shard is whole.
+    Ragged: `ids` are the documents end to end (one array, or consecutive parts of it, written one after the
+    other: no copy of the whole), `offsets` where each starts. Packed (`seg` given): `ids` are rows of `seq_len`,
+    `offsets` index `seg`, each row's segment boundaries. `opener(path)` opens a file for writing; the
+    pre-tokenizer's writes a temporary file and renames it once the shard is whole.
     """
+    parts = [ids] if isinstance(ids, np.ndarray) else list(ids)
+    size = sum(part.size for part in parts)
     offsets = np.asarray(offsets)
     count = len(offsets) - 1
     if offsets.ndim != 1 or count < 0 or offsets[0] != 0:
         raise ValueError("offsets must be count + 1 values starting at 0")
     end = int(offsets[-1])
-    if seg is None and (seq_len or end != ids.size):
-        raise ValueError(f"ragged shard: seq_len {seq_len} (must be 0), offsets end at {end} of {ids.size} ids")
-    if seg is not None and (seq_len < 1 or ids.size != count * seq_len or end != seg.size):
+    if seg is None and (seq_len or end != size):
+        raise ValueError(f"ragged shard: seq_len {seq_len} (must be 0), offsets end at {end} of {size} ids")
+    if seg is not None and (seq_len < 1 or size != count * seq_len or end != seg.size):
         raise ValueError(
-            f"packed shard: {ids.size} ids for {count} rows of {seq_len}, offsets end at {end} of {seg.size} boundaries"
+            f"packed shard: {size} ids for {count} rows of {seq_len}, offsets end at {end} of {seg.size} boundaries"
         )
-    if mask is not None and (mask.shape != (ids.size,) or (mask.size and int(mask.max()) > 1)):
-        raise ValueError(f"mask: {mask.shape} values (0/1), the shard holds {ids.size} ids")
+    if mask is not None and (mask.shape != (size,) or (mask.size and int(mask.max()) > 1)):
+        raise ValueError(f"mask: {mask.shape} values (0/1), the shard holds {size} ids")
     layout = LAYOUT_RAGGED if seg is None else LAYOUT_PACKED
-    header = IndexHeader(layout, dtype.itemsize, seq_len, count, ids.size)
+    header = IndexHeader(layout, dtype.itemsize, seq_len, count, size)
     files = [base.with_suffix(BIN_SUFFIX), base.with_suffix(IDX_SUFFIX)]
     with opener(files[0]) as file:
-        file.write(np.ascontiguousarray(ids, dtype).data)
+        for part in parts:
+            file.write(np.ascontiguousarray(part, dtype).data)
     with opener(files[1]) as file:
         file.write(index_header(header))
         file.write(np.ascontiguousarray(offsets, OFFSET_DTYPE).data)

@@ -57,7 +57,7 @@ class ShardSink:
 
     def _write(
         self,
-        ids: np.ndarray,
+        ids: np.ndarray | list[np.ndarray],
         offsets: np.ndarray,
         seg: np.ndarray | None,
         record: dict[str, Any],
@@ -78,7 +78,8 @@ class ShardSink:
             mask=mask if self.masked else None,
         )
         self.out.commit(written)
-        self.metadata["shards"].append({"name": name, "tokens": int(ids.size), **record})
+        size = ids.size if isinstance(ids, np.ndarray) else sum(part.size for part in ids)
+        self.metadata["shards"].append({"name": name, "tokens": int(size), **record})
         self.tokens = doc_tokens
 
     def _snapshot(self, position: Position | None, leftover: Leftover | None) -> None:
@@ -111,7 +112,7 @@ class ShardSink:
 
     def _close(
         self,
-        ids: np.ndarray,
+        ids: np.ndarray | list[np.ndarray],
         offsets: np.ndarray,
         seg: np.ndarray | None,
         record: dict[str, Any],
@@ -170,13 +171,16 @@ class _DocumentGroups(ShardSink):
         return ids
 
     def _close_group(self, position: Position) -> None:
-        ids = np.concatenate(self._parts) if self._parts else np.zeros(0, self.dtype)
+        parts = self._parts
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int64)
         mask = (np.concatenate(self._masks) if self._masks else np.zeros(0, MASK_DTYPE)) if self.masked else None
         self._parts, self._lengths, self._masks, self._group_tokens = [], [], [], 0
-        self._close_shard(ids, lengths, position, mask)
+        self._close_shard(parts, lengths, position, mask)
 
-    def _close_shard(self, ids: np.ndarray, lengths: np.ndarray, position: Position, mask: np.ndarray | None) -> None:
+    def _close_shard(
+        self, parts: list[np.ndarray], lengths: np.ndarray, position: Position, mask: np.ndarray | None
+    ) -> None:
+        """Close a shard of the group's documents: their ids end to end in `parts`, and their `lengths`."""
         raise NotImplementedError
 
 
@@ -184,11 +188,27 @@ class RaggedShards(_DocumentGroups):
     """Documents as they are: ids end to end plus offsets; a shard closes after `shard_tokens` ids."""
 
     def _keep(self, ids: np.ndarray) -> np.ndarray:
-        return ids.astype(self.dtype)  # a copy, so the batch's int32 buffer is freed
+        # Kept as a view (int32 ids are the same bytes as uint32: every id is below 2**31) where they are most of
+        # an array of their own, as a chunk's ids from the pool are; else copied, so that a larger buffer they lie
+        # in (an answer of the service) is freed
+        base = ids
+        while isinstance(base.base, np.ndarray):
+            base = base.base
+        if (
+            base.flags.owndata
+            and 2 * ids.nbytes >= base.nbytes
+            and ids.dtype.kind in "iu"
+            and ids.dtype.itemsize == self.dtype.itemsize
+        ):
+            return ids.view(self.dtype)
+        return ids.astype(self.dtype)
 
-    def _close_shard(self, ids: np.ndarray, lengths: np.ndarray, position: Position, mask: np.ndarray | None) -> None:
+    def _close_shard(
+        self, parts: list[np.ndarray], lengths: np.ndarray, position: Position, mask: np.ndarray | None
+    ) -> None:
         record = {"documents": len(lengths)}
-        self._close(ids, ragged_offsets(lengths), None, record, self.tokens + ids.size, position, mask=mask)
+        tokens = sum(part.size for part in parts)
+        self._close(parts, ragged_offsets(lengths), None, record, self.tokens + tokens, position, mask=mask)
 
 
 class BestFitShards(_DocumentGroups):
@@ -198,7 +218,10 @@ class BestFitShards(_DocumentGroups):
         super().__init__(out, metadata, sources)
         self.pad_id = pad_id
 
-    def _close_shard(self, ids: np.ndarray, lengths: np.ndarray, position: Position, mask: np.ndarray | None) -> None:
+    def _close_shard(
+        self, parts: list[np.ndarray], lengths: np.ndarray, position: Position, mask: np.ndarray | None
+    ) -> None:
+        ids = np.concatenate(parts) if parts else np.zeros(0, self.dtype)
         packed = pack_best_fit(ids, ragged_offsets(lengths), self.seq_len, pad_id=self.pad_id, loss_mask=mask)
         row_mask = None if mask is None else (packed.labels.reshape(-1) != IGNORE_INDEX).astype(MASK_DTYPE)
         record = {
