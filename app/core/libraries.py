@@ -580,15 +580,19 @@ def _cache_file(key: dict[str, Any]) -> Path:
     return cache_dir() / f"{digest}.json"
 
 
-def cached_verdict(key: dict[str, Any]) -> dict[str, Any] | None:
-    """An earlier gate's verdict for exactly this key, or None (no cache, unreadable, another key)."""
+def _read_cache(key: dict[str, Any]) -> dict[str, Any] | None:
+    """The cache's file for exactly this key, or None (no cache, unreadable, not JSON, another key)."""
     try:
-        verdict = json.loads(_cache_file(key).read_text())
+        found = json.loads(_cache_file(key).read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(verdict, dict) or verdict.get("key") != key or not isinstance(verdict.get("passed"), bool):
-        return None
-    return verdict
+    return found if isinstance(found, dict) and found.get("key") == key else None
+
+
+def cached_verdict(key: dict[str, Any]) -> dict[str, Any] | None:
+    """An earlier gate's verdict for exactly this key, or None (no cache, unreadable, another key)."""
+    verdict = _read_cache(key)
+    return verdict if verdict is not None and isinstance(verdict.get("passed"), bool) else None
 
 
 def remember_verdict(
@@ -665,13 +669,8 @@ def description_key(files: ModelFiles) -> dict[str, Any]:
 
 def cached_description(key: dict[str, Any]) -> dict[str, Any] | None:
     """The description a process that loaded these very files in the same reference library kept, or None."""
-    try:
-        found = json.loads(_cache_file(key).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(found, dict) or found.get("key") != key or not isinstance(found.get("description"), dict):
-        return None
-    return found["description"]
+    found = _read_cache(key)
+    return found["description"] if found is not None and isinstance(found.get("description"), dict) else None
 
 
 def _fastokens() -> Any | None:
