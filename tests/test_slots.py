@@ -33,6 +33,30 @@ def test_texts_and_ids_go_through_a_slot_and_what_does_not_fit_is_refused():
     assert slots.put_ids(0, np.arange(11, dtype=np.int32), np.array([0, 11])) is None
 
 
+def test_slots_the_system_will_not_map_are_none_and_the_run_uses_the_pipes(
+    documents: list[str], model_files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mmap
+
+    from tokenizer_service.core import slots as slots_module
+    from tokenizer_service.tools.pretokenize import main
+
+    def refused(*args: object, **kwargs: object) -> mmap.mmap:
+        raise OSError(12, "Cannot allocate memory")
+
+    source = tmp_path / "in.txt"
+    texts = [text for text in documents[:200] if text.strip()]
+    source.write_text("\n\n".join(texts) + "\n")
+    args = [source, "--local", "--workers", "2", "--model", model_files["uni"], "-q", "--output", tmp_path / "out"]
+    with monkeypatch.context() as patched:  # mmap refused while the run starts; the dataset is read after
+        patched.setattr(slots_module.mmap, "mmap", refused)
+        assert slots_module.shared_slots(4) is None
+        assert main([str(arg) for arg in args]) == 0
+    sp = spm.SentencePieceProcessor(model_file=str(model_files["uni"]))
+    dataset = TokenDataset(tmp_path / "out")
+    assert [dataset[index].tolist() for index in range(len(dataset))] == sp.encode(texts, add_eos=True)
+
+
 def write_in_child(slots: Slots) -> None:
     slots.put_ids(1, np.arange(5, dtype=np.int32) * 3, np.array([0, 5]))
 

@@ -82,3 +82,11 @@ class Slots:
         """A copy of the chunk's ids (the parent, before the slot takes another chunk)."""
         start = self._text_at(ids.slot) + self.text_bytes
         return np.frombuffer(self.memory, dtype=np.int32, count=ids.count, offset=start).copy()
+
+
+def shared_slots(count: int) -> Slots | None:
+    """`count` slots, or None where the system will not map them (the chunks then travel through the pipes)."""
+    try:
+        return Slots(count)
+    except (OSError, ValueError, OverflowError):  # mmap refused (a strict overcommit policy, an address-space limit)
+        return None

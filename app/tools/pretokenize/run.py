@@ -31,7 +31,7 @@ from tokenizer_service.core.models import ModelInfo, ModelLoadError
 from tokenizer_service.core.registry import inspect_model
 from tokenizer_service.core.requests import EncodeOptions
 from tokenizer_service.core.shadow import ShadowMismatch
-from tokenizer_service.core.slots import Slots
+from tokenizer_service.core.slots import shared_slots
 from tokenizer_service.settings import ConfigError, Settings, describe_error, model_file_name, usable_cpus
 from tokenizer_service.tools.pretokenize.backends import (
     local_pool,
@@ -549,7 +549,7 @@ def _tokenize(
     else:
         remaining = sum(source.size for source in sources if not source.done)
         workers = local_workers(model, remaining, options.workers)  # fewer for a small input on a fast encoder
-        slots = Slots(2 * workers)  # one a chunk in flight
+        slots = shared_slots(2 * workers)  # one a chunk in flight
         pool = stack.enter_context(local_pool(model, workers, remaining, slots))
         stack.callback(pool.shutdown, wait=True, cancel_futures=True)  # also on Ctrl-C: first, cancel the rest
         chunk_chars = int(np.clip(remaining // (8 * workers), *LOCAL_CHUNK_CHARS))
