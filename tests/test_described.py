@@ -71,6 +71,12 @@ def test_a_description_holds_for_the_files_bytes_only(library_models, counts, tm
         path.write_text('{"key": "not this", "description": {}}')
     libraries.load(find_model_files("m", copy), libraries.REFERENCE)
     assert counted(counts)["reference"] == 3
+    key = libraries.description_key(find_model_files("m", copy))
+    for broken in ({}, {"type": "bpe", "vocab_size": 7}, {"type": "bpe", "vocab_size": 7, "special": [], "ids": {}}):
+        libraries._write_cache(key, {"key": key, "description": broken})  # its key, not all of it: described again
+        described = libraries.load(find_model_files("m", copy), libraries.REFERENCE)
+        assert described.vocab_size > 7 and described.eos_id >= 0
+    assert counted(counts)["reference"] == 6
 
 
 @pytest.fixture

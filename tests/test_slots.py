@@ -73,12 +73,14 @@ def test_a_forked_process_shares_the_slots_it_inherited():
     assert slots.take_ids(IdsInSlot(1, 5, np.array([0, 5]))).tolist() == [0, 3, 6, 9, 12]
 
 
+@pytest.mark.parametrize("small", ["texts", "ids"])
 def test_chunks_too_big_for_a_slot_go_through_the_pipe_with_the_same_ids(
-    documents: list[str], model_files: dict[str, Path], tmp_path: Path
+    documents: list[str], model_files: dict[str, Path], tmp_path: Path, small: str
 ):
     """About 3 MB of text, so chunks of about 190 KB (and the document that crosses that), and slots of 200 KiB
     of text: a chunk that holds one of the three 300 KB documents does not fit and travels pickled, the others go
-    through the slots; every document has sentencepiece's ids."""
+    through the slots. With slots of 100 KiB of ids, most chunks' texts go in through a slot and their ids come
+    back pickled. Every document has sentencepiece's ids."""
     source = tmp_path / "in.txt"
     texts: list[str] = []
     for text in (text for text in documents * 50 if text.strip()):
@@ -91,12 +93,17 @@ def test_chunks_too_big_for_a_slot_go_through_the_pipe_with_the_same_ids(
     out = tmp_path / "out"
     args = [source, "--local", "--workers", "2", "--model", model_files["uni"], "-q", "--output", out]
     # a process of its own, with no other thread: its workers fork (pytest's process may have threads by now)
+    ids_bytes = str(100 << 10 if small == "ids" else 400 << 10)
     ran = subprocess.run(
-        [sys.executable, "-c", SMALL_SLOTS_RUN, *map(str, args)], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", SMALL_SLOTS_RUN, ids_bytes, *map(str, args)], capture_output=True, text=True, timeout=300
     )
     assert ran.returncode == 0, ran.stderr
     sent = json.loads(ran.stdout.splitlines()[-1])
     assert sent["slot"] > 0 and sent["pipe"] > 0, sent
+    if small == "ids":  # ids back through a slot for fewer chunks than went in through one
+        assert 0 <= sent["ids in a slot"] < sent["slot"], sent
+    else:
+        assert sent["ids in a slot"] == sent["slot"], sent
     sp = spm.SentencePieceProcessor(model_file=str(model_files["uni"]))
     dataset = TokenDataset(out)
     assert [dataset[index].tolist() for index in range(len(dataset))] == sp.encode(texts, add_eos=True)
@@ -107,17 +114,21 @@ import json, sys
 from tokenizer_service.core import slots
 from tokenizer_service.tools.pretokenize import main
 
-slots.TEXT_BYTES, slots.IDS_BYTES = 200 << 10, 400 << 10
-sent = {"slot": 0, "pipe": 0}
-put_texts = slots.Slots.put_texts
+slots.TEXT_BYTES, slots.IDS_BYTES = 200 << 10, int(sys.argv[1])
+sent = {"slot": 0, "pipe": 0, "ids in a slot": 0}
+put_texts, take_ids = slots.Slots.put_texts, slots.Slots.take_ids
 
 def counted(self, slot, chunk):
     found = put_texts(self, slot, chunk)
     sent["slot" if found is not None else "pipe"] += 1
     return found
 
-slots.Slots.put_texts = counted
-code = main(sys.argv[1:])
+def taken(self, ids):
+    sent["ids in a slot"] += 1
+    return take_ids(self, ids)
+
+slots.Slots.put_texts, slots.Slots.take_ids = counted, taken
+code = main(sys.argv[2:])
 print(json.dumps(sent))
 sys.exit(code)
 """

@@ -642,7 +642,7 @@ def checkset_ids(rows: Rows, texts: list[str]) -> str:
     """A digest of the ids `rows` gives the check set in both special-token modes. Kept in a verdict that passed
     (the reference's ids and the chosen route's were the same), so a later start proves the route it builds gives
     them again without loading the reference library (`gate_verdict`)."""
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(_version(SERVICE).encode())  # a new release checks its routes against the library again
     for parse_special in (False, True):
         for row in rows(texts, parse_special):
             ids = np.asarray(row, dtype="<i8")
@@ -654,6 +654,7 @@ def checkset_ids(rows: Rows, texts: list[str]) -> str:
 # -- what a model is, kept beside the verdicts ------------------------------------------------------------
 
 DESCRIPTION = 1  # what a cached description holds; a new one reads no older file
+SERVICE = "tokenizer-service"  # this distribution, whose version keys what the cache keeps
 
 
 def description_key(files: ModelFiles) -> dict[str, Any]:
@@ -661,10 +662,29 @@ def description_key(files: ModelFiles) -> dict[str, Any]:
     version, the tokenizer files' bytes and the special-token roles its files name."""
     return {
         "description": DESCRIPTION,
+        "service": _version(SERVICE),  # its own code reads some of it (Meta's and Mistral's tables, vocab sizes)
         "reference": f"{files.library} {_version(TIKTOKEN if files.library == TEKKEN else files.library)}",
         "files_sha256": files_sha256(files.contents),
         "roles": files.special_tokens(),
     }
+
+
+def _sized(found: dict[str, Any]) -> bool:
+    """Whether a kept description holds a vocabulary size (all tiktoken ranks' holds)."""
+    return type(found.get("vocab_size")) is int
+
+
+def _whole_hf(found: dict[str, Any]) -> bool:
+    """Whether a kept description holds all a tokenizer.json's does: its type, vocabulary size, special tokens and
+    each role's id."""
+    ids = found.get("ids")
+    return (
+        _sized(found)
+        and isinstance(found.get("type"), str)
+        and isinstance(found.get("special"), list)
+        and isinstance(ids, dict)
+        and all(type(ids.get(role)) is int for role in ("bos", "eos", "pad", "unk"))
+    )
 
 
 def cached_description(key: dict[str, Any]) -> dict[str, Any] | None:
@@ -1116,14 +1136,16 @@ class FastEncoded:
             self._reference = self._new_reference()
         return self._reference
 
-    def _described(self, describe: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+    def _described(
+        self, describe: Callable[[Any], dict[str, Any]], whole: Callable[[dict[str, Any]], bool] = lambda found: True
+    ) -> dict[str, Any]:
         """What `describe` reads from the reference library of the model (its vocabulary size, special tokens' ids),
         kept beside the gate's verdicts (`description_key`): a later process reads it there instead of loading the
         library (0.3-0.5 s for a 128k tokenizer.json), which then loads only when something encodes or decodes
-        with it. Loaded here, the library is kept."""
+        with it. Loaded here, the library is kept. A kept description that is not `whole` is read again."""
         key = description_key(self.files)
         found = cached_description(key)
-        if found is not None:
+        if found is not None and whole(found):
             return found
         self._reference = self._new_reference()
         described = describe(self._reference)  # a ModelLoadError here: nothing kept
@@ -1153,7 +1175,7 @@ class HuggingFace(FastEncoded, Library):
                 f"{files.main}: BPE dropout ({document['model']['dropout']}) makes its ids random; set "
                 '"dropout": null in the file to serve it'
             )
-        described = self._described(lambda reference: self._describe(document, reference))
+        described = self._described(lambda reference: self._describe(document, reference), _whole_hf)
         self.type, self.vocab_size, ids = described["type"], described["vocab_size"], described["ids"]
         self.bos_id, self.eos_id, self.pad_id, self.unk_id = ids["bos"], ids["eos"], ids["pad"], ids["unk"]
         self.normalizes = document.get("normalizer") is not None
@@ -1292,7 +1314,8 @@ class Tiktoken(FastEncoded, Library):
         self.files = files
         self.spec = tiktoken_spec(files)
         self.type = "bpe"
-        self.vocab_size = self._described(lambda reference: {"vocab_size": reference.n_vocab})["vocab_size"]
+        described = self._described(lambda reference: {"vocab_size": reference.n_vocab}, _sized)
+        self.vocab_size = described["vocab_size"]
         ids = {"unk": -1}
         for role, token in self.spec.tokens.items():
             if token is None:

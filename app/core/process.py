@@ -180,8 +180,9 @@ def library(name: str) -> Library:
     return _libraries[name]
 
 
-def share(shared: Slots) -> None:
-    """The slots of shared memory the pool about to fork from this process passes chunks through (`slots`)."""
+def share(shared: Slots | None) -> None:
+    """The slots of shared memory the pool about to fork from this process passes chunks through (`slots`); None
+    once that pool is gone."""
     global _slots
     _slots = shared
 

@@ -15,6 +15,7 @@ a chunk touched are resident, counted as the process tree's memory.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 from dataclasses import dataclass
 
@@ -51,6 +52,11 @@ class Slots:
         self.text_bytes, self.ids_bytes = text_bytes or TEXT_BYTES, ids_bytes or IDS_BYTES
         self.shared = False  # set once a pool's workers are forked with them (`process.share`)
         self.memory = mmap.mmap(-1, count * (self.text_bytes + self.ids_bytes))  # MAP_SHARED | MAP_ANONYMOUS
+
+    def close(self) -> None:
+        """Unmap the slots (the pool's workers are gone)."""
+        with contextlib.suppress(BufferError):  # an array still viewing them: unmapped when it goes
+            self.memory.close()
 
     def _text_at(self, slot: int) -> int:
         return slot * (self.text_bytes + self.ids_bytes)

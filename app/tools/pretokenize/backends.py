@@ -27,7 +27,7 @@ from tokenizer_service.core import process, registry
 from tokenizer_service.core.models import ModelInfo
 from tokenizer_service.core.requests import EncodeOptions
 from tokenizer_service.core.slots import IdsInSlot, Slots
-from tokenizer_service.core.texts import as_utf8
+from tokenizer_service.core.texts import Utf8Texts, as_utf8
 
 if TYPE_CHECKING:  # the client (httpx) is imported only by a run with --url
     from tokenizer_client import TokenizerClient
@@ -166,8 +166,8 @@ def tokenize_locally(
     shared = slots if slots is not None and slots.shared and slots.count >= depth else None
 
     def sent(number: int, chunk: list[Any]) -> Any:
-        utf8 = as_utf8(chunk)
-        in_slot = shared.put_texts(number % depth, utf8) if shared is not None else None
+        utf8 = as_utf8(chunk)  # a list of str where one text has a lone surrogate: the encoder says what of it
+        in_slot = shared.put_texts(number % depth, utf8) if shared is not None and isinstance(utf8, Utf8Texts) else None
         return in_slot if in_slot is not None else utf8
 
     submitted = (

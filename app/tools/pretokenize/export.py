@@ -366,15 +366,15 @@ def _write_atomically(path: Path, write: Callable[[Any], None]) -> None:
 
 def _write_ids(file: Any, pieces: list[Piece], progress: Progress) -> None:
     for part in pieces:
-        if part.file is None or not _appended(part.file, file):
+        if part.file is None or not _appended(part.file, part.ids.nbytes, file):
             file.write(memoryview(np.ascontiguousarray(part.ids)).cast("B"))
         progress(len(part.ids))
 
 
-def _appended(source: Path, file: Any) -> bool:
-    """The whole of `source` (a shard's ``.bin``: the piece's very bytes) appended to `file` by the kernel
-    (`copy_file_range`: no page of it mapped here, half the CPU of writing it from the shard's mapping); False, with
-    nothing written, where the kernel or the filesystems cannot."""
+def _appended(source: Path, size: int, file: Any) -> bool:
+    """The whole of `source` (a shard's ``.bin``: the piece's very bytes, `size` of them) appended to `file` by the
+    kernel (`copy_file_range`: no page of it mapped here, half the CPU of writing it from the shard's mapping);
+    False, with nothing written, where the kernel or the filesystems cannot, or the file is not that size."""
     copy = getattr(os, "copy_file_range", None)
     if copy is None:
         return False
@@ -383,6 +383,8 @@ def _appended(source: Path, file: Any) -> bool:
     try:
         with open(source, "rb") as shard:
             left = os.fstat(shard.fileno()).st_size
+            if left != size:
+                return False
             while left > 0:
                 copied = copy(shard.fileno(), file.fileno(), left)
                 if copied == 0:

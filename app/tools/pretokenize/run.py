@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from tokenizer_client import storage
 from tokenizer_client.batches import TokenizedBatch
 from tokenizer_client.dataset import FORMAT_NAME, format_version, id_dtype
-from tokenizer_service.core import libraries
+from tokenizer_service.core import libraries, process
 from tokenizer_service.core.gatescan import GateScan
 from tokenizer_service.core.models import ModelInfo, ModelLoadError
 from tokenizer_service.core.registry import inspect_model
@@ -550,6 +550,9 @@ def _tokenize(
         remaining = sum(source.size for source in sources if not source.done)
         workers = local_workers(model, remaining, options.workers)  # fewer for a small input on a fast encoder
         slots = shared_slots(2 * workers)  # one a chunk in flight
+        if slots is not None:
+            stack.callback(slots.close)  # after the pool's shutdown below (callbacks run last first)
+            stack.callback(process.share, None)
         pool = stack.enter_context(local_pool(model, workers, remaining, slots))
         stack.callback(pool.shutdown, wait=True, cancel_futures=True)  # also on Ctrl-C: first, cancel the rest
         chunk_chars = int(np.clip(remaining // (8 * workers), *LOCAL_CHUNK_CHARS))
