@@ -831,17 +831,17 @@ class _Remembered:
         return [ids[offsets[i] : offsets[i + 1]].tolist() for i in range(len(offsets) - 1)]
 
 
-def _try_candidates(library: Any, encoder: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def _try_candidates(library: Any, encoder: str, texts: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every candidate route of `encoder` (fast: all of them) through the whole gate, and each one that passed
     measured: M tokens per CPU-second on `encoders.sample_texts`, the growth of this process's resident memory
     while it was built and encoded the sample, its build time. A route the encoder cannot load goes on to the
-    converted ranks (tiktoken). (what each measured, {route: the built encoder of each that passed})."""
+    converted ranks (tiktoken). `texts`: the model's check set. (what each measured, {route: the built encoder of
+    each that passed})."""
     reference: Rows = library._reference_rows
     candidates = _candidates(encoder)
     if len(candidates) > 1:
         reference = _Remembered(reference)
     special, separator = library.special, edge_separator(library)
-    texts = check_texts(library)
     sample = encoders.sample_texts()
     single_threaded()  # measured as a worker runs it
     results: list[dict[str, Any]] = []
@@ -1020,14 +1020,15 @@ def gate_verdict(
         verdict = cached_verdict(key)  # another process may have scanned it while this one waited
         if verdict is not None:
             return gate_verdict(library, trusted, report, select)
-        results, built = _try_candidates(library, select)
+        texts = check_texts(library)  # for ranks: 0.6 s of finding the tokens that are no merge of two (Llama 3)
+        results, built = _try_candidates(library, select, texts)
         route = encoders.choose(results, pinned=select != FAST)
         differs = None if route is not None else _refusal(results, select != FAST)
         seconds = time.monotonic() - started
         if report is not None:
             report(differs, seconds, route)
         fast = built.get(route) if route else None
-        digest = checkset_ids(_safe_rows(fast), check_texts(library)) if fast is not None else None
+        digest = checkset_ids(_safe_rows(fast), texts) if fast is not None else None
         remember_verdict(key, differs, seconds, route, results, digest)
         return fast, differs, route
 
