@@ -46,7 +46,7 @@ import psutil
 
 from bench.inputs import RESULTS, ROOT
 from bench.peers import PEERS, corpus_documents, measure, peer_model, write_parquet
-from bench.versus import checkout
+from bench.versus import checkout, remove_checkout
 from tokenizer_service.tools.launcher import free_port, stop
 
 OUT = RESULTS / "startup"
@@ -133,11 +133,7 @@ def main() -> None:
     try:
         measure_rounds(args, scratch)
     finally:
-        if args.versus:
-            subprocess.run(
-                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(scratch / "tree")], check=False
-            )
-        shutil.rmtree(scratch, ignore_errors=True)
+        remove_checkout(scratch)
 
 
 def measure_rounds(args: argparse.Namespace, scratch: Path) -> None:

@@ -41,12 +41,24 @@ ROOT = Path(__file__).resolve().parent.parent
 def checkout(rev: str, scratch: Path) -> Path:
     """A directory to put first on PYTHONPATH: REV's packages, from a worktree of it under `scratch`."""
     tree = scratch / "tree"
+    if subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--verify", "-q", f"{rev}^{{commit}}"], capture_output=True
+    ).returncode:
+        raise SystemExit(f"{rev!r} is no commit of this repository: give a commit, tag or branch (git log --oneline)")
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), rev], check=True)
     paths = scratch / "paths"
     paths.mkdir()
     (paths / "tokenizer_service").symlink_to(tree / "app")
     (paths / "tokenizer_client").symlink_to(tree / "client")
     return paths
+
+
+def remove_checkout(scratch: Path) -> None:
+    """The worktree `checkout` made under `scratch`, if it made one, and `scratch` itself."""
+    if (scratch / "tree").exists():
+        remove = ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(scratch / "tree")]
+        subprocess.run(remove, check=False)
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 def settle(model: Path, env: dict[str, str]) -> None:
@@ -112,8 +124,7 @@ def main() -> None:
             client.close()
             if server.process is not None:
                 stop(server.process)
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(scratch / "tree")], check=False)
-        shutil.rmtree(scratch, ignore_errors=True)
+        remove_checkout(scratch)
 
     if min(min(main_ms[name]) for name in servers) <= 0:  # process CPU times tick in 10 ms steps
         sys.exit("bench.versus: too few requests a round to measure the server process's CPU; raise --passes or --docs")
