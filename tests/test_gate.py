@@ -234,3 +234,14 @@ def test_special_token_strings_that_begin_one_another_are_checked_in_pairs():
     for short, long in (("<|a|>", "<|a|>b"), ("<|a|>", "<|a|>bc"), ("<|a|>b", "<|a|>bc")):
         assert f"{long} {short} {long}{short} {short}{long} " in texts[0]
     assert "</s>" not in texts[0]  # no pair: "<s>" does not begin "</s>"
+
+
+def test_settling_a_model_no_gate_applies_to_says_so_in_one_line(capsys):
+    """`python -m tokenizer_service.core.gatescan` on a SentencePiece model: nothing to settle, exit 0 (it was a
+    traceback)."""
+    from tokenizer_service.core import gatescan
+    from tokenizer_service.settings import BUNDLED_MODELS_DIR
+
+    assert gatescan.main([str(BUNDLED_MODELS_DIR / "default.model")]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].endswith("no gate: sentencepiece encodes it, no fast encoder stands in for it")
