@@ -62,13 +62,18 @@ def remove_checkout(scratch: Path) -> None:
 
 
 def settle(model: Path, env: dict[str, str]) -> None:
-    """The model's gate verdict in the cache, as that tree computes it (its check set version may differ)."""
-    subprocess.run(
+    """The model's gate verdict in the cache, as that tree computes it (its check set version may differ). A
+    refusal (exit 1) is a verdict too, and a tree whose gatescan fails on a model (before 2026-11-27: any
+    SentencePiece model, which no gate applies to) serves it with its library: said in one line, and measured."""
+    scan = subprocess.run(
         [sys.executable, "-m", "tokenizer_service.core.gatescan", str(model)],
-        check=True,
         env={**os.environ, **env},
-        stdout=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
     )
+    if scan.returncode:
+        last = (scan.stderr.strip().splitlines() or scan.stdout.strip().splitlines() or ["?"])[-1]
+        print(f"gatescan exited {scan.returncode} ({last}); that server runs with what its gate left it", flush=True)
 
 
 def main() -> None:
