@@ -16,7 +16,10 @@ from typing import Any, overload
 
 import numpy as np
 
-VALIDATE_WINDOW = 1 << 20  # bytes decoded at a time to check a frame's texts are UTF-8
+# Bytes decoded at a time to check a frame's texts are UTF-8. The str each window makes (up to 4 bytes a
+# character) stays in the core's cache: for 712 KB of 10-language text, 0.65 ms with windows of 16-128 KiB
+# against 1.1-1.5 ms with 1 MiB ones (and the whole buffer at once); 0.08 against 0.29 ms for nearly ASCII text.
+VALIDATE_WINDOW = 1 << 15
 
 
 class Utf8Texts(Sequence[str]):
