@@ -60,7 +60,6 @@ from tokenizer_service.core.models import (
     TOKENIZERS,
     ModelFiles,
     ModelLoadError,
-    files_sha256,
     hf_model_type,
     hf_vocab_size,
     parsed_json,
@@ -568,7 +567,7 @@ def gate_key(files: ModelFiles, encoder: str = FAST) -> dict[str, Any]:
     return {
         "fast": encoders.versions(),
         "reference": f"{files.library} {_version(TIKTOKEN if files.library == TEKKEN else files.library)}",
-        "files_sha256": files_sha256(files.contents),
+        "files_sha256": files.contents_sha256,
         "checkset": checkset.VERSION,
         "select": encoder if encoder in (FASTOKENS, GIGATOKEN) else FAST,
         "rule": encoders.RULE,
@@ -664,7 +663,7 @@ def description_key(files: ModelFiles) -> dict[str, Any]:
         "description": DESCRIPTION,
         "service": _version(SERVICE),  # its own code reads some of it (Meta's and Mistral's tables, vocab sizes)
         "reference": f"{files.library} {_version(TIKTOKEN if files.library == TEKKEN else files.library)}",
-        "files_sha256": files_sha256(files.contents),
+        "files_sha256": files.contents_sha256,
         "roles": files.special_tokens(),
     }
 

@@ -160,11 +160,24 @@ class ModelFiles:
     def main(self) -> Path:
         return self.files[0]
 
-    @property
+    @functools.cached_property
     def sha256(self) -> str:
+        """The model's sha256: its files' bytes, then its chat template's where they are not among them."""
         if self.template is not None and self.template.hashed:
             return files_sha256((*self.contents, self.template.hashed))
+        return self.contents_sha256
+
+    # Each sha256 is taken once a ModelFiles (a 128k tokenizer.json is hashed in 10-20 ms, and a start asked for
+    # these four to six times); a cached value is kept in the instance's __dict__, a frozen dataclass's too.
+    @functools.cached_property
+    def contents_sha256(self) -> str:
+        """sha256 of the tokenizer files' bytes alone (no chat template): what the gate's verdicts are keyed by."""
         return files_sha256(self.contents)
+
+    @functools.cached_property
+    def main_sha256(self) -> str:
+        """sha256 of the main file's bytes: how OpenAI's, Meta's and Mistral's released files are recognized."""
+        return files_sha256(self.contents[:1])
 
     def special_tokens(self) -> dict[str, str | None]:
         """role (bos, eos, pad, unk) -> token string, from tokenizer_config.json or the tiktoken spec."""
@@ -604,7 +617,7 @@ _RANK_COUNTS: dict[str, int] = {}
 
 def _rank_count(files: ModelFiles) -> int:
     """How many distinct tokens a ranks file holds (Meta numbers its special tokens from there), parsed once."""
-    digest = files_sha256(files.contents[:1])
+    digest = files.main_sha256
     if digest not in _RANK_COUNTS:
         if len(_RANK_COUNTS) >= 8:
             _RANK_COUNTS.clear()
@@ -615,7 +628,7 @@ def _rank_count(files: ModelFiles) -> int:
 def tiktoken_spec(files: ModelFiles, name: str | None = None) -> TiktokenSpec:
     """The pattern and special tokens of a ranks file: its known encoding's (Meta's or OpenAI's, by sha256;
     Meta's layout named by the sidecar's "like"), then whatever its sidecar sets."""
-    known = known_encoding(files_sha256(files.contents[:1]))
+    known = known_encoding(files.main_sha256)
     recognized = known is not None
     sidecar: dict[str, Any] = {}
     sidecar_path = files.main.with_name(files.main.name + ".json")
@@ -703,7 +716,7 @@ _TEKKEN_SPECS: dict[str, TekkenSpec] = {}
 
 def tekken_spec(files: ModelFiles, name: str | None = None) -> TekkenSpec:
     """What a tekken.json says, checked as mistral-common checks it; ModelLoadError in one line otherwise."""
-    digest = files_sha256(files.contents[:1])
+    digest = files.main_sha256
     if digest in _TEKKEN_SPECS:
         return _TEKKEN_SPECS[digest]
     where = f"model {name!r}: {files.main}" if name else str(files.main)
