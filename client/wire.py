@@ -37,6 +37,7 @@ ALIGNMENT = 8
 
 _PREFIX = struct.Struct("<4sHHI")
 _ALLOWED_DTYPES = frozenset({"<i2", "<u2", "<i4", "<u4", "<i8", "<u8", "<f4", "<f8", "|u1", "|i1", "|b1"})
+MAX_DIMENSIONS = 32  # numpy's own limit is 64; no array of the service has more than 2
 
 
 class WireFormatError(ValueError):
@@ -137,6 +138,8 @@ def decode(buffer: bytes | bytearray | memoryview) -> Frame:
         meta = header["meta"]
     except (ValueError, KeyError, TypeError) as exc:
         raise WireFormatError(f"unreadable frame header: {exc}") from exc
+    if not isinstance(descriptors, list):
+        raise WireFormatError(f"the frame header's arrays are a {type(descriptors).__name__}, not a list")
     data_start = _aligned(header_end)
     arrays: dict[str, np.ndarray] = {}
     for descriptor in descriptors:
@@ -150,7 +153,9 @@ def decode(buffer: bytes | bytearray | memoryview) -> Frame:
         # Shapes and offsets are exact non-negative integers (not 1e30, not true), checked before any arithmetic.
         if (
             not isinstance(name, str)
+            or not isinstance(code, str)
             or code not in _ALLOWED_DTYPES
+            or len(shape) > MAX_DIMENSIONS
             or not all(type(n) is int and n >= 0 for n in (*shape, offset))
         ):
             raise WireFormatError(f"bad array descriptor {descriptor!r:.200}")

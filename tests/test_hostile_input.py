@@ -55,6 +55,43 @@ def test_a_body_that_is_not_utf8_is_400(server, encoding, bom):
     assert answer.json()["error"]["type"] == "invalid_json"
 
 
+@pytest.mark.parametrize("path", ["/v1/tokenize", "/v1/pack"])
+@pytest.mark.parametrize(
+    ("body", "field", "index", "says"),
+    [
+        (
+            b'{"conversations": [[{"role": "user", "content": "a\\ud800"}, {"role": "assistant", "content": "x"}]]}',
+            "conversations",
+            0,
+            "conversations[0][0].content has a lone surrogate at character 1",
+        ),
+        (
+            b'{"conversations": [[{"role": "user", "content": "a"}, {"role": "assistant\\udfff", "content": "x"}]]}',
+            "conversations",
+            0,
+            "conversations[0][1].role has a lone surrogate",
+        ),
+        (
+            b'{"records": [{"prompt": "a", "completion": "b"}, {"prompt": "a", "completion": "x\\udc00"}]}',
+            "records",
+            1,
+            "records[1].completion has a lone surrogate",
+        ),
+        (b'{"texts": ["ok", "\\ud800"]}', "texts", 1, "texts[1] has a lone surrogate at character 0"),
+        (b'{"texts": ["ok"], "\\ud800": 1}', None, None, "a key of the request body has a lone surrogate"),
+    ],
+    ids=["conversation-content", "conversation-role", "record", "text", "key"],
+)
+def test_a_lone_surrogate_anywhere_is_422_saying_where(server, path, body, field, index, says):
+    """Not only in texts: a conversation's or record's string with a lone surrogate reached the chat template or the
+    encoder and was a 500; a key with one could not even be quoted in the answer."""
+    answer = post(server.url, path, body)
+    assert answer.status_code == 422, answer.text
+    error = answer.json()["error"]
+    assert says in error["message"] and "must be valid Unicode" in error["message"]
+    assert error.get("field") == field and error.get("index") == index
+
+
 def test_a_utf8_bom_is_400(server):
     answer = post(server.url, "/v1/tokenize", codecs.BOM_UTF8 + b'{"texts": ["a"]}')
     assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_json"

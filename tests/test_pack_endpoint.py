@@ -173,6 +173,9 @@ ERRORS = [
         None,
     ),
     ({"texts": ["a", 5], "seq_len": 64}, "texts", 1),
+    # texts have no loss mask: a carry_loss_mask was ignored, and a carried id it masked kept its label
+    ({"texts": ["a"], "seq_len": 8, "carry": [5, 6, 7], "carry_loss_mask": [1, 0, 1]}, "carry_loss_mask", None),
+    ({"texts": ["a"], "seq_len": 8, "carry_loss_mask": [1]}, "carry_loss_mask", None),
 ]
 
 

@@ -7,6 +7,7 @@ import unicodedata
 from pathlib import Path
 
 import numpy as np
+import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -57,6 +58,28 @@ def test_wire_layout_is_little_endian_and_aligned():
 def test_wire_rejects_malformed_frames(buffer, message):
     with pytest.raises(wire.WireFormatError, match=message):
         wire.decode(buffer)
+
+
+def _frame(header: dict, data: bytes = bytes(8)) -> bytes:
+    encoded = orjson.dumps(header)
+    head = b"TKNA\x01\x00\x00\x00" + len(encoded).to_bytes(4, "little") + encoded
+    return head + bytes(-len(head) % 8) + data
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        ({"meta": {}, "arrays": None}, "not a list"),
+        ({"meta": {}, "arrays": 5}, "not a list"),
+        ({"meta": {}, "arrays": [{"name": "texts", "dtype": ["|u1"], "shape": [1], "offset": 0}]}, "descriptor"),
+        ({"meta": {}, "arrays": [{"name": "texts", "dtype": {"a": 1}, "shape": [1], "offset": 0}]}, "descriptor"),
+        ({"meta": {}, "arrays": [{"name": "texts", "dtype": "|u1", "shape": [1] * 65, "offset": 0}]}, "descriptor"),
+    ],
+)
+def test_wire_rejects_headers_of_the_wrong_shape(header, message):
+    """What a hostile client put in a frame's header is a WireFormatError (a 400), never another exception (a 500)."""
+    with pytest.raises(wire.WireFormatError, match=message):
+        wire.decode(_frame(header))
 
 
 def test_wire_rejects_truncated_array():

@@ -183,6 +183,12 @@ class Handler:
         if self.libraries[position].normalizes:
             check_expansion(texts, len(body), self.limits.max_request_bytes)
         if isinstance(request, PackRequest):
+            if request.carry_loss_mask is not None:  # it was ignored: a masked carried id kept its label
+                raise InvalidField(
+                    "carry_loss_mask is for conversations and records: texts have no loss mask, nor a pack of "
+                    "them a leftover_loss_mask to send back",
+                    field="carry_loss_mask",
+                )
             context = pack_context(request, info, position, binary, self.limits.max_seq_len)
             # both already checked: request.add_bos by its schema, context.add_eos against the model
             options: EncodeOptions = EncodeOptions.model_construct(

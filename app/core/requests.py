@@ -222,16 +222,22 @@ def parse_request(raw: bytes | bytearray | memoryview, model: type[Body], items:
     if items == "texts":
         check_item_count(document, "conversations", max_items)
         check_item_count(document, "records", max_items)
-    body = validate(model, document)
-    texts = getattr(body, "texts", None)
-    if lenient and texts is not None and (found := find_lone_surrogate(texts)) is not None:
-        index, position = found
+    # only the stdlib fallback lets a lone surrogate through (orjson refuses one): found wherever it is
+    if lenient and isinstance(document, dict) and (found := find_lone_surrogate(document)) is not None:
+        path, position = found
+        where = _path_text(path)
+        names = [part for part in path if isinstance(part, str)]
+        indices = [part for part in path if isinstance(part, int)]
+        if position < 0:
+            what = f"a key of {where or 'the request body'} has a lone surrogate"
+        else:
+            what = f"{where} has a lone surrogate at character {position}"
         raise InvalidField(
-            f"texts[{index}] has a lone surrogate at character {position}; text must be valid Unicode",
-            field="texts",
-            index=index,
+            f"{what}; text must be valid Unicode",
+            field=names[0] if names else None,
+            index=indices[0] if indices else None,
         )
-    return body
+    return validate(model, document)
 
 
 def texts_document(raw: bytes | bytearray | memoryview, max_items: int) -> dict[str, Any]:
@@ -355,11 +361,34 @@ def validate(model: type[Body], document: Any) -> Body:
         raise InvalidField(message, field=field or None, index=index) from None
 
 
-def find_lone_surrogate(texts: list[str]) -> tuple[int, int] | None:
-    """(text index, character index) of the first lone surrogate, which SentencePiece cannot take."""
-    for index, text in enumerate(texts):
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            return index, exc.start
+def find_lone_surrogate(document: Any) -> tuple[tuple[str | int, ...], int] | None:
+    """Where the first lone surrogate of a parsed JSON document is, which no tokenizer can take as text: the path
+    to its string (keys and list indexes: ``("texts", 3)``, ``("conversations", 0, 1, "content")``), and the
+    character's index in that string; for a key that has one, the path to its object and -1 (no message may quote
+    it: it cannot be written as UTF-8). Walked without recursion: a document may nest 1,024 levels."""
+    stack: list[tuple[tuple[str | int, ...], Any]] = [((), document)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                return path, exc.start
+        elif isinstance(value, dict):
+            for key in value:
+                try:
+                    key.encode("utf-8")
+                except UnicodeEncodeError:
+                    return path, -1
+            stack.extend(((*path, key), item) for key, item in reversed(list(value.items())))
+        elif isinstance(value, list):
+            stack.extend(((*path, index), item) for index, item in reversed(list(enumerate(value))))
     return None
+
+
+def _path_text(path: tuple[str | int, ...]) -> str:
+    """``texts[3]``, ``conversations[0][1].content``: a place in a request body, as messages name it."""
+    text = ""
+    for part in path:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else part)
+    return text
