@@ -69,6 +69,47 @@ def metric(url: str, name: str, model: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
+def test_a_text_too_large_to_check_quickly_is_never_sampled(library_models):
+    """The reference library re-encodes a text a thousand times slower than the fast encoder: a 32 MB text held a
+    server's worker for 15 s after its reply, past the deadline of the requests queued behind it. A text over
+    SAMPLE_MOST_CHARS is never sampled, the interval's sample takes a smaller one of the batch, and no more than
+    PENDING_MOST_CHARS wait for one check."""
+    from tokenizer_service.core import shadow as shadows
+    from tokenizer_service.core.texts import Utf8Texts
+
+    library = libraries.load(find_model_files("tt", library_models["tt"]), trusted=True)
+    big = "a long text " * (shadows.SAMPLE_MOST_CHARS // 12 + 1)
+    every = Shadow(rate=1.0, interval=0.0)
+    every.watch("tt", library)
+    library.encode([big, "small", big], EncodeOptions())
+    assert [text for _, text, _, _ in every.pending] == ["small"]
+    every.pending.clear()
+    every.pending_chars = 0
+    library.encode(Utf8Texts.of([big, "small"]), EncodeOptions())  # a binary body's texts: weighed in bytes
+    assert [text for _, text, _, _ in every.pending] == ["small"]
+    every.pending.clear()
+    every.pending_chars = 0
+
+    interval = Shadow(rate=0.0, interval=0.001, seed=3)
+    interval.watch("tt", library)
+    time.sleep(0.01)
+    library.encode([big] * 3 + ["small"] + [big] * 3, EncodeOptions())
+    assert [text for _, text, _, _ in interval.pending] in ([], ["small"])  # 8 random tries may all miss it
+    interval.pending.clear()
+    time.sleep(0.01)
+    library.encode([big] * 4, EncodeOptions())
+    assert not interval.pending  # nothing small enough: none
+
+    every.watch("tt", library)  # the library's sampler again (one a library)
+    medium = "b" * (shadows.SAMPLE_MOST_CHARS - 1)
+    library.encode([medium] * 8, EncodeOptions())
+    assert every.pending_chars <= shadows.PENDING_MOST_CHARS
+    assert len(every.pending) == shadows.PENDING_MOST_CHARS // len(medium)
+    (report,) = every.run()
+    assert report.checks == shadows.PENDING_MOST_CHARS // len(medium) and report.mismatch is None
+    assert every.pending_chars == 0
+
+
 @pytest.mark.slow
 def test_a_server_catches_a_mismatch_at_run_time_and_serves_the_reference_ids_in_every_worker(library_models, tmp_path):
     log = tmp_path / "server.log"

@@ -21,8 +21,17 @@ from typing import Any
 import numpy as np
 
 from tokenizer_service.core.checkset import describe
+from tokenizer_service.core.texts import Utf8Texts
 
 PENDING_MOST = 64  # texts kept for checking at most; more sampled before a check are dropped
+# The largest text checked (characters, or UTF-8 bytes of a binary body's texts), and the most text kept for one
+# check. The reference library re-encodes a text a thousand times slower than the fast encoder: a 32 MB text took
+# `tokenizers` 15 s, while requests sent to that worker waited past their deadline and the worker was killed.
+# 256 KiB takes it about 0.1 s; a larger text is never sampled (the gate checked every code point before the fast
+# encoder served; shadow verification watches the ordinary traffic after it).
+SAMPLE_MOST_CHARS = 256 * 1024
+PENDING_MOST_CHARS = 1024 * 1024
+INTERVAL_TRIES = 8  # random texts of a batch tried for the interval's sample before none is taken
 SHOWN_CODE_POINTS = 64  # of a differing text, in the log line
 
 
@@ -41,6 +50,7 @@ class Shadow:
         self.interval = interval
         self.random = random.Random(seed)
         self.pending: list[tuple[Any, str, bool, np.ndarray]] = []
+        self.pending_chars = 0  # the size of the texts pending (text_sizes: characters, or UTF-8 bytes)
         self.worked = 0.0  # seconds of fast encoding since the last text sampled
         self.since = time.monotonic()
         self.gap = self._gap()
@@ -65,26 +75,32 @@ class Shadow:
         count = len(texts)
         picks = []
         while self.gap < count:
-            picks.append(self.gap)
+            if _size(texts, self.gap) <= SAMPLE_MOST_CHARS:
+                picks.append(self.gap)
             self.gap += 1 + self._gap()
         self.gap -= count
         now = time.monotonic()
         if not picks and count and self.interval > 0 and now - self.since >= self.interval:
-            picks.append(self.random.randrange(count))
+            tries = (self.random.randrange(count) for _ in range(INTERVAL_TRIES))  # a text not too large, if one is
+            chosen = next((index for index in tries if _size(texts, index) <= SAMPLE_MOST_CHARS), None)
+            if chosen is not None:
+                picks.append(chosen)
         if not picks:
             return
         self.since = now
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         for index in picks:
-            if len(self.pending) < PENDING_MOST:
+            size = _size(texts, index)
+            if len(self.pending) < PENDING_MOST and self.pending_chars + size <= PENDING_MOST_CHARS:
                 row = np.array(ids[offsets[index] : offsets[index + 1]], dtype=np.int64)
                 self.pending.append((library, texts[index], parse_special, row))
+                self.pending_chars += size
 
     def run(self) -> list[Report]:
         """Check every kept text against its reference library; fall back a library that differs."""
         if not self.pending:
             return []
-        pending, self.pending = self.pending, []
+        pending, self.pending, self.pending_chars = self.pending, [], 0
         reports: dict[int, Report] = {}
         for library, text, parse_special, got in pending:
             report = reports.setdefault(id(library), Report(self.names.get(id(library), "?"), 0))
@@ -96,6 +112,13 @@ class Shadow:
                 library.fall_back()
                 report.mismatch = mismatch_line(text, got.tolist(), list(want))
         return [report for report in reports.values() if report.checks]
+
+
+def _size(texts: Any, index: int) -> int:
+    """What the text at `index` weighs: characters, or UTF-8 bytes of a binary body's texts (none decoded)."""
+    if isinstance(texts, Utf8Texts):
+        return texts.bounds[index + 1] - texts.bounds[index]
+    return len(texts[index])
 
 
 def mismatch_line(text: str, got: list[int], want: list[int]) -> str:
