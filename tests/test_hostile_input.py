@@ -92,6 +92,23 @@ def test_a_lone_surrogate_anywhere_is_422_saying_where(server, path, body, field
     assert error.get("field") == field and error.get("index") == index
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/v1/tokenize", b'{"texts": ["a"], "max_length": ' + b"1" * 4301 + b"}", "max_length"),
+        ("/v1/detokenize", b'{"ids": [[' + b"9" * 5000 + b"]]}", "ids"),
+        ("/v1/detokenize", b'{"ids": [[-' + b"9" * 5000 + b"]]}", "ids"),
+        ("/v1/pack", b'{"texts": ["a"], "seq_len": ' + b"7" * 10_000 + b"}", "seq_len"),
+    ],
+    ids=["max_length", "id", "negative-id", "seq_len"],
+)
+def test_an_integer_of_thousands_of_digits_is_422_naming_its_field(server, path, body, field):
+    """More digits than Python converts from text (4,300): it was a 400 saying "number is infinity"."""
+    answer = post(server.url, path, body)
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["error"]["field"] == field
+
+
 def test_a_utf8_bom_is_400(server):
     answer = post(server.url, "/v1/tokenize", codecs.BOM_UTF8 + b'{"texts": ["a"]}')
     assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_json"

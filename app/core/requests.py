@@ -329,11 +329,23 @@ def parse_json(raw: bytes | bytearray | memoryview) -> tuple[Any, bool]:
         except UnicodeDecodeError as exc:
             raise InvalidJSON(f"request body is not valid UTF-8 (byte {exc.start})") from exc
         try:
-            return json.loads(text), True
+            return json.loads(text, parse_int=_integer), True
         except RecursionError:
             raise InvalidJSON(f"request body nests deeper than {JSON_MAX_DEPTH} levels") from None
         except ValueError:
             raise InvalidJSON(f"request body is not valid JSON: {fast_error}") from fast_error
+
+
+# An integer of more digits than Python converts from text (4,300) stands for itself as one of this size: it is
+# then refused by the field's bounds, a 422 naming the field, like any other integer too large for it.
+_DIGITS_MOST = 4000
+_TOO_LARGE = 10**_DIGITS_MOST
+
+
+def _integer(digits: str) -> int:
+    if len(digits) <= _DIGITS_MOST:
+        return int(digits)
+    return -_TOO_LARGE if digits.startswith("-") else _TOO_LARGE
 
 
 def _field_path(location: tuple[int | str, ...]) -> tuple[str, int | None]:
