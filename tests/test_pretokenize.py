@@ -22,7 +22,7 @@ from tokenizer_client.packing import pack_best_fit, pack_concat
 from tokenizer_client.wire import ragged_offsets
 from tokenizer_service.settings import BUNDLED_MODELS_DIR
 from tokenizer_service.tools.pretokenize import main
-from tokenizer_service.tools.pretokenize.ranks import merge
+from tokenizer_service.tools.pretokenize.ranks import RankError, merge
 from tokenizer_service.tools.pretokenize.sources import DocumentReader, Source
 
 SHARD_TOKENS = "4000"
@@ -246,6 +246,37 @@ def test_bad_records_first_and_a_rank_of_only_bad_records_still_finish(
     for rank in (0, 1):
         assert pretokenize(bad, good, "--output", ranked, *common, "--rank", rank, "--world-size", 2) == 0
     assert merge(ranked)["documents"] == 20
+
+
+def test_ranks_never_mix_with_a_single_run_nor_with_another_world_size(
+    documents: list[str], model_files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A probe found a finished run replaced by ranks written beside it and merged over it, and a rank of another
+    world size refused only at the merge, after every rank's work: both are refused at once, in one line."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in documents[:12]))
+    common = ["--local", "--model", model_files["uni"], "-q"]
+    single = tmp_path / "single"
+    assert pretokenize(corpus, "--output", single, *common) == 0
+    before = files_of(single)
+    capsys.readouterr()
+    assert pretokenize(corpus, "--output", single, *common, "--rank", 0, "--world-size", 1) == 2
+    assert "output of a run without ranks" in capsys.readouterr().err
+    assert not (single / "rank-00000").exists() and files_of(single) == before
+    with pytest.raises(RankError, match="run without ranks"):
+        merge(single)
+    assert files_of(single) == before
+
+    ranked = tmp_path / "ranked"
+    assert pretokenize(corpus, "--output", ranked, *common, "--rank", 0, "--world-size", 2) == 0
+    capsys.readouterr()
+    assert pretokenize(corpus, "--output", ranked, *common, "--rank", 1, "--world-size", 3) == 2
+    assert "is a rank of 2 ranks; this run is a rank of 3" in capsys.readouterr().err
+    assert pretokenize(corpus, "--output", ranked, *common, "--rank", 1, "--world-size", 2) == 0
+    assert merge(ranked)["documents"] == 12
+    assert pretokenize(corpus, "--output", ranked, *common, "--rank", 2, "--world-size", 3) == 2
+    assert "holds a merge of 2 ranks" in capsys.readouterr().err
+    assert pretokenize(corpus, "--output", ranked, *common, "--rank", 1, "--world-size", 2) == 0  # already complete
 
 
 @pytest.fixture(scope="module")

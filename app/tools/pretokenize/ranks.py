@@ -116,6 +116,46 @@ def rank_directory(output: Path, rank: int) -> Path:
     return output / RANK_DIRECTORY.format(rank)
 
 
+def rank_place_problem(output: Path | str, world_size: int) -> str | None:
+    """Why a rank of `world_size` ranks may not write under `output` (a local directory), or None: `output` holds a
+    single run's complete output (ranks beside it, then a merge, would replace it), or a merge of another number of
+    ranks, or a rank directory of another world size (found only at merge time, after every rank's work)."""
+    if is_url(output):
+        return None
+    output = Path(output)
+    top = _metadata(output / METADATA_FILE)
+    if top is not None and top.get("merged") is None:
+        return (
+            f"{output} holds the output of a run without ranks (its {METADATA_FILE}): ranks and their merge would "
+            "replace it; give the ranked run an --output of its own"
+        )
+    if top is not None and top["merged"].get("world_size") != world_size:
+        return (
+            f"{output} holds a merge of {top['merged'].get('world_size')} ranks; this run is a rank of {world_size}: "
+            "ranks of another world size never mix (give another --output)"
+        )
+    if output.is_dir():
+        for entry in sorted(output.iterdir()):
+            if RANK_NAME.fullmatch(entry.name) and entry.is_dir():
+                found = _metadata(entry / METADATA_FILE)
+                theirs = None if found is None else (found.get("rank") or {}).get("world_size")
+                if theirs is not None and theirs != world_size:
+                    return (
+                        f"{entry} is a rank of {theirs} ranks; this run is a rank of {world_size}: ranks of another "
+                        "world size never mix (give another --output, or the same --world-size)"
+                    )
+    return None
+
+
+def _metadata(file: Path) -> dict[str, Any] | None:
+    """A metadata.json's content where it reads as a JSON object, else None (absent, unreadable, not JSON)."""
+    try:
+        found = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
 def rank_entries(entries: Sequence[tuple[str, bool]], where: object) -> list[str]:
     """The names of the ranks among an output's `entries` (name, is a directory), sorted; RankError naming any other
     entry named ``rank-...`` (a copy ``rank-00001.old``, a ``rank-1``), so that a merge never blames, skips or takes
@@ -146,6 +186,12 @@ def merge(directory: Path | str) -> dict[str, Any]:
     directory = Path(directory)
     if not directory.is_dir():
         raise RankError(f"{directory} is not a directory: give the --output of the ranked run")
+    top = _metadata(directory / METADATA_FILE)
+    if top is not None and top.get("merged") is None:
+        raise RankError(
+            f"{directory} holds the complete output of a run without ranks (its {METADATA_FILE}, which a merge would "
+            "replace): merge the --output of a ranked run"
+        )
     ranks = rank_entries([(path.name, path.is_dir()) for path in directory.iterdir()], directory)
     found: dict[str, dict[str, Any] | str] = {}
     for name in ranks:

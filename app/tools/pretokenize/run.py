@@ -41,7 +41,7 @@ from tokenizer_service.tools.pretokenize.backends import (
     tokenize_locally,
     tokenize_via_service,
 )
-from tokenizer_service.tools.pretokenize.ranks import blocks, rank_directory
+from tokenizer_service.tools.pretokenize.ranks import blocks, rank_directory, rank_place_problem
 from tokenizer_service.tools.pretokenize.remote import output_for
 from tokenizer_service.tools.pretokenize.shards import BestFitShards, ConcatShards, RaggedShards, ShardSink
 from tokenizer_service.tools.pretokenize.sources import (
@@ -369,6 +369,8 @@ def run(
     corpus = [source.path for source in sources]  # the whole input list, also of a rank
     output, rank = options.output, None
     if options.rank is not None and options.world_size is not None:
+        if (problem := rank_place_problem(options.output, options.world_size)) is not None:
+            raise OutputError(problem)
         start, end = blocks([source.size for source in sources], options.world_size)[options.rank]
         rank = {
             "index": options.rank,
