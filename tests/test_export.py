@@ -300,6 +300,34 @@ def test_refusals_are_one_line_and_exit_2(outputs, tmp_path, capsys):
         check_exportable({**metadata, "complete": False}, "litdata")
 
 
+def test_an_export_never_writes_over_an_input_another_dataset_or_a_file_of_the_user(outputs, tmp_path, capsys):
+    """A probe's exports replaced the corpus the dataset was made from (nanogpt at in.jsonl: a hard link to the
+    shard there now) and another dataset's shards (megatron at OTHER/00000): each is refused in one line, exit 2,
+    before anything is written; an earlier export's .bin is still replaced."""
+    source = outputs["ragged"].parent / "in.jsonl"
+    other = outputs["concat"]
+    mine = tmp_path / "notes.txt"
+    mine.write_text("mine")
+    before = {path: path.read_bytes() for path in (source, mine, *sorted(other.iterdir()))}
+    cases = [
+        (["--to", "nanogpt", "--output", str(source)], "an input the dataset"),
+        (["--to", "megatron", "--output", str(other / "00000")], "lies inside the dataset"),
+        (["--to", "nanogpt", "--output", str(other / "rows.bin")], "lies inside the dataset"),
+        (["--to", "litdata", "--output", str(other / "litdata")], "lies inside the dataset"),
+        (["--to", "nanogpt", "--output", str(mine)], "is no .bin file"),
+    ]
+    for args, says in cases:
+        assert shards(["export", str(outputs["ragged"]), *args, "-q"]) == 2, args
+        error = capsys.readouterr().err
+        assert len(error.strip().splitlines()) == 1 and says in error, error
+    assert {path: path.read_bytes() for path in before} == before
+    assert sorted(other.iterdir()) == sorted(path for path in before if path.parent == other)
+    again = tmp_path / "train.bin"
+    for _ in range(2):  # an earlier export's own file is replaced
+        assert shards(["export", str(outputs["ragged"]), "--to", "nanogpt", "--output", str(again), "-q"]) == 0
+    assert np.fromfile(again, dtype=np.uint16).tolist() == all_ids(outputs["ragged"])
+
+
 @pytest.mark.readers
 def test_a_tokenizer_json_model_end_to_end_with_int32_ids(documents, multilingual, tmp_path, capsys):
     """A tokenizer.json with a vocabulary over 65,536: pre-tokenized (parsing nothing), verified against

@@ -62,7 +62,8 @@ token then trained on by these readers; to litdata, ``TokensLoader``'s layout as
 train on the masks with ``TokenDataset``/``Mixture`` or litdata's items.
 
 An export owns its output (``check_destination``, ``earlier_files``): it never writes at a path that is, or lies
-inside, the dataset it reads (paths resolved, symlinks followed); it removes the files of an earlier export of
+inside, the dataset it reads or any other of the pre-tokenizer's datasets (paths resolved, symlinks followed), nor
+over an input the dataset was made from (its ``sources``), nor over a file of nanogpt's place that is no ``.bin``; it removes the files of an earlier export of
 the same format at the same place before writing (megatron: ``OUT.bin/.idx``, ``OUT_val.bin/.idx`` and the
 ``--per-shard`` pairs ``OUT[_val]_NNNNN.bin/.idx``; nanogpt: the file and its ``val.bin``; litdata: ``index.json``
 and ``chunk-*.bin`` in ``OUT/`` and ``OUT_val/``; llmc: ``train_*.bin`` and ``val_*.bin`` in ``OUT/``), so that
@@ -84,7 +85,8 @@ from typing import Any
 
 import numpy as np
 
-from tokenizer_client.dataset import BIN_SUFFIX, SHARD_SUFFIXES, TokenDataset, is_masked
+from tokenizer_client.dataset import BIN_SUFFIX, FORMAT_NAME, METADATA_FILE, SHARD_SUFFIXES, TokenDataset, is_masked
+from tokenizer_client.storage import is_url
 
 FORMATS = ("megatron", "litdata", "nanogpt", "llmc")
 
@@ -253,6 +255,31 @@ def check_destination(dataset: TokenDataset, to: str, output: Path, val_document
                 "it reads; give a path outside it"
             )
     for place, owned in written:
+        around = dataset_around(place if owned else place.parent)
+        if around is not None:
+            raise ExportError(
+                f"{place} lies inside the dataset {around} (its {METADATA_FILE}): an export never writes into a "
+                "dataset; give a path outside it"
+            )
+    for source in dataset.metadata.get("sources") or []:
+        path = source.get("path") if isinstance(source, dict) else None
+        if not isinstance(path, str) or is_url(path) or not path:
+            continue
+        file = Path(path).resolve()
+        inside = any(owned and file.is_relative_to(place.resolve()) for place, owned in written)
+        if inside or _touches(to, output, file):
+            raise ExportError(
+                f"--output {output} would write over {path}, an input the dataset {dataset.path} was made from; "
+                "give another path"
+            )
+    if to == "nanogpt":
+        for place, _ in written:
+            if (place.exists() or place.is_symlink()) and (place.suffix != BIN_SUFFIX or not place.is_file()):
+                raise ExportError(
+                    f"{place} exists and is no {BIN_SUFFIX} file: an export to nanogpt replaces only an earlier "
+                    f"export's {BIN_SUFFIX} files; give a new path (nanoGPT reads train.bin)"
+                )
+    for place, owned in written:
         if owned and place.is_dir():
             pattern = _LITDATA_FILE if to == "litdata" else _LLMC_FILE
             others = sorted(path.name for path in place.iterdir() if not _ours(pattern, path.name) or path.is_dir())
@@ -278,6 +305,19 @@ def check_destination(dataset: TokenDataset, to: str, output: Path, val_document
                     f"{dataset.path} (linked from there): an export never writes into the dataset it reads; "
                     "give another path"
                 )
+
+
+def dataset_around(directory: Path) -> Path | None:
+    """The pre-tokenizer's dataset (a directory whose metadata.json is of its format) that is `directory` or holds
+    it, if one does (paths resolved): a rank's output and a merged one are datasets too."""
+    for place in (directory.resolve(), *directory.resolve().parents):
+        try:
+            found = json.loads((place / METADATA_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(found, dict) and found.get("format") == FORMAT_NAME:
+            return place
+    return None
 
 
 def remove_earlier(dataset: TokenDataset, to: str, output: Path) -> list[Path]:
