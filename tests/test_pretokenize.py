@@ -437,6 +437,31 @@ def test_refuses_foreign_directories_and_unknown_inputs(
         pretokenize(inputs[0], "--output", tmp_path / "out")  # neither --url nor --local
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["", "--output", "{out}"], "an INPUT is an empty path"),
+        (["{input}", "--output", ""], "--output is an empty path"),
+        (["{input}", "--output", "{out}", "--seq-len", "99999999999999"], "--seq-len must be between 2 and"),
+        (["{input}", "--output", "{out}", "--seq-len", "2000000000", "--strategy", "best_fit"], "--seq-len must be"),
+        (["{input}", "--output", "{out}", "--workers", "100000"], "--workers 100,000 is more than"),
+    ],
+    ids=["empty-input", "empty-output", "seq-len", "seq-len-best-fit", "workers"],
+)
+def test_options_no_run_can_honour_are_one_line_before_anything_starts(
+    corpus: tuple[list[Path], list[str]], tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], says: str
+) -> None:
+    """A probe's empty INPUT tokenized everything under the current directory; --seq-len 10^14 stored no token of
+    the corpus and said nothing; --workers 100000 forked processes until it was killed."""
+    inputs, _ = corpus
+    filled = [arg.format(input=inputs[0], out=tmp_path / "out") for arg in args]
+    with pytest.raises(SystemExit) as stopped:
+        pretokenize(*filled, "--local", "-q")
+    assert stopped.value.code == 2
+    assert says in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow  # a run of the pre-tokenizer each; .ci/run's slow stage
 def test_model_names_resolve_as_the_server_resolves_them(
     corpus: tuple[list[Path], list[str]],

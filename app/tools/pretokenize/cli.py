@@ -387,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         return peek_inputs(args.inputs, args.text_field, kind, args)
     if args.output is None:
         parser.error("the following arguments are required: --output/-o")
+    if not args.output.strip():
+        parser.error("--output is an empty path; give a directory or a URL (here: '.')")
     if not args.urls and not args.local:
         parser.error("one of the arguments --url --local is required")
     if args.strategy is not None and args.seq_len is None:

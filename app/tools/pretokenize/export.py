@@ -63,7 +63,8 @@ train on the masks with ``TokenDataset``/``Mixture`` or litdata's items.
 
 An export owns its output (``check_destination``, ``earlier_files``): it never writes at a path that is, or lies
 inside, the dataset it reads or any other of the pre-tokenizer's datasets (paths resolved, symlinks followed), nor
-over an input the dataset was made from (its ``sources``), nor over a file of nanogpt's place that is no ``.bin``; it removes the files of an earlier export of
+over an input the dataset was made from (its ``sources``), nor over a file of nanogpt's place that is no ``.bin``;
+it removes the files of an earlier export of
 the same format at the same place before writing (megatron: ``OUT.bin/.idx``, ``OUT_val.bin/.idx`` and the
 ``--per-shard`` pairs ``OUT[_val]_NNNNN.bin/.idx``; nanogpt: the file and its ``val.bin``; litdata: ``index.json``
 and ``chunk-*.bin`` in ``OUT/`` and ``OUT_val/``; llmc: ``train_*.bin`` and ``val_*.bin`` in ``OUT/``), so that

@@ -119,16 +119,36 @@ class Options:
             )
         if not self.inputs:
             raise ValueError("no input files")
-        if self.seq_len is not None and self.seq_len < 2:
-            raise ValueError(f"--seq-len must be at least 2, got {self.seq_len}")
+        if any(not str(path).strip() for path in self.inputs):
+            raise ValueError("an INPUT is an empty path; give a file, a directory or a URL (here: '.')")
+        if self.seq_len is not None and not 2 <= self.seq_len <= MAX_SEQ_LEN:
+            raise ValueError(
+                f"--seq-len must be between 2 and {MAX_SEQ_LEN:,} ({MAX_SEQ_LEN // 2**20}M tokens a row), "
+                f"got {self.seq_len:,}"
+            )
         if self.strategy not in ("concat", "best_fit"):
             raise ValueError(f"--strategy must be concat or best_fit, got {self.strategy!r}")
         if self.workers < 1 or self.shard_tokens < 1:
             raise ValueError("--workers and --shard-tokens must be positive")
+        if self.workers > (most := max_workers()):
+            raise ValueError(
+                f"--workers {self.workers:,} is more than {most} (8 per core of the {usable_cpus()} this process may "
+                "use): each worker is a process holding the model"
+            )
         if self.urls:
             from tokenizer_client.urls import parse_urls  # httpx: imported only by a run with --url
 
             parse_urls(self.urls)  # a URL without http(s):// is refused here, with the fix
+
+
+# The longest row a packed output holds: 16M tokens (a million-token context is 1,048,576). Beyond it a row is no
+# training row; a concat run of a corpus shorter than one row would store no token at all.
+MAX_SEQ_LEN = 1 << 24
+
+
+def max_workers() -> int:
+    """The most --workers a run may start: 8 per usable core, at least 64."""
+    return max(64, 8 * usable_cpus())
 
 
 @dataclass(frozen=True)

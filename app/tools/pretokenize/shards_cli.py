@@ -548,6 +548,9 @@ def _main(args: argparse.Namespace, scratch: list[Path]) -> int:
     if args.shard_tokens < 1:
         print(f"tokenizer-shards: --shard-tokens must be at least 1, got {args.shard_tokens}", file=sys.stderr)
         return 2
+    if not args.output.strip():
+        print("tokenizer-shards: --output is an empty path; give a file, a prefix or a directory", file=sys.stderr)
+        return 2
     url = args.output if is_url(args.output) else None
     staging = _temporary(scratch, "export") if url is not None else None
     try:  # every refusal that needs no shard read comes before the progress bar
