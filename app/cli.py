@@ -85,6 +85,8 @@ def check_address(host: str, port: int) -> str | None:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         return f"--host {host!r}: {exc.strerror}"
+    except UnicodeError:  # an empty label ("not..a..host"), or one over 63 characters: no name at all
+        return f"--host {host!r} is no host name nor address: --host 127.0.0.1 (this machine only) or 0.0.0.0"
     failure: OSError | None = None
     for family, kind, proto, _, address in infos:
         try:

@@ -338,6 +338,16 @@ def test_an_address_uvicorn_can_listen_on_passes_the_start_check(host):
     assert check_address(host, free_port()) is None
 
 
+@pytest.mark.parametrize("host", ["not..a..host", "a" * 64 + ".example"])
+def test_a_host_that_is_no_name_is_one_line_not_a_traceback(host):
+    """The idna codec raises UnicodeError (not gaierror) for an empty label or one over 63 characters."""
+    from tokenizer_service.cli import check_address
+    from tokenizer_service.tools.launcher import free_port
+
+    problem = check_address(host, free_port())
+    assert problem is not None and "is no host name nor address" in problem
+
+
 def test_the_expansion_bounds_constants_hold_for_every_code_point():
     """NFKC grows no character's UTF-8 more than 11-fold, and nothing at or above U+30000 decomposes."""
     for point in range(0x110000):
