@@ -68,6 +68,17 @@ def test_a_zst_input_cut_short_is_one_line_and_reaches_no_complete_output(
             assert not json.loads((out / "metadata.json").read_text())["complete"]
 
 
+def test_peek_at_a_gzip_input_cut_short_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--peek read the first record of a truncated .gz into an EOFError traceback (a run said it in one line)."""
+    import gzip
+
+    whole = gzip.compress(jsonl_bytes(["a document of some words"] * 2000))
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(whole[: len(whole) // 2])
+    assert pretokenize(cut, "--peek") == 1
+    assert "corrupt compressed data" in one_line(capsys.readouterr().err)
+
+
 def test_a_bit_flip_or_a_file_that_is_not_zstd_is_one_line(
     documents: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -367,6 +368,9 @@ def peek_inputs(inputs: list[str], text_field: str, kind: str = TEXT, args: argp
         return 2
     except (InputError, OSError) as exc:
         print(f"tokenizer-pretokenize: {exc}", file=sys.stderr)
+        return 1
+    except (EOFError, zlib.error) as exc:  # a compressed input cut short or corrupt before its first record
+        print(f"tokenizer-pretokenize: {path}: corrupt compressed data ({exc})", file=sys.stderr)
         return 1
     return 0
 
