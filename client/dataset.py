@@ -221,6 +221,20 @@ def check_metadata(meta: Any, where: str | Path) -> dict[str, Any]:
         )
     if meta["layout"] == "packed" and not isinstance(meta.get("seq_len"), int):
         raise ValueError(f"{where}: packed output without an integer seq_len")
+    model = meta.get("model")
+    if not isinstance(model, dict) or type(model.get("vocab_size")) is not int:
+        raise ValueError(f"{where}: model is not an object with an integer vocab_size")
+    shards = meta.get("shards")
+    counted = ("rows",) if meta["layout"] == "packed" else ("documents", "tokens")
+    if not isinstance(shards, list) or not all(
+        isinstance(shard, dict)
+        and isinstance(shard.get("name"), str)
+        and all(type(shard.get(key)) is int and shard[key] >= 0 for key in counted)
+        for shard in shards
+    ):
+        raise ValueError(
+            f"{where}: shards is not a list of objects each with a name and its {' and '.join(counted)} (integers)"
+        )
     return meta
 
 

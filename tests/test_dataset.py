@@ -213,6 +213,16 @@ def test_bad_files_raise_value_error(ragged_dir: Path, tmp_path: Path) -> None:
     meta_path.write_text(json.dumps({**meta, "complete": False}))
     with pytest.raises(ValueError, match="incomplete"):
         TokenDataset(meta_path.parent)
+    # fields of the wrong type were TypeErrors deep in the reader (tracebacks of tokenizer-shards info and verify)
+    for field, value, says in [
+        ("shards", "00000", "shards is not a list"),
+        ("shards", [{"name": "00000", "documents": "3", "tokens": 5}], "shards is not a list"),
+        ("model", None, "model is not an object"),
+        ("model", {"vocab_size": "4000"}, "model is not an object"),
+    ]:
+        meta_path.write_text(json.dumps({**meta, field: value}))
+        with pytest.raises(ValueError, match=says):
+            TokenDataset(meta_path.parent)
     assert len(TokenDataset(meta_path.parent, allow_partial=True)) == len(TokenDataset(ragged_dir))
     with pytest.raises(ValueError, match=r"metadata\.json"):
         TokenDataset(tmp_path)
