@@ -223,6 +223,7 @@ def test_bad_files_raise_value_error(ragged_dir: Path, tmp_path: Path) -> None:
         meta_path.write_text(json.dumps({**meta, field: value}))
         with pytest.raises(ValueError, match=says):
             TokenDataset(meta_path.parent)
+    meta_path.write_text(json.dumps({**meta, "complete": False}))
     assert len(TokenDataset(meta_path.parent, allow_partial=True)) == len(TokenDataset(ragged_dir))
     with pytest.raises(ValueError, match=r"metadata\.json"):
         TokenDataset(tmp_path)
