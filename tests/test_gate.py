@@ -236,6 +236,73 @@ def test_special_token_strings_that_begin_one_another_are_checked_in_pairs():
     assert "</s>" not in texts[0]  # no pair: "<s>" does not begin "</s>"
 
 
+def _held_out_bpe(directory: Path, pattern: str | None, added: list) -> Path:
+    """A byte-level BPE tokenizer.json with no normalizer, trained here, with `added` tokens, as a probe built them."""
+    from tokenizers import Regex, pre_tokenizers
+
+    from tests.conftest import read_documents
+    from tests.tokenizer_models import byte_level_bpe
+
+    tokenizer = byte_level_bpe(read_documents(), 1000)
+    if pattern is not None:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    tokenizer.add_tokens(added)
+    directory.mkdir(parents=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def _rows_of(path: Path):
+    """(the reference library's rows, fastokens' rows, the library) of a tokenizer.json."""
+    import fastokens
+
+    from tokenizer_service.core import encoders
+
+    library = libraries.load(find_model_files("held-out", path), libraries.REFERENCE)
+    fast = encoders.build(library, "fastokens", fastokens)
+    return library._reference_rows, libraries._safe_rows(fast), library
+
+
+def test_pairs_of_added_tokens_catch_a_stripping_token_before_one_that_begins_with_a_space(tmp_path):
+    """A held-out probe: fastokens 0.3.5 passed the gate of a model with `[MARK]` (rstrip) and ` FOO` (an added token
+    that begins with a space) and then matched ` FOO` after `[MARK] `, where `tokenizers` lets the rstrip eat the
+    space. No single token's contexts make that pair; the check set's pairs of added tokens refuse such an encoder."""
+    from tokenizers import AddedToken
+
+    path = _held_out_bpe(
+        tmp_path / "marks",
+        None,
+        [
+            AddedToken("[MARK]", lstrip=True, rstrip=True, normalized=False, special=False),
+            AddedToken(" FOO", normalized=True, special=False),
+        ],
+    )
+    reference, fast, library = _rows_of(path)
+    failing = ["[MARK] FOO", "x [MARK] FOO y", "[MARK]\t FOO"]
+    wrong = any(reference([text], mode) != fast([text], mode) for text in failing for mode in (False, True))
+    message = libraries.gate("held-out", reference, fast, libraries.check_texts(library))
+    assert message is not None or not wrong, "the check set let through an encoder wrong on an added-token pair"
+    texts = checkset.pair_texts(["[MARK]", " FOO"])
+    assert any("x [MARK] FOO y" in text for text in texts) and any("x [MARK]\t  FOO y" in text for text in texts)
+
+
+def test_the_scan_finds_a_code_point_split_otherwise_only_before_a_space_and_a_letter(tmp_path, monkeypatch):
+    """A held-out probe: on a model of its own Split pattern, fastokens 0.3.5 took U+180E for whitespace only before
+    a space and a letter or digit (`\u180e m`), a neighbourhood the scan's first line never gives it."""
+    path = _held_out_bpe(tmp_path / "split", r" ?[A-Za-z]+| ?[0-9]{1,2}|\s+|.", [])
+    reference, fast, _library = _rows_of(path)
+    monkeypatch.setattr(checkset, "code_points", lambda: list(range(0x1780, 0x1880)))
+    wrong = reference(["\u180e m", "\u180e 7"], False) != fast(["\u180e m", "\u180e 7"], False)
+    message = libraries.scan(reference, fast, [])
+    assert (message is not None and "U+180E" in message) or not wrong, message
+    assert "\u180e m\u180e 7" in checkset.code_point_text([0x180E])
+
+
 def test_settling_a_model_no_gate_applies_to_says_so_in_one_line(capsys):
     """`python -m tokenizer_service.core.gatescan` on a SentencePiece model: nothing to settle, exit 0 (it was a
     traceback)."""

@@ -66,9 +66,9 @@ FIXED = (
 )
 
 
-# of the texts below and the scan (5: gigatoken encodes a text a call; 6: as UTF-8 bytes): a verdict of another is
-# not used
-VERSION = 6
+# of the texts below and the scan (5: gigatoken encodes a text a call; 6: as UTF-8 bytes; 7: pairs of added tokens,
+# each code point before a space and a letter or digit): a verdict of another is not used
+VERSION = 7
 
 LONG_TOKEN_CHARS = 256  # a longer special-token string is checked alone and in one context, never repeated
 TOKENS_PER_TEXT = 64  # special-token strings batched into one check text (a long one gets a text of its own)
@@ -76,6 +76,13 @@ CODE_POINTS_PER_TEXT = 256  # code points batched into one check text
 
 
 PREFIX_PAIRS = 1024  # pairs of special-token strings where one begins the other, checked at most
+# Added tokens side by side (`pair_texts`): every ordered pair of them with each separator where a model has at most
+# ALL_PAIRS_TOKENS; else every pair in which one token has whitespace at the edge facing the other, or is one of the
+# first FIRST_TOKENS; at most MOST_PAIRS pairs.
+ALL_PAIRS_TOKENS = 64
+FIRST_TOKENS = 16
+MOST_PAIRS = 20_000
+PAIR_SEPARATORS = ("", " ", "  ", "\t ", "\n ", " \n ", "\u3000 ", "\u00a0 ", "\n", "\t")
 PIECES_PER_TEXT = 64  # tokens that are no merge of two, batched into one check text
 PIECES = 1024  # such tokens of a model checked at most (the first by rank)
 
@@ -94,6 +101,7 @@ def texts(special: Iterable[str] = (), pieces: Iterable[str] = ()) -> list[str]:
     out += tokens
     out += [token_text(group) for group in token_groups(tokens)]
     out += prefix_texts(tokens)
+    out += pair_texts(tokens)
     out += whitespace_texts()
     out += piece_texts([piece for piece in pieces if piece])
     return out
@@ -135,6 +143,24 @@ def prefix_texts(tokens: Sequence[str]) -> list[str]:
         )
         for start in range(0, len(pairs), TOKENS_PER_TEXT)
     ]
+
+
+def pair_texts(tokens: Sequence[str]) -> list[str]:
+    """Added tokens side by side, with each of `PAIR_SEPARATORS` between them (none, spaces, tabs, newlines, U+3000,
+    NBSP), `TOKENS_PER_TEXT` pairs a text, each pair on a line of its own after a word. Where a token that strips
+    the whitespace after it (rstrip) meets one that begins with a space (" FOO"), fastokens 0.3.5 matched the second
+    where `tokenizers` no longer can: pairs no single token's contexts make."""
+    short = [token for token in dict.fromkeys(tokens) if len(token) <= LONG_TOKEN_CHARS]
+    if len(short) <= ALL_PAIRS_TOKENS:
+        pairs = list(itertools.product(short, short))
+    else:
+        chosen = set(short[:FIRST_TOKENS])
+        before = {token for token in short if token[-1].isspace()} | chosen  # whitespace facing the next token
+        after = {token for token in short if token[0].isspace()} | chosen
+        pairs = [(first, second) for first in short for second in short if first in before or second in after]
+    lines = [f"x {first}{separator}{second} y" for first, second in pairs for separator in PAIR_SEPARATORS]
+    lines = lines[: MOST_PAIRS * len(PAIR_SEPARATORS)]
+    return ["\n".join(lines[start : start + TOKENS_PER_TEXT]) for start in range(0, len(lines), TOKENS_PER_TEXT)]
 
 
 def piece_texts(pieces: Sequence[str]) -> list[str]:
@@ -200,12 +226,15 @@ def code_points() -> list[int]:
 
 
 def code_point_text(points: Sequence[int]) -> str:
-    """Each code point between a space and a letter, between letters and three times in a row, one line each.
+    """Each code point between a space and a letter, between letters and three times in a row, then before a space
+    and a letter and before a space and a digit, two lines each.
 
     Each of these neighbourhoods (what comes before and after the code point) matters: a shorter line that
     kept the neighbours but not these pairs of them (` ccca c`) missed U+180E in cl100k_base, which fastokens
-    0.3.5 takes for whitespace only between a space and a letter."""
-    return "".join(f" {c}a{c}b{c}{c}{c}\n" for c in map(chr, points))
+    0.3.5 takes for whitespace only between a space and a letter. And U+180E before a space and a letter or digit
+    (`{c} m`, `{c} 7`) split otherwise in fastokens on a model of a Split pattern of its own (`\\s+|.`), which the
+    first line never puts it in."""
+    return "".join(f" {c}a{c}b{c}{c}{c}\n{c} m{c} 7\n" for c in map(chr, points))
 
 
 def code_point_blocks() -> list[list[int]]:

@@ -354,9 +354,16 @@ def gate(name: str, reference: Rows, fast: Rows, texts: list[str]) -> str | None
         except Exception as exc:  # a fast encoder that cannot encode the check set is not used
             return f"failed on the check set: {exc!r}"
         for index, (want, have) in enumerate(zip(expected, got, strict=True)):
-            if list(want) != list(have):
+            want, have = list(want), list(have)
+            if want != have:
                 mode = "parsing special tokens" if parse_special else "special tokens as text"
-                return f"check text {index} ({texts[index][:40]!r}, {mode}): {list(have)[:8]} != {list(want)[:8]}"
+                pairs = enumerate(zip(want, have, strict=False))  # of unequal lengths, where one ends
+                at = next((i for i, (a, b) in pairs if a != b), min(len(want), len(have)))
+                start = max(0, at - 2)  # the ids around the first that differs, not the text's first ids
+                return (
+                    f"check text {index} ({texts[index][:40]!r}, {mode}): ids from {start}: "
+                    f"{have[start : start + 8]} != {want[start : start + 8]}"
+                )
     return None
 
 
