@@ -437,6 +437,19 @@ def test_refuses_foreign_directories_and_unknown_inputs(
         pretokenize(inputs[0], "--output", tmp_path / "out")  # neither --url nor --local
 
 
+def test_a_corpus_of_empty_files_is_exit_1_and_leaves_no_output(
+    model_files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A probe's empty .jsonl (and zero-row Parquet) made a "complete" dataset of no document, exit 0."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    out = tmp_path / "out"
+    assert pretokenize(empty, "--output", out, "--local", "--model", model_files["uni"], "-q") == 1
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "hold no record" in error[0]
+    assert not out.exists()
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [

@@ -611,6 +611,8 @@ def _tokenize(
         # keeping, and leaving it would make the corrected command "another run's output" (run
         # removes it on this error).
         raise all_bad(bad, last_bad, reader, options, early=False)
+    if documents == 0 and not bad and shards_before == 0 and rank is None:  # empty files: a "complete" empty output
+        raise NoTextError("the inputs hold no record (they are empty), so nothing was tokenized: give the corpus")
     sink.finish()
     if kind is not None or urls:
         encoded_by = collections.Counter({model.encoder: documents})
