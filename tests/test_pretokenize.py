@@ -437,6 +437,24 @@ def test_refuses_foreign_directories_and_unknown_inputs(
         pretokenize(inputs[0], "--output", tmp_path / "out")  # neither --url nor --local
 
 
+def test_an_output_inside_an_input_directory_is_never_read_as_input(
+    documents: list[str], model_files: dict[str, Path], tmp_path: Path
+) -> None:
+    """A probe's output inside its input directory could never be run again: its own metadata.json was taken for
+    an input, and the rerun refused to mix. Another dataset in that directory is left out too."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in documents[:9]))
+    common = ["--local", "--model", model_files["uni"], "-q"]
+    assert pretokenize(corpus, "--output", corpus / "shards", *common) == 0
+    before = files_of(corpus / "shards")
+    assert pretokenize(corpus, "--output", corpus / "shards", *common) == 0  # already complete
+    assert files_of(corpus / "shards") == before
+    assert pretokenize(corpus, "--output", tmp_path / "elsewhere", *common) == 0
+    assert len(TokenDataset(tmp_path / "elsewhere")) == 9  # the dataset under corpus/ is no input
+    assert TokenDataset(tmp_path / "elsewhere").metadata["bad_records"] == 0
+
+
 def test_a_corpus_of_empty_files_is_exit_1_and_leaves_no_output(
     model_files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -381,7 +381,7 @@ def run(
     warn = warn or report_bad
     if options.storage_options is not None:  # --storage-options, for the URLs of inputs and output
         storage.configure(options.storage_options)
-    sources = [Source.from_path(path) for path in expand_inputs(options.inputs, warn)]
+    sources = [Source.from_path(path) for path in expand_inputs(options.inputs, warn, options.output)]
     if options.dialogue and any(source.format == "txt" for source in sources):
         plain = next(source.path for source in sources if source.format == "txt")
         what = options.kind.replace("_", "-")

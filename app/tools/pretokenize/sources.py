@@ -32,6 +32,7 @@ from typing import Any, BinaryIO, NamedTuple
 import numpy as np
 import orjson
 
+from tokenizer_client.dataset import FORMAT_NAME, METADATA_FILE
 from tokenizer_client.storage import StorageError, filesystem, is_url
 from tokenizer_client.storage import describe as describe_storage_error
 
@@ -233,19 +234,31 @@ def kind_of(name: str) -> tuple[str | None, str | None]:
     return suffix, {".gz": "gzip", ".zst": "zstd", None: None}[compression]
 
 
-def expand_inputs(paths: list[str] | list[Path], warn: Callable[[str], None] | None = None) -> list[Path]:
-    """The input files: each file as given, each directory as every readable file below it, sorted.
+def expand_inputs(
+    paths: list[str] | list[Path], warn: Callable[[str], None] | None = None, output: Path | str | None = None
+) -> list[Path]:
+    """The input files: each file as given, each directory as every readable file below it, sorted; below a
+    directory, never a file of `output` (the run's own) nor of any dataset or rank the pre-tokenizer wrote there
+    (a directory whose metadata.json is of its format): their metadata.json is no corpus.
 
     A file reached twice (a symlink and its target, a file named and inside a directory named) is read once,
     at its first place, and `warn` hears of each repeat."""
     files: list[Path] = []
+    own = None if output is None or is_url(output) else Path(output).expanduser().resolve()
     for path in paths:
         if is_url(path):
             files.extend(expand_url(str(path)))  # type: ignore[arg-type]  # URLs stay strings
             continue
         path = Path(path).expanduser()
         if path.is_dir():
-            found = sorted(item for item in path.rglob("*") if item.is_file() and kind_of(item.name)[0])
+            outputs = _outputs_below(path, own)
+            found = sorted(
+                item
+                for item in path.rglob("*")
+                if item.is_file()
+                and kind_of(item.name)[0]
+                and not any(item.resolve().is_relative_to(place) for place in outputs)
+            )
             if not found:
                 raise InputRefused(f"{path}: a directory with no input file in it ({KINDS})")
             files.extend(found)
@@ -264,6 +277,19 @@ def expand_inputs(paths: list[str] | list[Path], warn: Callable[[str], None] | N
         first[resolved] = file
         unique.append(file)
     return unique
+
+
+def _outputs_below(directory: Path, own: Path | None) -> list[Path]:
+    """The run's own output (`own`) and every pre-tokenizer output below `directory` (resolved paths)."""
+    found = [] if own is None else [own]
+    for metadata in directory.rglob(METADATA_FILE):
+        try:
+            document = orjson.loads(metadata.read_bytes())
+        except (OSError, orjson.JSONDecodeError):
+            continue
+        if isinstance(document, dict) and document.get("format") == FORMAT_NAME:
+            found.append(metadata.parent.resolve())
+    return found
 
 
 def expand_url(url: str) -> list[str]:
