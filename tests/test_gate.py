@@ -312,3 +312,17 @@ def test_settling_a_model_no_gate_applies_to_says_so_in_one_line(capsys):
     assert gatescan.main([str(BUNDLED_MODELS_DIR / "default.model")]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1 and lines[0].endswith("no gate: sentencepiece encodes it, no fast encoder stands in for it")
+
+
+def test_settling_verdicts_no_cache_can_keep_is_refused_before_any_scan(tmp_path, monkeypatch, capsys):
+    """gatescan's only purpose is the cached verdict: a probe's scan behind an unwritable cache ran 89 s, said
+    "passed" and exit 0, and kept nothing. It now says so in one line, exit 2, before scanning."""
+    from tokenizer_service.core import gatescan
+    from tokenizer_service.settings import BUNDLED_MODELS_DIR
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv(libraries.CACHE_DIR_ENV, str(blocker))
+    assert gatescan.main([str(BUNDLED_MODELS_DIR / "default.model")]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "cannot keep verdicts" in error[0] and libraries.CACHE_DIR_ENV in error[0]

@@ -21,6 +21,7 @@ import logging
 import multiprocessing
 import os
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -188,6 +189,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("models", nargs="+", metavar="MODEL_PATH", help="a tokenizer.json, snapshot or ranks file")
     paths = parser.parse_args(argv).models
+    from tokenizer_service.core import libraries
+
+    where = libraries.cache_dir()
+    try:  # its only purpose is the cached verdict: a cache it cannot write is said before any scan, not after
+        where.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=where, prefix=".probe-"):
+            pass
+    except OSError as exc:
+        print(
+            f"{parser.prog}: cannot keep verdicts in {where} ({exc.strerror or exc}): set {libraries.CACHE_DIR_ENV} to "
+            "a writable directory",
+            file=sys.stderr,
+        )
+        return 2
     status = 0
     for given in paths:
         path = Path(given).expanduser()
