@@ -74,8 +74,19 @@ def _run_main(main: Callable[[], int | str | None]) -> int | str | None:
     return status
 
 
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
+
+
 def _command(name: str, module: str, extra: str) -> Callable[[], None]:
     def run() -> None:
+        try:
+            sys.exit(_imported_and_run())
+        except KeyboardInterrupt:  # before the command's own handling (its imports), or where it has none
+            stopped = name == "tokenizer-server"  # a server Ctrl-C stops is a clean stop (docs/operations.md)
+            print(f"{name}: {'stopped' if stopped else 'interrupted'}", file=sys.stderr)
+            sys.exit(0 if stopped else INTERRUPTED)
+
+    def _imported_and_run() -> int | str | None:
         try:
             main = importlib.import_module(module).main
         except ModuleNotFoundError as exc:
@@ -88,7 +99,7 @@ def _command(name: str, module: str, extra: str) -> Callable[[], None]:
                 file=sys.stderr,
             )
             sys.exit(USAGE_ERROR)
-        sys.exit(_run_main(main))
+        return _run_main(main)
 
     run.__name__ = name.replace("-", "_")
     run.__doc__ = f"`{name}`: {module}.main, or one line naming the extra to install."

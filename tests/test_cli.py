@@ -319,3 +319,31 @@ def test_every_help_prints(command):
     result = subprocess.run([program, *command[1:], "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage:") and not result.stderr
+
+
+@pytest.mark.parametrize(
+    ("command", "module", "status", "says"),
+    [
+        ("shards", "tokenizer_service.tools.pretokenize.shards_cli", 130, "tokenizer-shards: interrupted"),
+        ("bench", "tokenizer_service.tools.bench", 130, "tokenizer-bench: interrupted"),
+        ("server", "tokenizer_service.cli", 0, "tokenizer-server: stopped"),
+    ],
+)
+def test_ctrl_c_where_a_command_has_no_handling_of_its_own_is_one_line(
+    monkeypatch, capsys, command, module, status, says
+):
+    """A probe's Ctrl-C in `tokenizer-shards verify --sample`, or in any command while it imported, was a
+    KeyboardInterrupt traceback: now one line, exit 130 (a server: stopped, exit 0, as its own handling says)."""
+    import importlib
+
+    from tokenizer_service import entry
+
+    def interrupted() -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module(module), "main", interrupted)
+    with pytest.raises(SystemExit) as stopped:
+        getattr(entry, command)()
+    assert stopped.value.code == status
+    error = capsys.readouterr().err.strip().splitlines()
+    assert error == [says]

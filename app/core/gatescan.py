@@ -223,4 +223,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # mid-scan: no verdict is kept for the model being scanned
+        print("interrupted: the verdicts printed above are kept, the model being scanned has none", file=sys.stderr)
+        sys.exit(130)
