@@ -315,7 +315,9 @@ def test_parquet_texts_reach_the_fast_encoder_as_utf8_and_bad_values_are_bad_rec
     assert "rows.parquet:102: column 'text' is not valid UTF-8 (its byte 4)" in errors, errors
     assert "rows.parquet:101:" in errors
     dataset = TokenDataset(out)
-    assert dataset.metadata["bad_records"] == 2 and dataset.metadata["model"]["encoder"] == "gigatoken"
+    # the fast encoder the gate's rule chose: gigatoken reads the bytes, fastokens the texts decoded in the worker
+    # (on this 3k model the two measure within noise of each other, and the rule picks the faster of the day)
+    assert dataset.metadata["bad_records"] == 2 and dataset.metadata["model"]["encoder"] in ("gigatoken", "fastokens")
     reference = libraries.load(find_model_files("hfbpe", model), libraries.REFERENCE)
     ids, lengths = reference.encode(good, EncodeOptions(add_eos=True))  # the pre-tokenizer's default
     got = [dataset[i].tolist() for i in range(len(dataset))]
