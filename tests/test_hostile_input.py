@@ -109,6 +109,21 @@ def test_an_integer_of_thousands_of_digits_is_422_naming_its_field(server, path,
     assert answer.json()["error"]["field"] == field
 
 
+@pytest.mark.parametrize("encoding", ["gzip", "br", "gzip, chunked", "deflate"])
+def test_a_compressed_body_is_415_and_identity_is_read_as_sent(server, encoding):
+    """A probe's plain body with Content-Encoding: gzip was answered 200 as if plain, and a real gzip body got a
+    400 about JSON: bodies are read as sent, and a Content-Encoding saying otherwise is refused naming it."""
+    import gzip
+
+    body = b'{"texts": ["I am a cat."]}'
+    for sent in (body, gzip.compress(body)):
+        answer = post(server.url, "/v1/tokenize", sent, **{"content-encoding": encoding})
+        assert answer.status_code == 415, answer.text
+        error = answer.json()["error"]
+        assert error["type"] == "unsupported_encoding" and encoding in error["message"]
+    assert post(server.url, "/v1/tokenize", body, **{"content-encoding": "identity"}).status_code == 200
+
+
 def test_a_utf8_bom_is_400(server):
     answer = post(server.url, "/v1/tokenize", codecs.BOM_UTF8 + b'{"texts": ["a"]}')
     assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_json"

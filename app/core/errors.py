@@ -61,6 +61,12 @@ class PayloadTooLarge(ServiceError):
     type = "payload_too_large"
 
 
+class UnsupportedEncoding(ServiceError):
+    """A compressed request body (Content-Encoding): the service reads bodies as they are sent."""
+
+    type = "unsupported_encoding"
+
+
 class Unauthorized(ServiceError):
     """No API key, or one that is not configured; the body says which, never what the keys are."""
 

@@ -34,6 +34,7 @@ from tokenizer_service.core.errors import (
     SlowBody,
     Unauthorized,
     Unavailable,
+    UnsupportedEncoding,
 )
 from tokenizer_service.core.join import Answer
 from tokenizer_service.core.models import ModelInfo
@@ -242,12 +243,20 @@ class Edge:
                 f"{self.active} requests are in progress, the most this server takes at once; retry later"
             )
             return await send_error(send, overloaded)
-        declared, accept = None, None
+        declared, accept, encoding = None, None, None
         for name, value in scope["headers"]:
             if name == b"content-length":
                 declared = value
             elif name == b"accept":
                 accept = value
+            elif name == b"content-encoding":
+                encoding = value
+        if encoding is not None and encoding.strip().lower() not in (b"", b"identity"):
+            shown = encoding.decode("latin-1")[:40]
+            refused = UnsupportedEncoding(
+                f"Content-Encoding {shown!r}: request bodies are read as sent; send it uncompressed"
+            )
+            return await send_error(send, refused)
         self.active += 1
         loop = self._loop
         assert loop is not None

@@ -28,6 +28,7 @@ from tokenizer_service.core.errors import (
     SlowBody,
     Unauthorized,
     Unavailable,
+    UnsupportedEncoding,
 )
 
 logger = logging.getLogger("tokenizer.errors")
@@ -41,6 +42,7 @@ STATUS: dict[type[ServiceError], int] = {
     ModelNotFound: 404,
     SlowBody: 408,
     PayloadTooLarge: 413,
+    UnsupportedEncoding: 415,
     InvalidField: 422,
     PoisonInput: 422,
     Unavailable: 503,
