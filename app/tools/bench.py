@@ -2,7 +2,7 @@
 
     tokenizer-bench --model FILE --corpus FILE [--docs N] [--url URL] [--rounds R] [--workers N]
 
-On the first N documents of the corpus (.jsonl/.txt, gzipped or not; read as tokenizer-pretokenize
+On the first N documents of the corpus (one file of any kind tokenizer-pretokenize reads; read as it
 reads it), measured in the same run, in alternating rounds, against the batched in-process call:
 
   per-sample loop     for text in docs: sp.encode(text)             (what a naive Dataset does)
@@ -186,7 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="a SentencePiece .model, a tokenizer.json (or its directory) or a *.tiktoken file",
     )
-    parser.add_argument("--corpus", type=Path, required=True, help=".jsonl or .txt, optionally .gz")
+    parser.add_argument(
+        "--corpus",
+        type=Path,
+        required=True,
+        help="one input file, of any kind tokenizer-pretokenize reads (.jsonl, .txt, .parquet; .gz, .zst)",
+    )
     parser.add_argument("--docs", type=int, default=5000, help="documents to use (default: 5000)")
     parser.add_argument("--text-field", default="text", help="JSON field of the text (default: text)")
     parser.add_argument("--url", help="a running tokenizer-service (default: start one here)")
