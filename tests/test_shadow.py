@@ -41,6 +41,47 @@ def test_a_sampled_text_that_differs_falls_the_model_back(library_models):
     assert shadow.run() == []  # nothing sampled after the fall-back: the reference library is not watched
 
 
+class _Differs:
+    """A fast encoder that gives one other id in each text holding `char` (not the tests' planted double, whose
+    mismatches are never kept: this one stands for a real encoder's)."""
+
+    def __init__(self, fast, char: str) -> None:
+        self.inner, self.char = fast, char
+
+    def encode_batch_flat(self, texts, **options):
+        ids, offsets = self.inner.encode_batch_flat(texts, **options)
+        bounds = np.frombuffer(offsets, dtype="<u8")
+        changed = np.frombuffer(ids, dtype="<u4").copy()
+        for index, text in enumerate(texts):
+            if self.char in text and bounds[index + 1] > bounds[index]:
+                changed[bounds[index]] ^= 1
+        return changed.tobytes(), offsets
+
+
+def test_a_mismatch_is_kept_as_the_gates_verdict_so_no_later_start_serves_that_encoder(
+    library_models, tmp_path, monkeypatch
+):
+    """A held-out probe: shadow verification caught a fast encoder's wrong ids and fell the model back, but the
+    cached verdict still said passed, so every restart served the wrong ids again until a sample caught them."""
+    files = find_model_files("tt", library_models["tt"])
+    monkeypatch.setenv(libraries.CACHE_DIR_ENV, str(tmp_path))
+    library = libraries.load(files, trusted=True)
+    route = library.encoder
+    assert libraries.is_fast(route)
+    library.fast = _Differs(library.fast, "\u2603")
+    shadow = Shadow(rate=1.0, interval=0.0)
+    shadow.watch("tt", library)
+    library.encode(["a snow\u2603man"], EncodeOptions())
+    (report,) = shadow.run()
+    assert report.mismatch is not None and library.encoder == "tiktoken"
+    for select in (libraries.FAST, libraries.encoders.encoder_of(route)):
+        verdict = libraries.cached_verdict(libraries.gate_key(files, select))
+        assert verdict is not None and verdict["passed"] is False
+        assert "shadow verification" in verdict["differs"] and "U+2603" in verdict["differs"]
+    again = libraries.load(files)  # a later start: the reference library, with no scan
+    assert again.encoder == "tiktoken" and again.fast is None
+
+
 def test_the_sampler_takes_about_its_share_and_one_text_per_interval(library_models):
     library = libraries.load(find_model_files("tt", library_models["tt"]), trusted=True)
     shadow = Shadow(rate=0.01, interval=0.0, seed=1)

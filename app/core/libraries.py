@@ -200,11 +200,16 @@ class Library(ABC):
 
     fallen = False  # fell back after a shadow mismatch: never promoted again
 
-    def fall_back(self) -> None:
-        """Encode with the reference library from now on (fastokens differed from it)."""
+    def fall_back(self, mismatch: str | None = None) -> None:
+        """Encode with the reference library from now on (the fast encoder differed from it). `mismatch`: what this
+        process's shadow verification found, kept as the gate's verdict on these files (`remember_mismatch`), so
+        that no later start, here or elsewhere on this cache, serves that fast encoder again."""
+        route, fast = self.encoder, getattr(self, "fast", None)
         self.fast = None
         self.encoder = self.library
         self.fallen = True
+        if mismatch is not None and encoders.is_fast(route) and not isinstance(fast, _Planted):  # tests' doubles
+            remember_mismatch(self.files, route, mismatch)
 
     def promote(self, route: str = FAST, keep_reference: bool = False) -> bool:
         """Encode with the fast encoder `route` (``gigatoken``, ``fastokens(converted)``...) from now on: its gate
@@ -624,6 +629,16 @@ def remember_verdict(
     if checkset_ids is not None:
         verdict["checkset_ids"] = checkset_ids
     _write_cache(key, verdict)
+
+
+def remember_mismatch(files: ModelFiles, route: str, mismatch: str) -> None:
+    """Shadow verification found the fast encoder `route` giving other ids than the reference library on a text it
+    served: the gate's verdict on these files becomes that refusal, for every choice that could pick the route (the
+    fastest of all, and that encoder pinned). The check set had passed it; a start reading this verdict serves the
+    reference library, and a new check set or encoder version (other keys) scans again."""
+    differs = f"{route} differs from {files.library} on a text it served (shadow verification): {mismatch}"
+    for select in dict.fromkeys((FAST, encoders.encoder_of(route) or FAST)):
+        remember_verdict(gate_key(files, select), differs, 0.0)
 
 
 def _write_cache(key: dict[str, Any], value: dict[str, Any]) -> None:
@@ -1227,8 +1242,8 @@ class HuggingFace(FastEncoded, Library):
     def _fast_adopted(self) -> None:
         self.max_text_chars = None
 
-    def fall_back(self) -> None:
-        super().fall_back()
+    def fall_back(self, mismatch: str | None = None) -> None:
+        super().fall_back(mismatch)
         self.max_text_chars = REFERENCE_MAX_TEXT_CHARS
 
     def reference_rows(self, texts: list[str], parse_special: bool) -> list[list[int]]:
@@ -1513,8 +1528,8 @@ class Tekken(FastEncoded, Library):
         except ValueError as exc:  # a pattern tiktoken's regex engine refuses
             raise ModelLoadError(f"{self.files.path}: tiktoken cannot load it: {exc}") from exc
 
-    def fall_back(self) -> None:
-        super().fall_back()
+    def fall_back(self, mismatch: str | None = None) -> None:
+        super().fall_back(mismatch)
         self.encoder = TIKTOKEN  # what encodes it then, as before any fast encoder
 
     def reference_rows(self, texts: list[str], parse_special: bool) -> list[list[int]]:

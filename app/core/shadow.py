@@ -109,8 +109,8 @@ class Shadow:
             (want,) = library.reference_rows([text], parse_special)
             report.checks += 1
             if report.mismatch is None and list(want) != got.tolist():
-                library.fall_back()
                 report.mismatch = mismatch_line(text, got.tolist(), list(want))
+                library.fall_back(report.mismatch)  # and kept as the gate's verdict: no later start serves it
         return [report for report in reports.values() if report.checks]
 
 
