@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -130,6 +131,16 @@ def test_info_and_verify(outputs, capsys):
     assert "complete" in info and "800 documents" in info and "model default" in info
     assert shards(["verify", str(outputs["ragged"]), "--sample", "40"]) == 0
     assert "40 sampled documents re-tokenized to the same ids" in capsys.readouterr().out
+
+
+def test_verify_says_an_output_is_incomplete(outputs, tmp_path, capsys):
+    """A probe's verify of a run stopped part way passed without a word about it: it now says INCOMPLETE first."""
+    partial = tmp_path / "partial"
+    shutil.copytree(outputs["ragged"], partial)
+    meta = json.loads((partial / "metadata.json").read_text())
+    (partial / "metadata.json").write_text(json.dumps({**meta, "complete": False}))
+    assert shards(["verify", str(partial)]) == 0  # what is there is sound
+    assert capsys.readouterr().out.startswith("INCOMPLETE output (run tokenizer-pretokenize again to finish)")
 
 
 def test_verify_finds_a_damaged_shard(outputs, tmp_path, capsys):

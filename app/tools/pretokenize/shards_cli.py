@@ -353,6 +353,8 @@ def verify(dataset: TokenDataset, sample: int, model: str | None, seed: int, inf
         f"{dataset.num_shards} shards, {tokens:,} ids: headers and sizes agree with metadata.json, offsets rise to "
         f"each shard's end, every id is below the vocabulary size {dataset.vocab_size:,}"
     )
+    if not dataset.metadata.get("complete"):  # verified as far as it goes; a reader refuses it until it is done
+        checked = f"INCOMPLETE output (run tokenizer-pretokenize again to finish): its {checked}"
     if not sample:
         return checked
     if dataset.layout != "ragged":
