@@ -68,6 +68,18 @@ def test_a_zst_input_cut_short_is_one_line_and_reaches_no_complete_output(
             assert not json.loads((out / "metadata.json").read_text())["complete"]
 
 
+def test_a_json_array_where_json_lines_belong_is_named_as_such(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A probe's pretty-printed JSON array got 92 "invalid JSON" records and then the --text-field question."""
+    array = tmp_path / "corpus.json"
+    array.write_text(json.dumps([{"text": f"document {number}"} for number in range(40)], indent=2))
+    assert pretokenize(array, "--output", tmp_path / "out", *COMMON) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "is one JSON array, not JSON Lines" in last and "jq -c" in last
+    assert not (tmp_path / "out").exists()
+
+
 def test_peek_at_a_gzip_input_cut_short_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--peek read the first record of a truncated .gz into an EOFError traceback (a run said it in one line)."""
     import gzip

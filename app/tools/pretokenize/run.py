@@ -364,7 +364,28 @@ def all_bad(bad: int, last_bad: str, reader: DocumentReader, options: Options, *
     if reader.records_without_field:
         common = ", ".join(f"{name!r} ({count:,})" for name, count in reader.fields.most_common(8))
         fields = f"; {reader.records_without_field:,} of them lack the field, and have: {common}"
+    array = _json_array(reader)
+    if array is not None and not reader.records_without_field:  # a .json file that is one JSON value, not lines
+        return NoTextError(
+            f"{what}; {array} is one JSON array, not JSON Lines (an object a line): convert it first, as with "
+            f"jq -c '.[]' {array} > corpus.jsonl"
+        )
     return NoTextError(f"{what}{fields}; is --text-field {options.text_field!r} the field that holds the text?")
+
+
+def _json_array(reader: DocumentReader) -> str | None:
+    """The first local JSON input whose first character is `[` (a JSON array where JSON Lines belong), if any."""
+    for source in reader.sources:
+        if source.format != "jsonl" or storage.is_url(source.path) or source.compressed:
+            continue
+        try:
+            with open(source.path, "rb") as file:
+                head = file.read(4096).lstrip()
+        except OSError:
+            continue
+        if head.startswith(b"["):
+            return str(source.path)
+    return None
 
 
 def run(
