@@ -80,6 +80,26 @@ def test_a_json_array_where_json_lines_belong_is_named_as_such(
     assert not (tmp_path / "out").exists()
 
 
+def test_a_file_saved_with_a_utf8_bom_loses_no_record(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A probe's JSON Lines saved "UTF-8 with BOM" dropped its first record as invalid JSON, exit 0; a text file kept
+    the BOM as a character of its first document."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(MODEL))
+    bom = b"\xef\xbb\xbf"
+    lines = tmp_path / "bom.jsonl"
+    lines.write_bytes(bom + jsonl_bytes(["first document", "second one"]))
+    plain = tmp_path / "bom.txt"
+    plain.write_bytes(bom + b"first document\n\nsecond one\n")
+    for path in (lines, plain):
+        out = tmp_path / f"out-{path.suffix[1:]}"
+        assert pretokenize(path, "--output", out, *COMMON) == 0
+        dataset = TokenDataset(out)
+        assert dataset.metadata["bad_records"] == 0
+        assert [sp.decode(dataset[i].tolist()) for i in range(len(dataset))] == ["first document", "second one"]
+    assert "BOM" not in capsys.readouterr().err
+
+
 def test_peek_at_a_gzip_input_cut_short_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--peek read the first record of a truncated .gz into an EOFError traceback (a run said it in one line)."""
     import gzip

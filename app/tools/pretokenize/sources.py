@@ -234,6 +234,9 @@ def kind_of(name: str) -> tuple[str | None, str | None]:
     return suffix, {".gz": "gzip", ".zst": "zstd", None: None}[compression]
 
 
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
 def expand_inputs(
     paths: list[str] | list[Path], warn: Callable[[str], None] | None = None, output: Path | str | None = None
 ) -> list[Path]:
@@ -618,6 +621,8 @@ class DocumentReader:
         for line in stream:
             offset += len(line)
             line_number += 1
+            if line_number == 1 and line.startswith(UTF8_BOM):  # a file saved "UTF-8 with BOM": the BOM is no text
+                line = line[len(UTF8_BOM) :]
             if line.isspace():
                 continue
             try:
@@ -662,6 +667,9 @@ class DocumentReader:
         first_line = 0
         offset, line_number = source.read_bytes, source.lines
         for line in stream:
+            if line_number == 0 and line.startswith(UTF8_BOM):  # a file saved "UTF-8 with BOM": the BOM is no text
+                offset += len(UTF8_BOM)
+                line = line[len(UTF8_BOM) :]
             if line.isspace():
                 if block:
                     yield from self._txt_block(index, source, block, first_line, offset, line_number)
@@ -808,6 +816,8 @@ def first_record(source: Source) -> dict[str, Any] | str | None:
                 block.append(line)
             return b"".join(block).decode("utf-8", "replace").rstrip("\r\n") if block else None
         for number, line in enumerate(stream, start=1):
+            if number == 1 and line.startswith(UTF8_BOM):
+                line = line[len(UTF8_BOM) :]
             if line.isspace():
                 continue
             try:
