@@ -455,6 +455,28 @@ def test_an_output_inside_an_input_directory_is_never_read_as_input(
     assert TokenDataset(tmp_path / "elsewhere").metadata["bad_records"] == 0
 
 
+def test_a_second_run_on_an_output_another_run_is_writing_is_one_line(
+    documents: list[str], model_files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A probe's two runs on one --output at once: the second removed the first's temporary files and failed as if
+    the disk were full. A run holds its output (flock on the directory) while it writes it."""
+    from tokenizer_service.tools.pretokenize.store import OutputDir
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in documents[:9]))
+    out = tmp_path / "out"
+    writing = OutputDir(out)
+    writing.prepare(0)  # what a run does before it writes: the directory, held
+    (out / "00000.bin.tmp").write_bytes(b"half a shard")
+    common = ["--local", "--model", model_files["uni"], "-q"]
+    assert pretokenize(corpus, "--output", out, *common) == 2
+    assert "another tokenizer-pretokenize run is writing" in capsys.readouterr().err
+    assert (out / "00000.bin.tmp").read_bytes() == b"half a shard"  # the other run's file is left alone
+    writing.close()
+    assert pretokenize(corpus, "--output", out, *common) == 0
+    assert len(TokenDataset(out)) == 9
+
+
 def test_a_corpus_of_empty_files_is_exit_1_and_leaves_no_output(
     model_files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

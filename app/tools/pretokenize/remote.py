@@ -216,6 +216,7 @@ class StagedOutput(OutputDir):
 
     def close(self) -> None:
         """Remove the staging folder (and the staging directory, if this run made it)."""
+        super().close()
         shutil.rmtree(self.path, ignore_errors=True)
         if self._own_base and self._base is not None:
             shutil.rmtree(self._base, ignore_errors=True)

@@ -9,6 +9,7 @@ any point leaves either the previous metadata.json or the new one, never a half 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 from collections.abc import Iterator
@@ -49,6 +50,7 @@ class OutputDir:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.metadata_path = path / METADATA_FILE
+        self._lock: int | None = None  # the directory, open and flock'ed while this run writes it
 
     @property
     def where(self) -> Any:
@@ -56,7 +58,10 @@ class OutputDir:
         return self.path
 
     def close(self) -> None:
-        """Nothing to clean up here (a staged output removes its staging folder)."""
+        """Let another run write here (a staged output also removes its staging folder)."""
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     def load(self) -> dict[str, Any] | None:
         """metadata.json if there is one; refuses a directory that holds anything else of its own."""
@@ -84,12 +89,34 @@ class OutputDir:
             raise OutputError(f"{exc}; choose another --output") from exc
 
     def prepare(self, shards_kept: int) -> None:
-        """Create the directory; remove temporary files and shard files past the complete ones."""
+        """Create the directory and hold it (one run writes an output at a time); remove temporary files and shard
+        files past the complete ones."""
         self.path.mkdir(parents=True, exist_ok=True)
+        self.hold()
         for entry in self.path.iterdir():
             shard = shard_index(entry.name)
             if (entry.name.endswith(TMP_SUFFIX) and _ours(entry.name)) or (shard is not None and shard >= shards_kept):
                 entry.unlink()
+
+    def hold(self) -> None:
+        """An exclusive lock on the directory for as long as this run writes it: a second run on the same --output
+        removed the first one's temporary files and failed as if the disk were full. OutputError if another holds
+        it. (flock on the directory itself: no file is added to the output.)"""
+        if self._lock is not None:
+            return
+        descriptor = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(descriptor)
+            raise OutputError(
+                f"another tokenizer-pretokenize run is writing {self.path} now: wait for it to end (then run this "
+                "command again to go on from its shards), or choose another --output"
+            ) from None
+        except OSError:  # a filesystem without flock (some network mounts): no lock, as before
+            os.close(descriptor)
+            return
+        self._lock = descriptor
 
     def discard(self, created: bool) -> None:
         """Remove what this tool wrote here (a run that produced nothing), and the directory if this run
