@@ -100,6 +100,26 @@ def test_a_file_saved_with_a_utf8_bom_loses_no_record(tmp_path: Path, capsys: py
     assert "BOM" not in capsys.readouterr().err
 
 
+def test_a_binary_parquet_column_of_text_is_read_as_utf8(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A probe's Parquet `binary` column holding valid UTF-8 was refused value by value ("bytes, not a string")."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(MODEL))
+    for kind in (pa.binary(), pa.large_binary()):
+        path = tmp_path / f"{kind}.parquet"
+        pq.write_table(
+            pa.table({"text": pa.array([b"hello world", b"bad \xff", "d\u00e9j\u00e0".encode()], kind)}), path
+        )
+        out = tmp_path / f"out-{kind}"
+        assert pretokenize(path, "--output", out, *COMMON) == 0
+        dataset = TokenDataset(out)
+        assert [sp.decode(dataset[i].tolist()) for i in range(len(dataset))] == ["hello world", "d\u00e9j\u00e0"]
+        assert dataset.metadata["bad_records"] == 1
+        assert "not valid UTF-8 (its byte 4)" in capsys.readouterr().err
+
+
 def test_peek_at_a_gzip_input_cut_short_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--peek read the first record of a truncated .gz into an EOFError traceback (a run said it in one line)."""
     import gzip

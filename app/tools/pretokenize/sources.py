@@ -708,10 +708,12 @@ PEEK_CHARS = 60
 
 def text_values(column: Any, utf8: bool) -> list[Any]:
     """A Parquet text column's values: each a str (with `utf8`: a memoryview of its UTF-8, never decoded), None for
-    a null, and for a value that is not UTF-8 the UnicodeDecodeError saying where; a column of another type: its
-    Python values (refused one by one)."""
+    a null, and for a value that is not UTF-8 the UnicodeDecodeError saying where; a binary column is read so too
+    (text stored as bytes); a column of another type: its Python values (refused one by one)."""
     import pyarrow as pa
 
+    if column.type in (pa.binary(), pa.large_binary()):  # text stored as bytes: read as UTF-8, each value checked
+        column = column.view(pa.string() if column.type == pa.binary() else pa.large_string())
     if column.type not in (pa.string(), pa.large_string()):
         return column.to_pylist()
     try:
