@@ -498,8 +498,9 @@ def test_a_corpus_of_empty_files_is_exit_1_and_leaves_no_output(
         (["{input}", "--output", "{out}", "--seq-len", "99999999999999"], "--seq-len must be between 2 and"),
         (["{input}", "--output", "{out}", "--seq-len", "2000000000", "--strategy", "best_fit"], "--seq-len must be"),
         (["{input}", "--output", "{out}", "--workers", "100000"], "--workers 100,000 is more than"),
+        (["{input}", "--output", "{out}", "--staging", "/nonexistent"], "--staging is where shards wait"),
     ],
-    ids=["empty-input", "empty-output", "seq-len", "seq-len-best-fit", "workers"],
+    ids=["empty-input", "empty-output", "seq-len", "seq-len-best-fit", "workers", "staging-for-a-local-output"],
 )
 def test_options_no_run_can_honour_are_one_line_before_anything_starts(
     corpus: tuple[list[Path], list[str]], tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], says: str

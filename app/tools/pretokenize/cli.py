@@ -393,6 +393,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("the following arguments are required: --output/-o")
     if not args.output.strip():
         parser.error("--output is an empty path; give a directory or a URL (here: '.')")
+    if args.staging is not None and not is_url(args.output):  # it was silently ignored
+        parser.error(
+            "--staging is where shards wait for their upload to an --output URL; a local --output is "
+            "written in place: leave --staging out"
+        )
     if not args.urls and not args.local:
         parser.error("one of the arguments --url --local is required")
     if args.strategy is not None and args.seq_len is None:
