@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -146,12 +147,16 @@ def test_merge_refuses_missing_and_disagreeing_ranks(inputs: Path, tmp_path: Pat
     assert run_rank(inputs, ranked, {}, "--rank", "0", "--world-size", "3").returncode == 0
     assert shards(["merge", str(ranked)]) == 2
     assert "missing: rank-00001, rank-00002" in capsys.readouterr().err
-    other = run_rank(inputs, ranked, {}, "--rank", "1", "--world-size", "2")  # another world size
-    assert other.returncode == 0
+    other = run_rank(inputs, ranked, {}, "--rank", "1", "--world-size", "2")  # another world size: refused at once
+    assert other.returncode == 2 and "is a rank of 3 ranks; this run is a rank of 2" in other.stderr
+    assert not (ranked / "rank-00001").exists()
+    elsewhere = tmp_path / "elsewhere"  # a rank of W=2 made elsewhere and moved in: the merge still refuses
+    assert run_rank(inputs, elsewhere, {}, "--rank", "1", "--world-size", "2").returncode == 0
+    shutil.move(elsewhere / "rank-00001", ranked / "rank-00001")
     assert shards(["merge", str(ranked)]) == 2
     assert "disagree on the world size" in capsys.readouterr().err
     again = run_rank(inputs, ranked, {}, "--rank", "0", "--world-size", "2")  # into rank 0's output of W=3
-    assert again.returncode == 2 and "refusing to mix" in again.stderr
+    assert again.returncode == 2 and "ranks of another world size never mix" in again.stderr
 
 
 def test_ray_local_runs_every_rank_and_merges_to_one_run(inputs: Path, tmp_path: Path) -> None:

@@ -81,7 +81,7 @@ PREFIX_PAIRS = 1024  # pairs of special-token strings where one begins the other
 # first FIRST_TOKENS; at most MOST_PAIRS pairs.
 ALL_PAIRS_TOKENS = 64
 FIRST_TOKENS = 16
-MOST_PAIRS = 20_000
+MOST_PAIRS = 8_000
 PAIR_SEPARATORS = ("", " ", "  ", "\t ", "\n ", " \n ", "\u3000 ", "\u00a0 ", "\n", "\t")
 PIECES_PER_TEXT = 64  # tokens that are no merge of two, batched into one check text
 PIECES = 1024  # such tokens of a model checked at most (the first by rank)
@@ -151,15 +151,23 @@ def pair_texts(tokens: Sequence[str]) -> list[str]:
     the whitespace after it (rstrip) meets one that begins with a space (" FOO"), fastokens 0.3.5 matched the second
     where `tokenizers` no longer can: pairs no single token's contexts make."""
     short = [token for token in dict.fromkeys(tokens) if len(token) <= LONG_TOKEN_CHARS]
+    pairs: Iterable[tuple[str, str]]
     if len(short) <= ALL_PAIRS_TOKENS:
-        pairs = list(itertools.product(short, short))
-    else:
-        chosen = set(short[:FIRST_TOKENS])
-        before = {token for token in short if token[-1].isspace()} | chosen  # whitespace facing the next token
-        after = {token for token in short if token[0].isspace()} | chosen
-        pairs = [(first, second) for first in short for second in short if first in before or second in after]
-    lines = [f"x {first}{separator}{second} y" for first, second in pairs for separator in PAIR_SEPARATORS]
-    lines = lines[: MOST_PAIRS * len(PAIR_SEPARATORS)]
+        pairs = itertools.product(short, short)
+    else:  # in time linear in the tokens (a model may have 70,000 added tokens): never all pairs looked at
+        chosen = short[:FIRST_TOKENS]
+        before = list(dict.fromkeys([token for token in short if token[-1].isspace()] + chosen))  # facing the next
+        after = list(dict.fromkeys([token for token in short if token[0].isspace()] + chosen))
+        taken = set(before)
+        pairs = itertools.chain(
+            itertools.product(before, short),
+            ((first, second) for first in short if first not in taken for second in after),
+        )
+    lines = [
+        f"x {first}{separator}{second} y"
+        for first, second in itertools.islice(pairs, MOST_PAIRS)
+        for separator in PAIR_SEPARATORS
+    ]
     return ["\n".join(lines[start : start + TOKENS_PER_TEXT]) for start in range(0, len(lines), TOKENS_PER_TEXT)]
 
 
