@@ -6,6 +6,7 @@ the test-only hook in tokenizer_service.core.libraries)."""
 from __future__ import annotations
 
 import re
+import shutil
 import time
 
 import httpx
@@ -22,7 +23,17 @@ from tokenizer_service.core.shadow import Shadow
 SNOWMAN = 0x2603
 
 
-def test_a_sampled_text_that_differs_falls_the_model_back(library_models):
+@pytest.fixture
+def own_gate_cache(gate_cache, tmp_path, monkeypatch):
+    """A copy of the session's gate cache for a test whose planted difference is kept as a verdict (a shadow
+    mismatch is remembered: in the shared cache it would refuse the fast encoder to every later test)."""
+    own = tmp_path / "gate-cache"
+    shutil.copytree(gate_cache, own)
+    monkeypatch.setenv(libraries.CACHE_DIR_ENV, str(own))
+    return own
+
+
+def test_a_sampled_text_that_differs_falls_the_model_back(library_models, own_gate_cache):
     library = libraries.load(find_model_files("tt", library_models["tt"]), trusted=True)
     assert libraries.is_fast(library.encoder)
     libraries.plant_difference(library, SNOWMAN)
@@ -41,34 +52,14 @@ def test_a_sampled_text_that_differs_falls_the_model_back(library_models):
     assert shadow.run() == []  # nothing sampled after the fall-back: the reference library is not watched
 
 
-class _Differs:
-    """A fast encoder that gives one other id in each text holding `char` (not the tests' planted double, whose
-    mismatches are never kept: this one stands for a real encoder's)."""
-
-    def __init__(self, fast, char: str) -> None:
-        self.inner, self.char = fast, char
-
-    def encode_batch_flat(self, texts, **options):
-        ids, offsets = self.inner.encode_batch_flat(texts, **options)
-        bounds = np.frombuffer(offsets, dtype="<u8")
-        changed = np.frombuffer(ids, dtype="<u4").copy()
-        for index, text in enumerate(texts):
-            if self.char in text and bounds[index + 1] > bounds[index]:
-                changed[bounds[index]] ^= 1
-        return changed.tobytes(), offsets
-
-
-def test_a_mismatch_is_kept_as_the_gates_verdict_so_no_later_start_serves_that_encoder(
-    library_models, tmp_path, monkeypatch
-):
+def test_a_mismatch_is_kept_as_the_gates_verdict_so_no_later_start_serves_that_encoder(library_models, own_gate_cache):
     """A held-out probe: shadow verification caught a fast encoder's wrong ids and fell the model back, but the
     cached verdict still said passed, so every restart served the wrong ids again until a sample caught them."""
     files = find_model_files("tt", library_models["tt"])
-    monkeypatch.setenv(libraries.CACHE_DIR_ENV, str(tmp_path))
     library = libraries.load(files, trusted=True)
     route = library.encoder
     assert libraries.is_fast(route)
-    library.fast = _Differs(library.fast, "\u2603")
+    libraries.plant_difference(library, SNOWMAN)
     shadow = Shadow(rate=1.0, interval=0.0)
     shadow.watch("tt", library)
     library.encode(["a snow\u2603man"], EncodeOptions())
@@ -152,7 +143,9 @@ def test_a_text_too_large_to_check_quickly_is_never_sampled(library_models):
 
 
 @pytest.mark.slow
-def test_a_server_catches_a_mismatch_at_run_time_and_serves_the_reference_ids_in_every_worker(library_models, tmp_path):
+def test_a_server_catches_a_mismatch_at_run_time_and_serves_the_reference_ids_in_every_worker(
+    library_models, tmp_path, own_gate_cache
+):
     log = tmp_path / "server.log"
     args = ["--workers", "2", "--model", f"tt={library_models['tt']}", "--shadow-rate", "1"]
     url, process = start_server(args, log, env={libraries.PLANT_ENV: "U+2603"})
@@ -185,7 +178,7 @@ def test_a_server_catches_a_mismatch_at_run_time_and_serves_the_reference_ids_in
 
 @pytest.mark.slow
 def test_the_pretokenizer_restarts_the_shard_with_the_reference_library_on_a_mismatch(
-    library_models, tmp_path, monkeypatch, multilingual
+    library_models, tmp_path, monkeypatch, multilingual, own_gate_cache
 ):
     from tests.conftest import DATA
     from tokenizer_client.dataset import TokenDataset

@@ -204,11 +204,11 @@ class Library(ABC):
         """Encode with the reference library from now on (the fast encoder differed from it). `mismatch`: what this
         process's shadow verification found, kept as the gate's verdict on these files (`remember_mismatch`), so
         that no later start, here or elsewhere on this cache, serves that fast encoder again."""
-        route, fast = self.encoder, getattr(self, "fast", None)
+        route = self.encoder
         self.fast = None
         self.encoder = self.library
         self.fallen = True
-        if mismatch is not None and encoders.is_fast(route) and not isinstance(fast, _Planted):  # tests' doubles
+        if mismatch is not None and encoders.is_fast(route):
             remember_mismatch(self.files, route, mismatch)
 
     def promote(self, route: str = FAST, keep_reference: bool = False) -> bool:

@@ -50,7 +50,7 @@ class Shadow:
         self.interval = interval
         self.random = random.Random(seed)
         self.pending: list[tuple[Any, str, bool, np.ndarray]] = []
-        self.pending_chars = 0  # the size of the texts pending (text_sizes: characters, or UTF-8 bytes)
+        self.pending_chars = 0  # the size of the texts pending (`_size`: characters, or UTF-8 bytes)
         self.worked = 0.0  # seconds of fast encoding since the last text sampled
         self.since = time.monotonic()
         self.gap = self._gap()
