@@ -24,6 +24,7 @@ import pytest
 from tests.conftest import read_multilingual, start_server, stop_server
 from tests.test_libraries import Reference
 from tokenizer_service.core import gatescan, libraries
+from tokenizer_service.tools.pretokenize import verifier as verifiers
 
 pytestmark = pytest.mark.slow  # a cold scan of a real model each (tens of CPU-seconds on 2 cores)
 
@@ -190,21 +191,23 @@ def test_the_pretokenizer_switches_to_the_fast_encoder_between_chunks_with_exact
     assert len(forked) + len(spawned) <= 2 and (forked or len(spawned) == 2), found
 
 
-@pytest.mark.parametrize("shadow_rate", ["0", "1"])
+@pytest.mark.parametrize(("shadow_rate", "verifier"), [("0", False), ("1", False), ("1", True)])
 def test_a_pretokenize_run_loads_the_model_once_in_all_and_forks_its_workers_loaded(
-    library_models, tmp_path, shadow_rate
+    library_models, tmp_path, shadow_rate, verifier
 ):
     """With the verdict cached, the command's process loads the model once and builds its fast encoder once,
     described from the cache and checked against the check set's digest: its reference library never loads there.
     Its two workers are forked from it with both (they load and build nothing) and give the reference's ids. On
     so small an input the reference library is left to a worker that samples a text for shadow verification:
-    none at rate 0; at rate 1 (every text), each worker that encoded a chunk loads it once."""
+    none at rate 0; at rate 1 (every text), each worker that encoded a chunk loads it once. On an input of
+    TOKENIZER_VERIFIER_MIN_BYTES (here: any) the verifier process loads it once, and no worker does."""
     from tokenizer_client.dataset import TokenDataset
 
     cache, counts = tmp_path / "cache", tmp_path / "counts"
     counts.mkdir()
     env = {**os.environ, libraries.CACHE_DIR_ENV: str(cache), libraries.COUNT_ENV: str(counts)}
     env |= {"TOKENIZER_SHADOW_RATE": shadow_rate, "TOKENIZER_SHADOW_INTERVAL_SECONDS": "0"}
+    env[verifiers.MIN_BYTES_ENV] = "0" if verifier else str(1 << 40)
     settle = [sys.executable, "-m", "tokenizer_service.core.gatescan", str(library_models["hfbpe"])]
     subprocess.run(settle, env={**env, libraries.COUNT_ENV: ""}, check=True, capture_output=True, timeout=SCAN_SECONDS)
     texts = read_multilingual()[:200]
@@ -215,9 +218,11 @@ def test_a_pretokenize_run_loads_the_model_once_in_all_and_forks_its_workers_loa
     subprocess.run(command, env=env, check=True, capture_output=True, timeout=300)
     found = loads(counts, reference=True)
     command_process = [count for (_, name), count in found.items() if name == "MainProcess"]
-    workers = [count for (_, name), count in found.items() if name != "MainProcess"]
+    checker = [count for (_, name), count in found.items() if name == verifiers.PROCESS_NAME]
+    workers = [count for (_, name), count in found.items() if name not in ("MainProcess", verifiers.PROCESS_NAME)]
     assert command_process == [collections.Counter(load=1, fast=1)], found
-    if shadow_rate == "0":
+    assert checker == ([collections.Counter(reference=1)] if verifier else []), found
+    if shadow_rate == "0" or verifier:
         assert workers == [], found
     else:
         assert workers and all(count == collections.Counter(reference=1) for count in workers), found

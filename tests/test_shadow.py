@@ -177,16 +177,24 @@ def test_a_server_catches_a_mismatch_at_run_time_and_serves_the_reference_ids_in
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("verifier", [False, True], ids=["workers-check", "verifier-process"])
 def test_the_pretokenizer_restarts_the_shard_with_the_reference_library_on_a_mismatch(
-    library_models, tmp_path, monkeypatch, multilingual, own_gate_cache
+    library_models, tmp_path, monkeypatch, multilingual, own_gate_cache, verifier
 ):
+    """Each worker checks its own chunks, or (an input of TOKENIZER_VERIFIER_MIN_BYTES) the run's process has the
+    verifier process check them: either way the shard holding the wrong ids is never written."""
     from tests.conftest import DATA
     from tokenizer_client.dataset import TokenDataset
+    from tokenizer_service.tools.pretokenize import verifier as verifiers
     from tokenizer_service.tools.pretokenize.run import Options, run
 
     # U+00F2 (ò) first appears in document 61 of 120: shards before it are written, the one it falls in is not
     monkeypatch.setenv(libraries.PLANT_ENV, "U+00F2")
     monkeypatch.setenv("TOKENIZER_SHADOW_RATE", "1")
+    monkeypatch.setenv(verifiers.MIN_BYTES_ENV, "0" if verifier else str(1 << 40))
+    counts = tmp_path / "counts"
+    counts.mkdir()
+    monkeypatch.setenv(libraries.COUNT_ENV, str(counts))
     warnings: list[str] = []
     options = Options(
         inputs=[str(DATA / "multilingual.jsonl")],
@@ -204,3 +212,12 @@ def test_the_pretokenizer_restarts_the_shard_with_the_reference_library_on_a_mis
     assert len(dataset) == len(multilingual)
     for index, text in enumerate(multilingual):
         assert np.asarray(dataset[index]).tolist() == [*reference.encode(text), eos], index
+    # who loaded the reference library to check (this process loads it too, to encode after the mismatch)
+    lines = (counts / "loads.txt").read_text().splitlines()
+    checked_by = {line.split()[1] for line in lines if line.split()[2] == "reference"} - {"MainProcess"}
+    if verifier:  # the verifier process, and no worker
+        assert checked_by == {verifiers.PROCESS_NAME}, lines
+    else:
+        assert checked_by and verifiers.PROCESS_NAME not in checked_by, lines
+    verdict = libraries.cached_verdict(libraries.gate_key(find_model_files("tt", library_models["tt"]), libraries.FAST))
+    assert verdict is not None and verdict["passed"] is False and "shadow verification" in verdict["differs"]

@@ -188,12 +188,17 @@ def share(shared: Slots | None) -> None:
 
 
 def encode_chunk(
-    model: str, texts: Sequence[str] | TextsInSlot, options: EncodeOptions, encoder: str | None = None
+    model: str,
+    texts: Sequence[str] | TextsInSlot,
+    options: EncodeOptions,
+    encoder: str | None = None,
+    verify: bool = True,
 ) -> tuple[TokenizedBatch | IdsInSlot, str]:
     """Tokenize texts[i] exactly as the model's library would in-process (the pre-tokenizer's pool): the ids,
     and what encoded them. `encoder` fastokens: the model's gate passed in the background since the pool
     started; this worker promotes it first (the ids are the same either way). Texts sent in a slot of shared
-    memory (`share`) are read there, and their ids put back in it where they fit."""
+    memory (`share`) are read there, and their ids put back in it where they fit. `verify` False: the run's
+    process checks the chunk (tokenizer_service.tools.pretokenize.verifier), this worker samples none of it."""
     from tokenizer_client.batches import TokenizedBatch  # here, not at import: the server's workers never need it
 
     slot = texts.slot if isinstance(texts, TextsInSlot) else None
@@ -201,7 +206,7 @@ def encode_chunk(
         assert _slots is not None, "a chunk in a slot reached a worker that shares none"
         texts = _slots.take_texts(texts)
     library = _libraries[model]
-    shadow = _pretokenize_shadow(model, library)
+    shadow = _pretokenize_shadow(model, library) if verify else Shadow(0.0, 0.0)
     if libraries.is_fast(encoder) and library.fast is None and library.promote(encoder):
         shadow.watch(model, library)
     ids, lengths = library.encode(readable(texts, library), options)
@@ -271,11 +276,17 @@ def _pretokenize_shadow(model: str, library: Library) -> Shadow:
     TOKENIZER_SHADOW_INTERVAL_SECONDS) where they are set."""
     shadow = _shadows.get(model)
     if shadow is None:
-        rate = float(os.environ.get("TOKENIZER_SHADOW_RATE") or Limits.shadow_rate)
-        interval = float(os.environ.get("TOKENIZER_SHADOW_INTERVAL_SECONDS") or Limits.shadow_interval)
-        shadow = _shadows[model] = Shadow(rate, interval)
+        shadow = _shadows[model] = pretokenize_sampler()
         shadow.watch(model, library)
     return shadow
+
+
+def pretokenize_sampler() -> Shadow:
+    """A Shadow with the pre-tokenizer's sampling: the server's settings (TOKENIZER_SHADOW_RATE,
+    TOKENIZER_SHADOW_INTERVAL_SECONDS) where they are set."""
+    rate = float(os.environ.get("TOKENIZER_SHADOW_RATE") or Limits.shadow_rate)
+    interval = float(os.environ.get("TOKENIZER_SHADOW_INTERVAL_SECONDS") or Limits.shadow_interval)
+    return Shadow(rate, interval)
 
 
 # -- serving jobs ------------------------------------------------------------------------------------

@@ -30,6 +30,11 @@ def kept_model(sha256: str) -> tuple[ModelFiles, libraries.Library] | None:
     return _kept.pop(sha256, None)
 
 
+def peek_kept(sha256: str) -> tuple[ModelFiles, libraries.Library] | None:
+    """What `kept_model` would hand over, left kept."""
+    return _kept.get(sha256)
+
+
 def release_kept() -> None:
     """Forget every library `inspect_model(..., keep=True)` kept, and the parse of its files."""
     _kept.clear()

@@ -23,11 +23,12 @@ import numpy as np
 from tokenizer_client.batches import TokenizedBatch
 from tokenizer_client.errors import TokenizerServiceError
 from tokenizer_client.wire import ragged_offsets
-from tokenizer_service.core import process, registry
+from tokenizer_service.core import libraries, process, registry
 from tokenizer_service.core.models import ModelInfo
 from tokenizer_service.core.requests import EncodeOptions
 from tokenizer_service.core.slots import IdsInSlot, Slots
 from tokenizer_service.core.texts import Utf8Texts, as_utf8
+from tokenizer_service.tools.pretokenize.verifier import Verifier
 
 if TYPE_CHECKING:  # the client (httpx) is imported only by a run with --url
     from tokenizer_client import TokenizerClient
@@ -88,7 +89,11 @@ REFERENCE_BEFORE_FORK_BYTES = 16 << 20
 
 
 def local_pool(
-    model: ModelInfo, workers: int, input_bytes: int | None = None, slots: Slots | None = None
+    model: ModelInfo,
+    workers: int,
+    input_bytes: int | None = None,
+    slots: Slots | None = None,
+    verified_apart: bool = False,
 ) -> ProcessPoolExecutor:
     """Start every worker now, with SIGINT ignored from birth: Ctrl-C reaches the whole process group,
     and a worker still starting up would otherwise die with a traceback instead of finishing its chunk (SIGTERM
@@ -96,12 +101,14 @@ def local_pool(
     Forked workers inherit the model this process loads first (`process.preload`: the library `inspect_model`
     kept, with the fast encoder put in front of it, and its reference library from REFERENCE_BEFORE_FORK_BYTES of
     `input_bytes`, or when that is not known); if loading it started a native thread, they are spawned. Forked
-    workers also inherit `slots` (`tokenize_locally` passes chunks through them: `slots.shared` says so)."""
+    workers also inherit `slots` (`tokenize_locally` passes chunks through them: `slots.shared` says so).
+    `verified_apart`: a `Verifier` checks the chunks (tokenizer_service.tools.pretokenize.verifier), so no worker
+    needs the reference library."""
     method = start_method(model)
     kept = registry.kept_model(model.sha256)
     if method == "fork":
         before = process.os_threads()
-        reference = input_bytes is None or input_bytes >= REFERENCE_BEFORE_FORK_BYTES
+        reference = not verified_apart and (input_bytes is None or input_bytes >= REFERENCE_BEFORE_FORK_BYTES)
         process.preload(model, kept, reference)
         if process.os_threads() != before:  # loading it started a thread (a Rust pool): a fork would not copy it
             method = "spawn"
@@ -155,29 +162,40 @@ def tokenize_locally(
     encoder: Callable[[], str | None] = lambda: None,
     encoded_by: Counter[str] | None = None,
     slots: Slots | None = None,
+    verifier: Verifier | None = None,
 ) -> Iterator[TokenizedBatch]:
     """Tokenize on the pool in chunks of about `chunk_chars` characters, `depth` chunks in flight.
 
     `encoder()`, asked as each chunk is sent: fastokens once the model's gate passed in the background (the
     worker promotes the model before it encodes that chunk). `encoded_by` counts texts by what encoded them.
     `slots` the workers share (`local_pool`, at least `depth` of them): chunk k goes in and comes back through slot
-    k % depth, free again by then, as `in_order` has handed out chunk k - depth (its ids copied out below)."""
+    k % depth, free again by then, as `in_order` has handed out chunk k - depth (its ids copied out below).
+    `verifier`: checks each chunk a fast encoder encoded before it is handed out (its workers sample none)."""
     # each chunk travels as UTF-8 (a Parquet column's texts are that already), which gigatoken reads as it is
     shared = slots if slots is not None and slots.shared and slots.count >= depth else None
 
+    checking: deque[Any] = deque()  # the texts of each chunk in flight, for the verifier
+
     def sent(number: int, chunk: list[Any]) -> Any:
         utf8 = as_utf8(chunk)  # a list of str where one text has a lone surrogate: the encoder says what of it
+        if verifier is not None:
+            checking.append(utf8)
         in_slot = shared.put_texts(number % depth, utf8) if shared is not None and isinstance(utf8, Utf8Texts) else None
         return in_slot if in_slot is not None else utf8
 
+    verify = verifier is None
     submitted = (
-        pool.submit(process.encode_chunk, model, sent(number, chunk), options, encoder())
+        pool.submit(process.encode_chunk, model, sent(number, chunk), options, encoder(), verify)
         for number, chunk in enumerate(chunks(texts, chunk_chars, 1 << 16))
     )
     for batch, used in in_order(submitted, depth):
         if isinstance(batch, IdsInSlot):
             assert shared is not None
             batch = TokenizedBatch(shared.take_ids(batch), batch.offsets, model, None)
+        if verifier is not None:
+            chunk_texts = checking.popleft()
+            if libraries.is_fast(used):  # before the chunk is handed out: a wrong chunk never reaches a shard
+                verifier.check(chunk_texts, batch.ids, batch.offsets, options, used)
         if encoded_by is not None:
             encoded_by[used] += len(batch)
         yield batch

@@ -36,6 +36,7 @@ from tokenizer_service.settings import ConfigError, Settings, describe_error, mo
 from tokenizer_service.tools.pretokenize.backends import (
     local_pool,
     local_workers,
+    start_method,
     tokenize_dialogue_locally,
     tokenize_dialogue_via_service,
     tokenize_locally,
@@ -62,6 +63,7 @@ from tokenizer_service.tools.pretokenize.sources import (
     record_reason,
 )
 from tokenizer_service.tools.pretokenize.store import OutputDir, OutputError, differences
+from tokenizer_service.tools.pretokenize.verifier import start as start_verifier
 
 DEFAULT_SHARD_TOKENS = 1 << 24
 SERVICE_BATCH = 256
@@ -596,7 +598,11 @@ def _tokenize(
         if slots is not None:
             stack.callback(slots.close)  # after the pool's shutdown below (callbacks run last first)
             stack.callback(process.share, None)
-        pool = stack.enter_context(local_pool(model, workers, remaining, slots))
+        # forked now, so its reference library loads while this process builds the fast encoder
+        verifier = start_verifier(model, remaining, start_method(model) == "fork")
+        if verifier is not None:
+            stack.callback(verifier.close)
+        pool = stack.enter_context(local_pool(model, workers, remaining, slots, verified_apart=verifier is not None))
         stack.callback(pool.shutdown, wait=True, cancel_futures=True)  # also on Ctrl-C: first, cancel the rest
         chunk_chars = int(np.clip(remaining // (8 * workers), *LOCAL_CHUNK_CHARS))
         batches = tokenize_locally(
@@ -609,6 +615,7 @@ def _tokenize(
             encoder=_gate_beside(model, remaining, stack, warn),
             encoded_by=encoded_by,
             slots=slots,
+            verifier=verifier,
         )
 
     sink = make_sink(out, metadata, sources, model)
