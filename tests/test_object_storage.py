@@ -605,6 +605,201 @@ def test_credentials_that_may_not_list_multipart_uploads_still_run(
     assert sorted(objects_names(s3, f"s3://{bucket}/megatron")) == ["text_document.bin", "text_document.idx"]
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Stores that refuse connections or never answer: told apart from a missing bucket, in bounded time
+
+
+class SilentStore:
+    """A TCP server on 127.0.0.1 that accepts every connection and never answers (a store that is up and hung, or
+    the wrong port of a proxy). Used as a context manager: on leaving it, `accepted` is the number of connections
+    the clients made (each try of a request is one: a timed-out connection is not reused)."""
+
+    def __init__(self) -> None:
+        self.listening = socket.create_server(("127.0.0.1", 0), backlog=128)
+        self.endpoint = f"http://127.0.0.1:{self.listening.getsockname()[1]}"
+        self.held: list[socket.socket] = []
+        self.accepted = 0
+        self.stopping = False
+        self.thread = threading.Thread(target=self._hold, daemon=True)
+
+    def _hold(self) -> None:
+        while True:
+            connection, _ = self.listening.accept()
+            if self.stopping:  # the connection `__exit__` makes to wake this loop: the clients' were accepted before
+                connection.close()
+                return
+            self.held.append(connection)
+
+    def __enter__(self) -> SilentStore:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopping = True
+        socket.create_connection(self.listening.getsockname(), timeout=10).close()
+        self.thread.join(timeout=10)
+        self.accepted = len(self.held)
+        for connection in self.held:
+            connection.close()
+        self.listening.close()
+
+
+@pytest.fixture
+def aws_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+    """This process's AWS environment (a key, a region, no config file of this machine, no retry setting; the test
+    sets AWS_ENDPOINT_URL), s3fs's instances forgotten before and after."""
+    s3fs = pytest.importorskip("s3fs", reason="s3fs: pip install -e '.[s3]'")
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE", storage.ENVIRONMENT):
+        monkeypatch.delenv(name, raising=False)
+    env = {
+        "AWS_ACCESS_KEY_ID": "AKIAEXAMPLEEXAMPLE00",
+        "AWS_SECRET_ACCESS_KEY": "secret-never-printed",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_CONFIG_FILE": os.devnull,
+        "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    s3fs.S3FileSystem.clear_instance_cache()  # fsspec caches an instance by its options, not by AWS_ENDPOINT_URL
+    yield env
+    storage.configure(None)
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+def run_to_the_end(args: list[object], env: dict[str, str], timeout: float) -> tuple[int, str, float]:
+    """(exit code, stderr, seconds) of a tokenizer-pretokenize run; killed (and the test failed) past `timeout`."""
+    started = time.monotonic()
+    process = run_cli([str(arg) for arg in args], env)
+    try:
+        _, errors = process.communicate(timeout=timeout)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    return process.returncode, errors.decode(), time.monotonic() - started
+
+
+READ_TIMEOUT = 1  # s, the --storage-options these tests give: each try of a request waits this long for an answer
+RUN_BOUND = 45  # s: a run waits for 2 requests at most (an input: HEAD, then a listing), each 3 tries of 1 s and
+# at most 1 + 2 s of backoff: 12 s, plus the run's start-up (2-5 s on 2 cores). With s3fs's own 5 tries around
+# botocore's 5 (the defaults before), each request alone was 25 tries: at least 50 s.
+
+
+@pytest.mark.slow  # processes waiting out timeouts
+def test_a_store_that_never_answers_ends_the_run_with_one_line_in_bounded_time(
+    aws_env: dict[str, str], tmp_path: Path
+) -> None:
+    """An endpoint that accepts connections and never answers: an input or an output URL there ends the run within
+    RUN_BOUND with one line naming the endpoint and that it does not answer, exit 2 (an input) or 1 (an output),
+    no traceback, nothing written."""
+    local = tmp_path / "in.jsonl"
+    local.write_text('{"text": "hello"}\n')
+    options = json.dumps({"config_kwargs": {"read_timeout": READ_TIMEOUT}})
+    common = ["--local", "--model", MODEL, "--workers", "1", "-q", "--storage-options", options]
+    with SilentStore() as store:
+        env = {"AWS_ENDPOINT_URL": store.endpoint}
+        for args, code in (
+            (["s3://corpora/in.jsonl", "--output", tmp_path / "out"], 2),
+            ([local, "--output", "s3://datasets/shards"], 1),
+        ):
+            returncode, errors, seconds = run_to_the_end([*args, *common], env, timeout=RUN_BOUND + 60)
+            lines = errors.strip().splitlines()
+            assert returncode == code and len(lines) == 1, (args, errors)
+            assert "does not answer" in lines[0] and store.endpoint in lines[0], lines
+            assert "Traceback" not in errors and "secret-never-printed" not in errors
+            assert seconds < RUN_BOUND, (args, seconds)
+    assert store.accepted >= 3  # the store was asked, and waited for
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow  # waits out timeouts
+def test_a_check_against_a_silent_store_makes_botocores_tries_only_and_the_users_settings_win(
+    aws_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`check_reachable` against a silent endpoint: one request (HeadBucket; no second probe), tried
+    storage.S3_ATTEMPTS times by botocore and once by s3fs (not 5 x 5), within READ_TIMEOUT a try plus the backoff;
+    `config_kwargs` in the options, then AWS_MAX_ATTEMPTS, set the number of tries instead."""
+    import s3fs
+
+    cases = [
+        ({"config_kwargs": {"read_timeout": READ_TIMEOUT}}, {}, storage.S3_ATTEMPTS),
+        ({"config_kwargs": {"read_timeout": READ_TIMEOUT, "retries": {"total_max_attempts": 1}}}, {}, 1),
+        ({"s3": {"config_kwargs": {"read_timeout": READ_TIMEOUT}}}, {"AWS_MAX_ATTEMPTS": "2"}, 2),
+    ]
+    for options, env, tries in cases:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        storage.configure(options)
+        s3fs.S3FileSystem.clear_instance_cache()
+        with SilentStore() as store:
+            monkeypatch.setenv("AWS_ENDPOINT_URL", store.endpoint)
+            started = time.monotonic()
+            with pytest.raises(storage.StorageError) as refused:
+                storage.check_reachable("s3://corpora/in.jsonl")
+            seconds = time.monotonic() - started
+        message = str(refused.value)
+        assert "does not answer" in message and store.endpoint in message and "no such bucket" not in message
+        assert store.accepted == tries, (options, env)
+        backoff = 2 ** (tries - 1) - 1  # botocore's standard mode: at most 1 s, then 2 s, ... between tries
+        assert tries * READ_TIMEOUT <= seconds < tries * READ_TIMEOUT + backoff + 5, (options, env, seconds)
+    fs, _ = storage.filesystem("s3://corpora/in.jsonl")
+    assert fs.retries == 1  # s3fs's own loop makes one try
+    assert storage.configured() == cases[-1][0]  # the options given are not changed by the defaults added
+
+
+@pytest.mark.slow  # processes against a refusing port, and the S3 server of the module
+def test_a_store_that_refuses_connections_or_a_bad_option_is_not_taken_for_a_missing_bucket(
+    aws_env: dict[str, str], s3: object, s3_server: dict[str, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A port nothing listens on: one line saying the endpoint refuses connections (input, exit 2; output, exit 1),
+    never "no such bucket". A bucket that does not exist on a real S3 API still says "no such bucket", wrong
+    credentials "access denied"; a bad option says the settings are not valid, without "run again"."""
+    import s3fs
+
+    local = tmp_path / "in.jsonl"
+    local.write_text('{"text": "hello"}\n')
+    common = ["--local", "--model", MODEL, "--workers", "1", "-q"]
+    with socket.socket() as bound:  # bound, not listening: connections to it are refused, and no one else takes it
+        bound.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{bound.getsockname()[1]}"
+        env = {**aws_env, "AWS_ENDPOINT_URL": endpoint}
+        for args, code in (
+            (["s3://corpora/in.jsonl", "--output", tmp_path / "out"], 2),
+            ([local, "--output", "s3://datasets/shards"], 1),
+        ):
+            returncode, errors, seconds = run_to_the_end([*args, *common], env, timeout=RUN_BOUND + 60)
+            lines = errors.strip().splitlines()
+            assert returncode == code and len(lines) == 1, (args, errors)
+            assert "refuses connections" in lines[0] and endpoint in lines[0], lines
+            assert "no such bucket" not in lines[0] and "Traceback" not in errors
+            assert seconds < RUN_BOUND, (args, seconds)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        with pytest.raises(storage.StorageError, match="refuses connections"):
+            storage.check_reachable("s3://corpora/in.jsonl")
+        storage.configure({"config_kwargs": {"retries": {"mode": "sometimes"}}})  # botocore refuses the value
+        s3fs.S3FileSystem.clear_instance_cache()
+        with pytest.raises(storage.StorageError) as refused:
+            storage.check_reachable("s3://corpora/in.jsonl")
+        message = str(refused.value)
+        assert "storage settings are not valid" in message and "--storage-options" in message, message
+        assert "run the same command again" not in message
+        storage.configure(None)
+
+    for name, value in s3_server.items():  # the module's S3 server
+        monkeypatch.setenv(name, value)
+    s3fs.S3FileSystem.clear_instance_cache()
+    bucket = new_bucket(s3)
+    storage.check_reachable(f"s3://{bucket}/corpus/")  # there, and these credentials may use it
+    missing = f"no-such-bucket-{os.getpid()}"
+    with pytest.raises(storage.StorageError, match=f"no such bucket '{missing}'"):
+        storage.check_reachable(f"s3://{missing}/corpus/")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-never-printed")
+    s3fs.S3FileSystem.clear_instance_cache()
+    with pytest.raises(storage.StorageError, match="access denied") as denied:
+        storage.check_reachable(f"s3://{bucket}/corpus/")
+    assert "wrong-secret-never-printed" not in str(denied.value)
+
+
 def s3fs_as(env: dict[str, str]) -> object:
     import s3fs
 
