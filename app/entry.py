@@ -7,6 +7,8 @@ of ending in ``ModuleNotFoundError``. This module imports nothing beyond the sta
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import importlib
 import os
 import sys
@@ -16,33 +18,55 @@ from typing import Any, NoReturn, TextIO
 # Exit status of every command when it cannot start as asked (a bad flag, a missing extra or model).
 USAGE_ERROR = 2
 # Exit status when the reader of stdout went away (`tokenizer-shards info DS | head -1`): what a command
-# killed by SIGPIPE reports in a shell, 128 + 13, as `cat` or `seq` would.
+# killed by SIGPIPE reports in a shell, 128 + 13, as `cat` or `seq` would. Quiet, as theirs is: the reader
+# chose to stop reading, nothing failed.
 CLOSED_PIPE = 141
+# Exit status when stdout could not be written (`> /dev/full`, a disk or quota full, an I/O error): the
+# commands' "failed", with one line on stderr saying so.
+STDOUT_FAILED = 1
+
+_STDOUT_ERRORS = {
+    errno.ENOSPC: "the device is full (No space left on device); free space there, or send stdout elsewhere",
+    errno.EDQUOT: "the disk quota is used up (Disk quota exceeded); free space there, or send stdout elsewhere",
+}
 
 
-class _StdoutWhoseReaderMayGo:
-    """sys.stdout for a command: once its reader has gone, the command ends quietly with CLOSED_PIPE.
+class _CommandStdout:
+    """sys.stdout for a command: a write or flush that fails ends the command, in one line at most.
 
-    A write or flush that meets BrokenPipeError points stdout at devnull, so nothing left in its buffer is
-    written at exit (the recipe in the Python docs' signal module), and raises SystemExit(CLOSED_PIPE). That is
-    no OSError, so a command's own `except OSError` (disk full, a file it cannot read) does not take it for
-    one of its failures; a BrokenPipeError anywhere else (a worker's pipe, a socket) is raised as it was.
+    Its reader gone (BrokenPipeError): quietly, CLOSED_PIPE. Any other failure (ENOSPC on `> /dev/full`, EIO,
+    EDQUOT): one line on stderr saying stdout could not be written and why, STDOUT_FAILED. Either way stdout
+    is first pointed at devnull, so nothing left in its buffer is written at exit (the recipe in the Python
+    docs' signal module; Python's own flush at exit would print "Exception ignored", exit 120), and the
+    command ends with SystemExit: no OSError, so neither a command's own `except OSError` (which would
+    describe it as a failure of its output directory) nor argparse's (which swallows one from --help,
+    exit 0) takes it for one of theirs. A BrokenPipeError anywhere else (a worker's pipe, a socket) is
+    raised as it was.
     """
 
-    def __init__(self, stream: TextIO) -> None:
+    def __init__(self, stream: TextIO, name: str) -> None:
         self._stream = stream
+        self._name = name
 
-    def _closed(self) -> NoReturn:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, self._stream.fileno())
-        os.close(devnull)
-        raise SystemExit(CLOSED_PIPE)
+    def _failed(self, exc: OSError) -> NoReturn:
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):  # no file descriptor (a stream of a test): nothing to redirect
+            pass
+        if isinstance(exc, BrokenPipeError):
+            raise SystemExit(CLOSED_PIPE)
+        why = _STDOUT_ERRORS.get(exc.errno or 0) or exc.strerror or str(exc)
+        with contextlib.suppress(OSError, ValueError):  # stderr unwritable too: the exit status is all that is left
+            print(f"{self._name}: cannot write stdout: {why}", file=sys.stderr)
+        raise SystemExit(STDOUT_FAILED)
 
     def write(self, text: str) -> int:
         try:
             return self._stream.write(text)
-        except BrokenPipeError:
-            self._closed()
+        except OSError as exc:
+            self._failed(exc)
 
     def writelines(self, lines: Iterable[str]) -> None:
         for line in lines:
@@ -51,20 +75,20 @@ class _StdoutWhoseReaderMayGo:
     def flush(self) -> None:
         try:
             self._stream.flush()
-        except BrokenPipeError:
-            self._closed()
+        except OSError as exc:
+            self._failed(exc)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
 
 
-def _run_main(main: Callable[[], int | str | None]) -> int | str | None:
-    """main(), with stdout flushed before the exit (where a closed pipe would be "Exception ignored", 120)."""
-    if sys.stdout is not None and not isinstance(sys.stdout, _StdoutWhoseReaderMayGo):
-        sys.stdout = _StdoutWhoseReaderMayGo(sys.stdout)  # type: ignore[assignment]
+def _run_main(main: Callable[[], int | str | None], name: str) -> int | str | None:
+    """main(), with stdout flushed before the exit (a failure there would be "Exception ignored", exit 120)."""
+    if sys.stdout is not None and not isinstance(sys.stdout, _CommandStdout):
+        sys.stdout = _CommandStdout(sys.stdout, name)  # type: ignore[assignment]
     try:
         status = main()
-    except SystemExit as exit_:  # argparse's --help and refusals, and a closed pipe: flushed below too
+    except SystemExit as exit_:  # argparse's --help and refusals, and a failed stdout: flushed below too
         status = exit_.code
     if sys.stdout is not None:
         try:
@@ -99,7 +123,7 @@ def _command(name: str, module: str, extra: str) -> Callable[[], None]:
                 file=sys.stderr,
             )
             sys.exit(USAGE_ERROR)
-        return _run_main(main)
+        return _run_main(main, name)
 
     run.__name__ = name.replace("-", "_")
     run.__doc__ = f"`{name}`: {module}.main, or one line naming the extra to install."

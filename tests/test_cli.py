@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -347,3 +348,68 @@ def test_ctrl_c_where_a_command_has_no_handling_of_its_own_is_one_line(
     assert stopped.value.code == status
     error = capsys.readouterr().err.strip().splitlines()
     assert error == [says]
+
+
+# -- stdout that cannot be written -------------------------------------------------------------------------
+
+CLOSED_PIPE = 141  # 128 + SIGPIPE, as a shell reports `seq 1000000 | head -1`
+CORPUS = Path(__file__).resolve().parent / "data" / "multilingual.jsonl"
+
+
+@pytest.fixture(scope="module")
+def small_dataset(tmp_path_factory) -> Path:
+    corpus = tmp_path_factory.mktemp("corpus") / "in.jsonl"
+    corpus.write_text("".join(f'{{"text": "document {n}, a few words long"}}\n' for n in range(50)))
+    output = corpus.parent / "dataset"
+    subprocess.run(
+        [_installed("tokenizer-pretokenize"), str(corpus), "--local", "--output", str(output), "--workers", "1", "-q"],
+        check=True,
+        capture_output=True,
+        timeout=120,
+        env=CLEAN_ENV,
+    )
+    return output
+
+
+def _installed(command: str) -> str:
+    return shutil.which(command) or os.path.join(os.path.dirname(sys.executable), command)
+
+
+STDOUT_COMMANDS = [
+    # every entry point of pyproject.toml's [project.scripts], and the commands that print data
+    ["tokenizer-server", "--help"],
+    ["tokenizer-pretokenize", "--help"],
+    ["tokenizer-bench", "--help"],
+    ["tokenizer-shards", "--help"],
+    ["tokenizer-shards", "info", "{dataset}"],
+    ["tokenizer-pretokenize", str(CORPUS), "--peek"],
+]
+STDOUT_IDS = ["server-help", "pretokenize-help", "bench-help", "shards-help", "shards-info", "pretokenize-peek"]
+
+
+@pytest.mark.parametrize("command", STDOUT_COMMANDS, ids=STDOUT_IDS)
+def test_stdout_on_a_full_device_is_one_line_and_exit_1(command, small_dataset):
+    """A probe's `tokenizer-shards info DS > /dev/full` was an OSError traceback; `--help > /dev/full` exit 0,
+    the help lost without a word (argparse swallows the OSError)."""
+    args = [_installed(command[0]), *(arg.format(dataset=small_dataset) for arg in command[1:])]
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(args, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120, env=CLEAN_ENV)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.splitlines() == [
+        f"{command[0]}: cannot write stdout: the device is full (No space left on device); free space there, "
+        "or send stdout elsewhere"
+    ], result.stderr
+
+
+@pytest.mark.parametrize("command", STDOUT_COMMANDS, ids=STDOUT_IDS)
+def test_stdout_whose_reader_went_away_ends_quietly_with_141(command, small_dataset):
+    """`... | head -0`: the pipe's reader has gone before the first write; no BrokenPipeError traceback."""
+    args = [_installed(command[0]), *(arg.format(dataset=small_dataset) for arg in command[1:])]
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run(args, stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120, env=CLEAN_ENV)
+    finally:
+        os.close(write_end)
+    assert result.returncode == CLOSED_PIPE, result.stderr
+    assert result.stderr == ""

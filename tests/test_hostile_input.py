@@ -13,6 +13,8 @@ import pytest
 import sentencepiece as spm
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from websockets.exceptions import InvalidStatus
+from websockets.sync.client import connect
 
 from tests.conftest import DATA, start_server, stop_server
 
@@ -258,3 +260,26 @@ def test_a_text_that_expands_beyond_the_limit_under_normalization_is_413_naming_
     assert "normalization" in error["message"]
     few = post(server.url, "/v1/tokenize", orjson.dumps({"texts": ["\ufdfa" * 100], "model": "uni"}))
     assert few.status_code == 200 and few.json()["ids"] == server.processor("uni").encode(["\ufdfa" * 100])
+
+
+@pytest.mark.parametrize("path", [*ROUTES, "/healthz"])
+def test_a_websocket_handshake_is_a_json_400_saying_the_server_speaks_none(server, path):
+    """A probe's WebSocket client on /v1/tokenize got uvicorn's bare 403 (its WebSocket protocol, with no route to
+    accept): now the service's JSON error, 400 (RFC 6455 section 4.2.2), saying it speaks no WebSocket."""
+    with pytest.raises(InvalidStatus) as refused:
+        connect(server.url.replace("http://", "ws://") + path, open_timeout=30)
+    answer = refused.value.response
+    assert answer.status_code == 400
+    assert answer.headers["content-type"] == "application/json"
+    error = orjson.loads(answer.body)["error"]
+    assert error["type"] == "invalid_request"
+    assert error["message"].startswith(f"this server does not speak WebSocket, on {path} or anywhere"), error
+
+
+def test_a_post_offering_a_websocket_upgrade_is_served_over_http(server):
+    """Not a handshake (RFC 6455 section 4.1: that is a GET): the upgrade is ignored, as RFC 9110 section 7.8
+    allows, and the request served (it hung on uvicorn's WebSocket protocol)."""
+    upgrade = {"connection": "Upgrade", "upgrade": "websocket", "sec-websocket-version": "13"}
+    answer = post(server.url, "/v1/tokenize", orjson.dumps({"texts": ["upgrade me not"]}), **upgrade)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["num_tokens"] > 0

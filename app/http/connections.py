@@ -24,8 +24,9 @@ second made every legitimate request fail with a reset. This subclass, passed to
 - malformed HTTP (Content-Length with chunked, a bad or duplicate length, a bad chunk, an unknown
   method, ...) answered with the service's JSON error body (400 `invalid_request`), never a second
   answer after one already being written on the same connection;
-- an upgrade the server does not speak (`Upgrade: h2c` from `curl --http2`) ignored: the request is
-  served over HTTP/1.1 with its body, as RFC 9110 section 7.8 allows.
+- an upgrade the server does not speak (`Upgrade: h2c` from `curl --http2`; `Upgrade: websocket`, uvicorn runs
+  with `ws="none"`) ignored: the request is served over HTTP/1.1 with its body, as RFC 9110 section 7.8 allows
+  (the edge answers a WebSocket handshake, a GET, with a JSON 400).
 
 It uses uvicorn's protocol callbacks (`on_message_begin`, `on_headers_complete`, `on_body`,
 `on_message_complete`, `on_response_complete`) and its RequestResponseCycle (`more_body`,
@@ -429,6 +430,11 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
         # SIGTERM: stop accepting, let in-flight requests finish for this long, then cancel them;
         # the lifespan then stops every worker process.
         "timeout_graceful_shutdown": settings.drain_timeout,
+        # The service speaks no WebSocket. With uvicorn's default ("auto": `websockets` when installed) a request
+        # with `Upgrade: websocket` went to uvicorn's WebSocket protocol, which answers a bare 403 without the app
+        # having said a word (and a POST offering that upgrade hung). With none, it stays HTTP on this protocol and
+        # its limits: the edge answers a WebSocket handshake with the service's JSON 400.
+        "ws": "none",
         "http": GuardedProtocol.configure(
             max_head_bytes=settings.max_header_bytes,
             head_timeout=settings.header_timeout,

@@ -21,6 +21,7 @@ import math
 import time
 from typing import Any
 
+import orjson
 from prometheus_client import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -43,7 +44,7 @@ from tokenizer_service.core.readiness import Readiness, ServiceState
 from tokenizer_service.http.admission import Admission
 from tokenizer_service.http.auth import OPEN_PATHS, ApiKeys, bearer_token, route_path
 from tokenizer_service.http.negotiation import MODEL_SHA256_HEADER, wants_binary
-from tokenizer_service.http.status import CLIENT_CLOSED_REQUEST, send_error
+from tokenizer_service.http.status import CLIENT_CLOSED_REQUEST, send_error, send_json
 from tokenizer_service.metrics import Metrics
 
 logger = logging.getLogger("tokenizer.edge")
@@ -177,7 +178,10 @@ class Edge:
         if counted:
             metrics.inflight.inc()
         try:
-            if self.keys is not None and path not in OPEN_PATHS and (refusal := self._refuse(scope)) is not None:
+            if scope["method"] == "GET" and asks_for_websocket(scope["headers"]):
+                await send_json(send, 400, no_websocket(path))
+                status = 400
+            elif self.keys is not None and path not in OPEN_PATHS and (refusal := self._refuse(scope)) is not None:
                 status = await send_error(send, refusal)
             elif route is not None:
                 status = await self._serve(route, scope, receive, send)
@@ -368,6 +372,28 @@ class Edge:
         last = len(parts) - 1
         for position, part in enumerate(parts):
             await send({"type": "http.response.body", "body": part, "more_body": position < last})
+
+
+def asks_for_websocket(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether a request is a WebSocket handshake (RFC 6455 section 4.1: a GET with `Upgrade: websocket` and
+    `Connection: upgrade`); uvicorn runs with `ws="none"`, so it reaches the app as plain HTTP."""
+    upgrade = connection = False
+    for name, value in headers:
+        if name == b"upgrade":
+            upgrade = upgrade or any(token.strip().lower() == b"websocket" for token in value.split(b","))
+        elif name == b"connection":
+            connection = connection or any(token.strip().lower() == b"upgrade" for token in value.split(b","))
+    return upgrade and connection
+
+
+def no_websocket(path: str) -> bytes:
+    """The answer to a WebSocket handshake: 400 (RFC 6455 section 4.2.2 refuses one with an HTTP error; 426 would
+    ask the client to upgrade to what the server names, and it names nothing but the HTTP/1.1 it speaks)."""
+    message = (
+        f"this server does not speak WebSocket, on {path} or anywhere: send plain HTTP requests "
+        "(POST /v1/tokenize, /v1/detokenize or /v1/pack with a JSON body; see /docs)"
+    )
+    return orjson.dumps({"error": {"type": "invalid_request", "message": message}})
 
 
 def starting() -> Unavailable:
