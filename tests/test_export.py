@@ -339,6 +339,34 @@ def test_an_export_never_writes_over_an_input_another_dataset_or_a_file_of_the_u
     assert np.fromfile(again, dtype=np.uint16).tolist() == all_ids(outputs["ragged"])
 
 
+def test_exports_inside_an_input_directory_are_no_input(outputs, tmp_path):
+    """A probe's litdata export inside the input directory of a next run: its index.json was read as a JSON Lines
+    input, every line a bad record. An export of each format there is left out, as a dataset is; a file of the
+    user's that is only named index.json is still read."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    texts = ["the first document of the corpus", "and the second one"]
+    (corpus / "in.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    (corpus / "notes").mkdir()
+    (corpus / "notes" / "index.json").write_text(json.dumps({"text": "a note"}) + "\n")
+    places = {"litdata": corpus / "lit", "megatron": corpus / "megatron", "nanogpt": corpus / "train.bin"}
+    places["llmc"] = corpus / "llmc"
+    for to, place in places.items():
+        export = ["tokenizer-shards", "export", str(outputs["ragged"]), "--to", to, "--output", str(place), "-q"]
+        subprocess.run(export, check=True, capture_output=True, timeout=120)
+    assert json.loads((corpus / "lit" / "index.json").read_text())["chunks"]
+    out = tmp_path / "out"
+    run = ["tokenizer-pretokenize", str(corpus), "--local", "--output", str(out), "--model", str(MODEL), "-q"]
+    result = subprocess.run([*run, "--workers", "1"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "bad record" not in result.stderr, result.stderr
+    metadata = TokenDataset(out).metadata
+    assert metadata["bad_records"] == 0
+    read = [Path(source["path"]) for source in metadata["sources"]]
+    assert read == [(corpus / "in.jsonl").resolve(), (corpus / "notes" / "index.json").resolve()]
+    assert len(TokenDataset(out)) == 3
+
+
 @pytest.mark.readers
 def test_a_tokenizer_json_model_end_to_end_with_int32_ids(documents, multilingual, tmp_path, capsys):
     """A tokenizer.json with a vocabulary over 65,536: pre-tokenized (parsing nothing), verified against

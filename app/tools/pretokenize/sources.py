@@ -242,7 +242,8 @@ def expand_inputs(
 ) -> list[Path]:
     """The input files: each file as given, each directory as every readable file below it, sorted; below a
     directory, never a file of `output` (the run's own) nor of any dataset or rank the pre-tokenizer wrote there
-    (a directory whose metadata.json is of its format): their metadata.json is no corpus.
+    (a directory whose metadata.json is of its format) nor of a litdata export (a directory whose index.json is
+    litdata's): their metadata.json and index.json are no corpus.
 
     A file reached twice (a symlink and its target, a file named and inside a directory named) is read once,
     at its first place, and `warn` hears of each repeat."""
@@ -282,17 +283,35 @@ def expand_inputs(
     return unique
 
 
+# litdata's index of a dataset (what `tokenizer-shards export --to litdata` writes, and litdata's own `optimize`):
+# a JSON object of `chunks` and `config`, beside chunk files. Its name reads as a JSON (Lines) input, each of its
+# lines a bad record.
+LITDATA_INDEX = "index.json"
+
+
 def _outputs_below(directory: Path, own: Path | None) -> list[Path]:
-    """The run's own output (`own`) and every pre-tokenizer output below `directory` (resolved paths)."""
+    """The run's own output (`own`) and every output of ours below `directory` (resolved paths): a pre-tokenizer
+    dataset or rank (a directory whose metadata.json is of its format) and a litdata dataset (a directory whose
+    index.json has litdata's `chunks` and `config`: an export's). The other exports (megatron, nanogpt, llm.c)
+    write only `.bin` and `.idx` files, which are no input kind."""
     found = [] if own is None else [own]
-    for metadata in directory.rglob(METADATA_FILE):
-        try:
-            document = orjson.loads(metadata.read_bytes())
-        except (OSError, orjson.JSONDecodeError):
-            continue
-        if isinstance(document, dict) and document.get("format") == FORMAT_NAME:
-            found.append(metadata.parent.resolve())
+    for name, ours in ((METADATA_FILE, _is_pretokenized), (LITDATA_INDEX, _is_litdata_index)):
+        for file in directory.rglob(name):
+            try:
+                document = orjson.loads(file.read_bytes())
+            except (OSError, orjson.JSONDecodeError):
+                continue
+            if isinstance(document, dict) and ours(document):
+                found.append(file.parent.resolve())
     return found
+
+
+def _is_pretokenized(metadata: dict[str, Any]) -> bool:
+    return metadata.get("format") == FORMAT_NAME
+
+
+def _is_litdata_index(index: dict[str, Any]) -> bool:
+    return isinstance(index.get("chunks"), list) and isinstance(index.get("config"), dict)
 
 
 def expand_url(url: str) -> list[str]:
