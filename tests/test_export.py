@@ -365,6 +365,17 @@ def test_exports_inside_an_input_directory_are_no_input(outputs, tmp_path):
     read = [Path(source["path"]) for source in metadata["sources"]]
     assert read == [(corpus / "in.jsonl").resolve(), (corpus / "notes" / "index.json").resolve()]
     assert len(TokenDataset(out)) == 3
+    # the same corpus as a prefix URL (fsspec's listing, as in a bucket), a dataset of ours under it too: the
+    # exports and the dataset are left out
+    shutil.copytree(outputs["ragged"], corpus / "dataset")
+    from_url = ["tokenizer-pretokenize", f"file://{corpus}/", "--local", "--output", str(tmp_path / "from-url")]
+    from_url += ["--model", str(MODEL), "--workers", "1", "-q"]
+    prefix = subprocess.run(from_url, capture_output=True, text=True, timeout=120)
+    assert prefix.returncode == 0, prefix.stderr
+    assert [source["path"] for source in TokenDataset(tmp_path / "from-url").metadata["sources"]] == [
+        f"file://{corpus}/in.jsonl",
+        f"file://{corpus}/notes/index.json",
+    ]
 
 
 @pytest.mark.readers

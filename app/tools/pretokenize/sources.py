@@ -327,9 +327,15 @@ def expand_url(url: str) -> list[str]:
             if not found:
                 raise InputRefused(f"{url}: matches no input file ({KINDS})")
             return [fs.unstrip_protocol(item) for item in found]
-        if fs.isfile(path):
-            return [fs.unstrip_protocol(path)]
-        found = sorted(item for item in fs.find(path) if kind_of(item)[0])
+        try:
+            # one request that fails as the store does (isfile swallows every error into False, and a store that
+            # does not answer was then asked a second time, by find)
+            if fs.info(path).get("type") == "file":
+                return [fs.unstrip_protocol(path)]
+        except FileNotFoundError:
+            found = []
+        else:
+            found = _inputs_of_listing(fs, sorted(fs.find(path)))
     except InputRefused:
         raise
     except StorageError as exc:
@@ -342,6 +348,24 @@ def expand_url(url: str) -> list[str]:
             raise InputRefused(f"{url}: no such file or directory")
         raise InputRefused(f"{url}: a prefix with no input file under it ({KINDS})")
     return [fs.unstrip_protocol(item) for item in found]
+
+
+def _inputs_of_listing(fs: Any, keys: list[str]) -> list[str]:
+    """The input files among the `keys` listed under a prefix, less those inside an output of ours stored there (a
+    pre-tokenizer dataset or a litdata export, told by their metadata.json or index.json, as `_outputs_below`)."""
+    outputs = []
+    for key in keys:
+        name = key.rsplit("/", 1)[-1]
+        ours = {METADATA_FILE: _is_pretokenized, LITDATA_INDEX: _is_litdata_index}.get(name)
+        if ours is None:
+            continue
+        try:
+            document = orjson.loads(fs.cat_file(key))
+        except (OSError, orjson.JSONDecodeError):
+            continue
+        if isinstance(document, dict) and ours(document):
+            outputs.append(key[: -len(name)])  # the directory, with its trailing slash
+    return [key for key in keys if kind_of(key)[0] and not any(key.startswith(place) for place in outputs)]
 
 
 def _check_bucket(url: str) -> None:
