@@ -182,6 +182,17 @@ def test_refusals_name_the_conversation_and_the_message(snapshot, library):
         with pytest.raises(InvalidField, match=message.replace("[", r"\[").replace("]", r"\]")) as caught:
             template.encode(batch, chat.ChatOptions())
         assert caught.value.field == "conversations"
+    only_assistant = TemplateFile(  # renders a conversation with no assistant message as nothing at all
+        "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}"
+        "{% endif %}{% endfor %}",
+        "flag",
+        Path("t"),
+        b"",
+    )
+    for batch, index in (([good, good[:1]], 1), ([good[:1], good], 0), ([good, good[:1], good], 1)):
+        # a probe's: last in its batch, it was a 500 (IndexError in the check itself)
+        with pytest.raises(InvalidField, match=rf"conversations\[{index}\] has no token to train on"):
+            chat.ChatTemplate("m", only_assistant, library, {}).encode(batch, chat.ChatOptions())
     with pytest.raises(PayloadTooLarge, match=r"conversations\[0\] has 100,000 messages"):
         template.encode([[{"role": "user", "content": "x"}] * 100_000], chat.ChatOptions())
     raising = TemplateFile(
@@ -444,3 +455,109 @@ def test_any_model_kind_takes_a_template_through_the_flag(library_models, model_
     trained = [token for token, bit in zip(ids, mask, strict=True) if bit]
     assert sentencepiece.processor.decode(trained).strip() == "As yet I have no name."
     assert trained[-1] == eos
+
+
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}{% if m.role == 'assistant' %}{% generation %}"
+    "{{ m.content + '<|im_end|>' }}{% endgeneration %}{% else %}{{ m.content + '<|im_end|>' }}{% endif %}"
+    "{{ '\\n' }}{% endfor %}"
+)
+
+
+def trained_tokenizer_json(path: Path, texts: list[str], pre_tokenizer: Any, decoder: Any, added: list[Any]) -> Path:
+    from tokenizers import Tokenizer, models, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizer, decoder
+    special = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    tokenizer.train_from_iterator(
+        texts, trainers.BpeTrainer(vocab_size=600, special_tokens=special, show_progress=False)
+    )
+    tokenizer.add_special_tokens(added)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(path / "tokenizer.json"))
+    return path / "tokenizer.json"
+
+
+def content_as_text_reference(model: Path, rendered: str, content_specials: list[str]) -> list[int]:
+    """tokenizers' own ids of a rendered conversation in which the special-token strings `content_specials` (found
+    only in the content) are not added tokens: text, in one encode of the whole text, the template's control."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    document = json.loads(model.read_text(encoding="utf-8"))
+    document["added_tokens"] = [a for a in document["added_tokens"] if a["content"] not in content_specials]
+    return Tokenizer.from_str(json.dumps(document)).encode(rendered, add_special_tokens=False).ids
+
+
+def test_special_strings_in_content_keep_a_metaspace_models_ids_as_one_encode_of_the_whole_text(tmp_path, documents):
+    """A probe's Llama 2 / Mistral-style tokenizer.json (Metaspace, prepend_scheme "first"): with a special-token
+    string in a message, the rendered text was encoded piece by piece, each piece a text of its own, and every
+    piece after a template's special token got a "▁" the whole text's encode does not have: every id of the
+    conversation around the content was wrong. Also a template's rstrip token next to U+001C..U+001F, which
+    tokenizers does not take for whitespace (Python's \\s does)."""
+    from tokenizers import AddedToken, decoders, pre_tokenizers
+
+    metaspace = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    model = trained_tokenizer_json(
+        tmp_path / "ms",
+        documents[:300],
+        metaspace,
+        decoders.Metaspace(replacement="\u2581", prepend_scheme="first"),
+        [],
+    )
+    library = libraries.load(find_model_files("ms", model), libraries.REFERENCE)
+    template = chat.ChatTemplate("ms", TemplateFile(CHATML, "flag", Path("t"), b""), library, {"eos": "</s>"})
+    for content in ("a </s> b", "</s>", "<s> twice </s>", "no special string"):
+        conversation = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": content}]
+        ids, mask = ours(template, conversation)
+        rendered, _ = template.render(conversation, 0)
+        assert ids == content_as_text_reference(model, rendered, ["<s>", "</s>"]), content
+        assert sum(mask) > 0
+
+    stripping = AddedToken("<|assistant|>", special=True, rstrip=True, lstrip=True, normalized=False)
+    byte_level = trained_tokenizer_json(
+        tmp_path / "bl",
+        documents[:300],
+        pre_tokenizers.ByteLevel(add_prefix_space=False),
+        decoders.ByteLevel(),
+        [stripping],
+    )
+    library = libraries.load(find_model_files("bl", byte_level), libraries.REFERENCE)
+    phi = "{% for m in messages %}<|im_start|>{{ m.content }}<|assistant|>"
+    phi += "{% generation %}x{% endgeneration %}{% endfor %}"
+    template = chat.ChatTemplate("bl", TemplateFile(phi, "flag", Path("t"), b""), library, {"eos": "</s>"})
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(byte_level), eos_token="</s>")
+    for content in ("\x1fhi <s> \x1c", "hi <s>\x1d", "hi <s> \t"):
+        conversation = [{"role": "user", "content": content}]
+        got_ids, got_mask = ours(template, conversation)
+        rendered, _ = template.render(conversation, 0)
+        assert got_ids == content_as_text_reference(byte_level, rendered, ["<s>"]), repr(content)
+        _, want_mask = expected(tokenizer, phi, [{"role": "user", "content": content.replace("<s>", "")}])
+        assert got_mask[-1] == 1 and sum(got_mask) == sum(want_mask) == 1, repr(content)  # x only
+
+
+def test_every_named_special_token_of_the_config_reaches_the_template(tmp_path, snapshot):
+    """transformers hands a template its special_tokens_map: sep_token, cls_token and mask_token too (a probe's
+    template rendered them as nothing)."""
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(snapshot, model)
+    config = (
+        json.loads((model / "tokenizer_config.json").read_text()) if (model / "tokenizer_config.json").exists() else {}
+    )
+    config |= {"sep_token": "<|im_end|>", "cls_token": "<|im_start|>", "mask_token": {"content": "<|endoftext|>"}}
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    files = find_model_files("m", model)
+    library = libraries.load(files, libraries.REFERENCE)
+    source = (
+        "{{ sep_token }}|{{ cls_token }}|{{ mask_token }}{% generation %}{{ messages[0].content }}{% endgeneration %}"
+    )
+    template = chat.ChatTemplate(
+        "m", TemplateFile(source, "flag", Path("t"), b""), library, chat.special_tokens(files, library)
+    )
+    rendered, _ = template.render([{"role": "assistant", "content": "x"}], 0)
+    assert rendered == "<|im_end|>|<|im_start|>|<|endoftext|>x"

@@ -204,6 +204,19 @@ def _byte_spans(text: str, spans: list[tuple[int, int]]) -> list[tuple[int, int]
     return out
 
 
+# What an added token's lstrip/rstrip takes (tokenizers: Rust's char::is_whitespace, Unicode's White_Space), which
+# Python's \s and str.strip() exceed by U+001C..U+001F
+WHITE_SPACE_CHARACTERS = (
+    "\t\n\x0b\x0c\r \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B))) + "\u2028\u2029\u202f\u205f\u3000"
+)
+WHITE_SPACE = "[" + re.escape(WHITE_SPACE_CHARACTERS) + "]"
+
+
+# An added token put before a segment of a rendered text so that tokenizers encodes it as it does a part after an
+# added token (Tokens._segments): private-use characters no template writes
+SENTINEL = "\U000ff8f1\U000ff8f2\U000ff8f3"
+
+
 class Tokens:
     """A model's ids and character offsets of texts, and its special-token strings (what the template writes)."""
 
@@ -211,6 +224,7 @@ class Tokens:
         self.library = library
         self.kind = library.library
         self.byte_lengths: np.ndarray | None = None
+        self._follower_tokenizer: tuple[Any, int] | None = None
         self.strip: dict[str, tuple[bool, bool]] = {}  # special string -> (lstrip, rstrip), tokenizers only
         if self.kind == TOKENIZERS:
             document = json.loads(library.files.contents[0])
@@ -261,7 +275,9 @@ class Tokens:
         alternatives = []
         for token in sorted(self.special, key=len, reverse=True):
             lstrip, rstrip = self.strip.get(token, (False, False))
-            alternatives.append(("\\s*" if lstrip else "") + re.escape(token) + ("\\s*" if rstrip else ""))
+            alternatives.append(
+                (f"{WHITE_SPACE}*" if lstrip else "") + re.escape(token) + (f"{WHITE_SPACE}*" if rstrip else "")
+            )
         return re.compile("|".join(f"({alternative})" for alternative in alternatives))
 
     @property
@@ -354,6 +370,44 @@ class Tokens:
             out.append((ids, *_bytes_to_chars(text, begins, ends)))
         return out
 
+    def _segments(
+        self, segments: list[str], at_start: list[bool], parse_special: bool
+    ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Each segment of a rendered text encoded as the library encodes it in the whole text. tokenizers treats
+        a part after an added token otherwise than a text of its own (a Metaspace pre-tokenizer with
+        prepend_scheme "first" puts its "▁" before the text's first part only): each segment but one at the
+        text's start is encoded after a sentinel added token (`_follower`), whose id is then dropped."""
+        if self.kind != TOKENIZERS or all(at_start):
+            return self.encode(segments, parse_special)
+        rows = iter(
+            self.encode([segment for segment, first in zip(segments, at_start, strict=True) if first], parse_special)
+        )
+        follower, sentinel = self._follower()
+        follower.encode_special_tokens = not parse_special
+        out = []
+        for segment, first in zip(segments, at_start, strict=True):
+            if first:
+                out.append(next(rows))
+                continue
+            encoding = follower.encode(SENTINEL + segment, add_special_tokens=False)
+            if SENTINEL in segment or not encoding.ids or encoding.ids[0] != sentinel:  # never seen: as before
+                out.append(self._reference([segment], parse_special)[0])
+                continue
+            offsets = np.asarray(encoding.offsets[1:], dtype=np.int64).reshape(-1, 2) - len(SENTINEL)
+            out.append((np.asarray(encoding.ids[1:], dtype=np.int32), offsets[:, 0], offsets[:, 1]))
+        return out
+
+    def _follower(self) -> tuple[Any, int]:
+        """A copy of the reference tokenizer with SENTINEL as one more (not special) added token, and its id: built
+        once, the first time content holds a special-token string."""
+        if self._follower_tokenizer is None:
+            from tokenizers import AddedToken, Tokenizer
+
+            follower = Tokenizer.from_str(self.library.reference.to_str())
+            follower.add_tokens([AddedToken(SENTINEL, special=False, normalized=False)])
+            self._follower_tokenizer = (follower, follower.token_to_id(SENTINEL))
+        return self._follower_tokenizer
+
     def with_template_specials(
         self, text: str, restore: dict[str, str], parse_special: bool
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -365,7 +419,7 @@ class Tokens:
             for match in self._pattern.finditer(text):
                 if match.start() > position:
                     pieces.append((position, match.start(), None))
-                token = next(group for group in match.groups() if group is not None).strip()
+                token = next(group for group in match.groups() if group is not None).strip(WHITE_SPACE_CHARACTERS)
                 found = self.special.get(token)
                 if found is None:  # a stripped match of a token that is itself whitespace-bounded
                     found = self.special[match.group(0)]
@@ -376,7 +430,8 @@ class Tokens:
         segments = [text[start:end] for start, end, special in pieces if special is None]
         for placeholder, original in restore.items():
             segments = [segment.replace(placeholder, original) for segment in segments]
-        encoded = iter(self.encode(segments, parse_special and not restore))
+        at_start = [start == 0 for start, _, special in pieces if special is None]
+        encoded = iter(self._segments(segments, at_start, parse_special and not restore))
         ids, starts, ends = [], [], []
         for start, end, special in pieces:
             if special is not None:
@@ -447,9 +502,16 @@ def _bytes_to_chars(text: str, begins: np.ndarray, ends: np.ndarray) -> tuple[np
     return first, last
 
 
+# the named special tokens transformers hands a template besides bos/eos/pad/unk (its special_tokens_map)
+TEMPLATE_ONLY_ROLES = ("sep", "cls", "mask")
+
+
 def special_tokens(files: Any, library: Any) -> dict[str, str | None]:
-    """role (bos, eos, pad, unk) -> the token's string: what templates see as bos_token, eos_token..."""
+    """role (bos, eos, pad, unk; and sep, cls, mask where tokenizer_config.json names them) -> the token's string:
+    what templates see as bos_token, eos_token, ... (transformers' special_tokens_map)."""
     found = dict(files.special_tokens())
+    if library.library == TOKENIZERS:
+        found.update(_config_tokens(files, TEMPLATE_ONLY_ROLES))
     if library.library not in (TOKENIZERS, TIKTOKEN, TEKKEN):  # sentencepiece: its own pieces
         processor = library.processor
         for role, token in (
@@ -459,6 +521,24 @@ def special_tokens(files: Any, library: Any) -> dict[str, str | None]:
             ("unk", library.unk_id),
         ):
             found[role] = processor.id_to_piece(token) if token >= 0 else None
+    return found
+
+
+def _config_tokens(files: Any, roles: Sequence[str]) -> dict[str, str]:
+    """role -> the string tokenizer_config.json gives `<role>_token` (a string or an AddedToken object)."""
+    if len(files.files) < 2:
+        return {}
+    try:
+        config = json.loads(files.contents[1])
+    except ValueError:
+        return {}
+    found = {}
+    for role in roles:
+        value = config.get(f"{role}_token") if isinstance(config, dict) else None
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            found[role] = value
     return found
 
 
@@ -717,8 +797,9 @@ class ChatTemplate:
         if not ids:
             return np.zeros(0, np.int32), lengths, np.zeros(0, np.uint8)
         mask = np.concatenate(masks)
-        trained = np.add.reduceat(mask, np.concatenate([[0], np.cumsum(lengths)[:-1]])) if len(mask) else mask
-        empty = np.flatnonzero((lengths == 0) | (trained[: len(lengths)] == 0) if len(mask) else lengths == lengths)
+        # per conversation (a last one of no token at all is one too: np.add.reduceat cannot take its empty row)
+        trained = np.fromiter((int(np.count_nonzero(row)) for row in masks), dtype=np.int64, count=len(masks))
+        empty = np.flatnonzero(trained == 0)
         if len(empty):
             index = first_index + int(empty[0])
             raise InvalidField(
