@@ -100,7 +100,8 @@ def local_pool(
     kills a worker at once: the command's process stops the run as on Ctrl-C, `cli.Terminated`).
     Forked workers inherit the model this process loads first (`process.preload`: the library `inspect_model`
     kept, with the fast encoder put in front of it, and its reference library from REFERENCE_BEFORE_FORK_BYTES of
-    `input_bytes`, or when that is not known); if loading it started a native thread, they are spawned. Forked
+    `input_bytes` where shadow verification samples texts, or when that is not known); if loading it started a native
+    thread, they are spawned. Forked
     workers also inherit `slots` (`tokenize_locally` passes chunks through them: `slots.shared` says so).
     `verified_apart`: a `Verifier` checks the chunks (tokenizer_service.tools.pretokenize.verifier), so no worker
     needs the reference library."""
@@ -108,7 +109,10 @@ def local_pool(
     kept = registry.kept_model(model.sha256)
     if method == "fork":
         before = process.os_threads()
-        reference = not verified_apart and (input_bytes is None or input_bytes >= REFERENCE_BEFORE_FORK_BYTES)
+        sampler = process.pretokenize_sampler()
+        checking = sampler.rate > 0 or sampler.interval > 0  # shadow verification off: no worker needs it
+        big = input_bytes is not None and input_bytes >= REFERENCE_BEFORE_FORK_BYTES
+        reference = input_bytes is None or (big and checking and not verified_apart)
         process.preload(model, kept, reference)
         if process.os_threads() != before:  # loading it started a thread (a Rust pool): a fork would not copy it
             method = "spawn"
