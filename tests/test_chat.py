@@ -561,3 +561,32 @@ def test_every_named_special_token_of_the_config_reaches_the_template(tmp_path, 
     )
     rendered, _ = template.render([{"role": "assistant", "content": "x"}], 0)
     assert rendered == "<|im_end|>|<|im_start|>|<|endoftext|>x"
+
+
+def test_a_sentencepiece_character_of_byte_pieces_is_trained_whole(tmp_path, documents):
+    """A probe's: SentencePiece gives a character's byte-fallback pieces zero width but the last, so an assistant
+    span starting with a character the vocabulary lacks (an emoji, CJK on a small model) left its first bytes
+    untrained; transformers' tokenizer of the model trains them all."""
+    import sentencepiece as spm
+
+    prefix = tmp_path / "bytes"
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(documents[:400]),
+        model_prefix=str(prefix),
+        vocab_size=400,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+    )
+    library = libraries.load(find_model_files("sp", prefix.with_suffix(".model")))
+    text = (
+        "{% for m in messages %}{{ m.role }}: {% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+        "{% endgeneration %}{% else %}{{ m.content }}{% endif %}</s>{% endfor %}"
+    )
+    template = chat.ChatTemplate("sp", TemplateFile(text, "flag", Path("t"), b""), library, {})
+    processor = library.processor
+    for answer in ("\U0001f600 fine", "\u7b54\u3048 is an answer", "x \U0001f600"):
+        ids, mask = ours(template, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": answer}])
+        trained = [token for token, bit in zip(ids, mask, strict=True) if bit]
+        assert processor.decode(trained).strip() == answer, answer  # every byte of it, none of the rest
+        assert any(processor.is_byte(token) for token in trained), answer

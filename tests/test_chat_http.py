@@ -100,6 +100,10 @@ def test_pack_labels_carry_the_mask_and_the_carry_keeps_it(chat_server, multilin
     expected = np.where(mask[:used] == 1, ids[:used], IGNORE_INDEX)
     assert np.array(rows_labels).reshape(-1).tolist() == expected.tolist()
     assert carry == ids[used:].tolist() and carry_mask == mask[used:].tolist()
+    # a probe's: the carry sent back without its mask trained on every carried id, prompts too (200)
+    refused = httpx.post(f"{url}/v1/pack", json={"conversations": batch[:1], "seq_len": seq_len, "carry": carry})
+    assert refused.status_code == 422 and refused.json()["error"]["field"] == "carry_loss_mask", refused.text
+    assert "leftover_loss_mask" in refused.json()["error"]["message"]
     best = httpx.post(f"{url}/v1/pack", json={"conversations": batch, "seq_len": 512, "strategy": "best_fit"}).json()
     labels = np.array(best["labels"])
     assert (labels != IGNORE_INDEX).sum() == mask.sum()

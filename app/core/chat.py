@@ -367,6 +367,7 @@ class Tokens:
             ids = np.array([piece.id for piece in proto.pieces], dtype=np.int32)
             begins = np.array([piece.begin for piece in proto.pieces], dtype=np.int64)
             ends = np.array([piece.end for piece in proto.pieces], dtype=np.int64)
+            _byte_pieces_span_their_character(self.library.processor, ids, begins, ends)
             out.append((ids, *_bytes_to_chars(text, begins, ends)))
         return out
 
@@ -491,6 +492,15 @@ def _sentencepiece_proto(processor: Any, text: str) -> Any:
         return processor.encode(text, return_type="proto")
     except (TypeError, ValueError):  # sentencepiece before return_type
         return processor.encode(text, out_type="immutable_proto")
+
+
+def _byte_pieces_span_their_character(processor: Any, ids: np.ndarray, begins: np.ndarray, ends: np.ndarray) -> None:
+    """SentencePiece gives the byte-fallback pieces of one character zero width but the last (`<0xE7>` (0, 0),
+    `<0xAD>` (0, 0), `<0x94>` (0, 3)): each is given the character's span here, as transformers' tokenizer of the
+    model gives each of them, so a mask span that starts at that character trains all its bytes (in place)."""
+    for index in range(len(ids) - 2, -1, -1):
+        if begins[index] == ends[index] == begins[index + 1] and processor.is_byte(int(ids[index])):
+            ends[index] = ends[index + 1]
 
 
 def _bytes_to_chars(text: str, begins: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

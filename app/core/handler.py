@@ -658,6 +658,12 @@ def pack_dialogue(
         raise InvalidField(
             "carry_loss_mask needs the carry it describes, one 0/1 per carried id", field="carry_loss_mask"
         )
+    if carry is not None and len(carry) and carry_mask is None:  # every carried id would train: the prompts too
+        raise InvalidField(
+            "carry with conversations or records needs carry_loss_mask: send back the leftover_loss_mask of the "
+            "answer the leftover came from (all ones to train on every carried id)",
+            field="carry_loss_mask",
+        )
     if request.strategy == "concat":
         packed = pack_concat(
             ids,
