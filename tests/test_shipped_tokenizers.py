@@ -287,6 +287,10 @@ def test_a_directory_holding_only_original_tokenizer_model_is_served_from_it(mad
     empty.mkdir()
     with pytest.raises(ModelLoadError, match=r"holds no tokenizer\.json, tekken\.json or original/tokenizer\.model"):
         find_model_files("x", empty)
+    # a SentencePiece snapshot (Llama 2, Gemma: tokenizer.model and its config): the file to give is named
+    shutil.copy(made["llama3like"] / "original" / "tokenizer.model", empty / "tokenizer.model")
+    with pytest.raises(ModelLoadError, match=rf"give the file, --model x={empty}/tokenizer\.model \(with --chat-te"):
+        find_model_files("x", empty)
 
 
 def test_a_sidecars_like_names_a_meta_layout(made, tmp_path):

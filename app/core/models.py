@@ -252,9 +252,16 @@ def find_model_files(name: str, path: Path, chat_template: Path | None = None) -
     given = path.expanduser()  # what messages name: the path as the user wrote it
     inside = directory_file(given) if given.is_dir() else None
     if given.is_dir() and inside is None:
+        beside = next((found for found in sorted(given.glob("*.model")) if found.is_file()), None)
+        hint = (  # a snapshot of a SentencePiece model (Llama 2, Gemma) names no file the directory form reads
+            f": give the file, --model {name}={beside} (with --chat-template {name}=FILE for conversations: the "
+            f"directory's {HF_CONFIG} is not read for a .model)"
+            if beside is not None
+            else f"; a model is {KINDS}"
+        )
         raise ModelLoadError(
             f"model {name!r}: the directory {given} holds no {', '.join(DIRECTORY_FILES[:-1])} or "
-            f"{DIRECTORY_FILES[-1]}; a model is {KINDS}"
+            f"{DIRECTORY_FILES[-1]}{hint}"
         )
     content = _read(name, given / inside if inside is not None else given)
     library = sniff(content)
