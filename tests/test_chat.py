@@ -208,6 +208,11 @@ def test_refusals_name_the_conversation_and_the_message(snapshot, library):
     )
     with pytest.raises(InvalidField, match=r"conversations\[0\]: the chat template"):
         chat.ChatTemplate("m", looping, library, {}).encode([good], chat.ChatOptions())
+    failing = TemplateFile(  # not the template's raise_exception: a probe read "raised" as the template's own refusal
+        "{{ messages[0].content.missing.deeper }}{% generation %}x{% endgeneration %}", "flag", Path("t"), b""
+    )
+    with pytest.raises(InvalidField, match=r"conversations\[0\]: the chat template failed on it \(UndefinedError: "):
+        chat.ChatTemplate("m", failing, library, {}).encode([good], chat.ChatOptions())
 
 
 def test_an_unknown_template_without_marks_is_refused_in_one_line(library):

@@ -564,6 +564,16 @@ class ChatOptions:
 Encoded = tuple[np.ndarray, np.ndarray, np.ndarray]  # flat int32 ids, int64 lengths, flat uint8 loss mask
 
 
+def _template_failure(exc: Exception) -> str:
+    """What the chat template did: raised on purpose (its `raise_exception`: jinja2's TemplateError itself, the
+    template's own message), or failed on this conversation (an undefined attribute, a bad value: the error's type)."""
+    from jinja2.exceptions import TemplateError
+
+    if type(exc) is TemplateError:
+        return f"the chat template raised: {exc}"
+    return f"the chat template failed on it ({type(exc).__name__}: {exc})"
+
+
 def _where(index: int, message: int | None = None) -> str:
     return f"conversations[{index}]" + ("" if message is None else f".messages[{message}]")
 
@@ -763,7 +773,7 @@ class ChatTemplate:
             ) from None
         except Exception as exc:  # the template's raise_exception, a jinja error, a bad value
             raise InvalidField(
-                f"{_where(index)}: the chat template raised: {exc}", field="conversations", index=index
+                f"{_where(index)}: {_template_failure(exc)}", field="conversations", index=index
             ) from None
         return rendered[0], [tuple(span) for span in spans[0]]
 
