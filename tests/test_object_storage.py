@@ -685,6 +685,22 @@ RUN_BOUND = 45  # s: a run waits for 2 requests at most (an input: HEAD, then a 
 # botocore's 5 (the defaults before), each request alone was 25 tries: at least 50 s.
 
 
+def input_and_output_lines(local: Path, tmp_path: Path, common: list[object], env: dict[str, str]) -> list[str]:
+    """The one line of a run with an input URL at the store (exit 2) and of one with an output URL there (exit 1),
+    each within RUN_BOUND and without a traceback."""
+    found = []
+    for args, code in (
+        (["s3://corpora/in.jsonl", "--output", tmp_path / "out"], 2),
+        ([local, "--output", "s3://datasets/shards"], 1),
+    ):
+        returncode, errors, seconds = run_to_the_end([*args, *common], env, timeout=RUN_BOUND + 60)
+        lines = errors.strip().splitlines()
+        assert returncode == code and len(lines) == 1 and "Traceback" not in errors, (args, errors)
+        assert seconds < RUN_BOUND, (args, seconds)
+        found.append(lines[0])
+    return found
+
+
 @pytest.mark.slow  # processes waiting out timeouts
 def test_a_store_that_never_answers_ends_the_run_with_one_line_in_bounded_time(
     aws_env: dict[str, str], tmp_path: Path
@@ -697,17 +713,9 @@ def test_a_store_that_never_answers_ends_the_run_with_one_line_in_bounded_time(
     options = json.dumps({"config_kwargs": {"read_timeout": READ_TIMEOUT}})
     common = ["--local", "--model", MODEL, "--workers", "1", "-q", "--storage-options", options]
     with SilentStore() as store:
-        env = {"AWS_ENDPOINT_URL": store.endpoint}
-        for args, code in (
-            (["s3://corpora/in.jsonl", "--output", tmp_path / "out"], 2),
-            ([local, "--output", "s3://datasets/shards"], 1),
-        ):
-            returncode, errors, seconds = run_to_the_end([*args, *common], env, timeout=RUN_BOUND + 60)
-            lines = errors.strip().splitlines()
-            assert returncode == code and len(lines) == 1, (args, errors)
-            assert "does not answer" in lines[0] and store.endpoint in lines[0], lines
-            assert "Traceback" not in errors and "secret-never-printed" not in errors
-            assert seconds < RUN_BOUND, (args, seconds)
+        for errors in input_and_output_lines(local, tmp_path, common, {"AWS_ENDPOINT_URL": store.endpoint}):
+            assert "does not answer" in errors and store.endpoint in errors, errors
+            assert "secret-never-printed" not in errors
     assert store.accepted >= 3  # the store was asked, and waited for
     assert not (tmp_path / "out").exists()
 
@@ -762,17 +770,8 @@ def test_a_store_that_refuses_connections_or_a_bad_option_is_not_taken_for_a_mis
     with socket.socket() as bound:  # bound, not listening: connections to it are refused, and no one else takes it
         bound.bind(("127.0.0.1", 0))
         endpoint = f"http://127.0.0.1:{bound.getsockname()[1]}"
-        env = {**aws_env, "AWS_ENDPOINT_URL": endpoint}
-        for args, code in (
-            (["s3://corpora/in.jsonl", "--output", tmp_path / "out"], 2),
-            ([local, "--output", "s3://datasets/shards"], 1),
-        ):
-            returncode, errors, seconds = run_to_the_end([*args, *common], env, timeout=RUN_BOUND + 60)
-            lines = errors.strip().splitlines()
-            assert returncode == code and len(lines) == 1, (args, errors)
-            assert "refuses connections" in lines[0] and endpoint in lines[0], lines
-            assert "no such bucket" not in lines[0] and "Traceback" not in errors
-            assert seconds < RUN_BOUND, (args, seconds)
+        for errors in input_and_output_lines(local, tmp_path, common, {**aws_env, "AWS_ENDPOINT_URL": endpoint}):
+            assert "refuses connections" in errors and endpoint in errors and "no such bucket" not in errors, errors
         monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
         with pytest.raises(storage.StorageError, match="refuses connections"):
             storage.check_reachable("s3://corpora/in.jsonl")

@@ -179,40 +179,42 @@ def test_a_server_catches_a_mismatch_at_run_time_and_serves_the_reference_ids_in
 @pytest.mark.slow
 @pytest.mark.parametrize("verifier", [False, True], ids=["workers-check", "verifier-process"])
 def test_the_pretokenizer_restarts_the_shard_with_the_reference_library_on_a_mismatch(
-    library_models, tmp_path, monkeypatch, multilingual, own_gate_cache, verifier
+    library_models, tmp_path, multilingual, own_gate_cache, verifier
 ):
     """Each worker checks its own chunks, or (an input of TOKENIZER_VERIFIER_MIN_BYTES) the run's process has the
-    verifier process check them: either way the shard holding the wrong ids is never written."""
+    verifier process check them: either way the shard holding the wrong ids is never written. The command runs in
+    a process of its own, as users run it: one thread, so its workers fork (the verifier is forked where they are)."""
+    import os
+    import subprocess
+    import sys
+
     from tests.conftest import DATA
     from tokenizer_client.dataset import TokenDataset
     from tokenizer_service.tools.pretokenize import verifier as verifiers
-    from tokenizer_service.tools.pretokenize.run import Options, run
 
-    # U+00F2 (ò) first appears in document 61 of 120: shards before it are written, the one it falls in is not
-    monkeypatch.setenv(libraries.PLANT_ENV, "U+00F2")
-    monkeypatch.setenv("TOKENIZER_SHADOW_RATE", "1")
-    monkeypatch.setenv(verifiers.MIN_BYTES_ENV, "0" if verifier else str(1 << 40))
     counts = tmp_path / "counts"
     counts.mkdir()
-    monkeypatch.setenv(libraries.COUNT_ENV, str(counts))
-    warnings: list[str] = []
-    options = Options(
-        inputs=[str(DATA / "multilingual.jsonl")],
-        output=tmp_path / "out",
-        model=str(library_models["tt"]),
-        workers=2,
-        shard_tokens=2000,
-    )
-    summary = run(options, report_bad=warnings.append, warn=warnings.append)
-    (line,) = [line for line in warnings if "shadow verification" in line]  # the line shows 64 code points
-    assert "restarting the shard being written" in line and len(summary.metadata["shards"]) > 2
+    env = {
+        **os.environ,
+        libraries.PLANT_ENV: "U+00F2",  # first in document 61 of 120: shards before it are written, its own is not
+        "TOKENIZER_SHADOW_RATE": "1",
+        verifiers.MIN_BYTES_ENV: "0" if verifier else str(1 << 40),
+        libraries.COUNT_ENV: str(counts),
+    }
+    command = [sys.executable, "-m", "tokenizer_service.tools.pretokenize", str(DATA / "multilingual.jsonl"), "--local"]
+    command += ["--model", str(library_models["tt"]), "--workers", "2", "--shard-tokens", "2000"]
+    command += ["--output", str(tmp_path / "out"), "-q"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    (line,) = [line for line in done.stderr.splitlines() if "shadow verification" in line]  # 64 code points shown
+    assert "restarting the shard being written" in line
     reference = Reference(library_models["tt"])
-    eos = summary.metadata["model"]["eos_id"]
-    dataset = TokenDataset(summary.output)
-    assert len(dataset) == len(multilingual)
+    dataset = TokenDataset(tmp_path / "out")
+    eos = dataset.metadata["model"]["eos_id"]
+    assert len(dataset.metadata["shards"]) > 2 and len(dataset) == len(multilingual)
     for index, text in enumerate(multilingual):
         assert np.asarray(dataset[index]).tolist() == [*reference.encode(text), eos], index
-    # who loaded the reference library to check (this process loads it too, to encode after the mismatch)
+    # who loaded the reference library to check (the command's process loads it too, to encode after the mismatch)
     lines = (counts / "loads.txt").read_text().splitlines()
     checked_by = {line.split()[1] for line in lines if line.split()[2] == "reference"} - {"MainProcess"}
     if verifier:  # the verifier process, and no worker
