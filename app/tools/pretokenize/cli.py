@@ -42,6 +42,7 @@ from tokenizer_service.tools.pretokenize.sources import (
 )
 from tokenizer_service.tools.pretokenize.sources import record_reason as chat_reason
 from tokenizer_service.tools.pretokenize.store import OutputError
+from tokenizer_service.tools.pretokenize.verifier import VerifierGone
 
 EPILOG = """\
 Inputs: .jsonl or .json (one JSON object a line; the text in --text-field), .txt (one document per
@@ -463,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     except BadRecordError as exc:
         print(f"tokenizer-pretokenize: bad record (--strict): {exc}", file=sys.stderr)
         return 1
-    except (InputError, ModelLoadError, ServedModelChanged, TokenizerError) as exc:
+    except (InputError, ModelLoadError, ServedModelChanged, TokenizerError, VerifierGone) as exc:
         print(f"tokenizer-pretokenize: {exc}", file=sys.stderr)
         return 1
     except StorageError as exc:  # the store refused or stayed down (after its client's retries): resumable

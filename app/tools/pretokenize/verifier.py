@@ -72,6 +72,7 @@ class Verifier:
             self._connection.send((sampled, options))
             want: list[list[int] | None] = self._connection.recv()
         except (EOFError, OSError):
+            self._process.join(timeout=1)
             raise VerifierGone(
                 f"model {self.model.name!r}: the shadow verification process ended (exit code "
                 f"{self._process.exitcode}); run the same command again to go on from the last shard written"
