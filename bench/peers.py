@@ -124,6 +124,27 @@ def peer_model(documents: list[str]) -> Path:
     return write_byte_level_bpe(directory, source_documents(), VOCAB, list(SPECIALS), config)
 
 
+# A route not built yet (the seventh session's closing note): gigatoken's own Parquet pipeline over the encoder built as
+# the service builds it (`load_hf_json` of the tokenizer.json without its special tokens), run by this venv's python
+GIGATOKEN_ON_OURS = """
+import sys
+from pathlib import Path
+
+import awkward as ak
+import gigatoken
+import numpy as np
+from gigatoken import gigatoken_rs
+
+from tokenizer_service.core.encoders import without_special_tokens
+
+tokenizer, corpus, out = sys.argv[1:4]
+backend = gigatoken_rs.load_hf_json(without_special_tokens(Path(tokenizer).read_text(encoding="utf-8")))
+documents = gigatoken.Tokenizer(backend).encode_files(gigatoken.ParquetFileSource([corpus], column="text"))
+Path(out).mkdir(parents=True, exist_ok=True)
+np.save(Path(out) / "ids.npy", ak.to_numpy(ak.flatten(documents)))
+np.save(Path(out) / "lengths.npy", ak.to_numpy(ak.num(documents)))
+"""
+
 RUNNERS = {
     "gigatoken": """
 import sys
@@ -478,6 +499,13 @@ def run_peers(
             )
     first, best = encoder_floor(model, documents)
     giga_first, giga_best = gigatoken_floor(model, documents)
+    route = PEERS / "run_gigatoken_on_ours.py"
+    route.write_text(GIGATOKEN_ON_OURS.lstrip())
+    on_ours: list[Measured] = []
+    for _ in range(rounds):
+        shutil.rmtree(out, ignore_errors=True)
+        on_ours.append(measure([sys.executable, str(route), str(model / "tokenizer.json"), str(corpus), str(out)], log))
+    on_ours_correct = reference.check(*read_output("gigatoken", out), None)[0]
 
     def median(values: list[float]) -> float:
         return statistics.median(values)
@@ -514,6 +542,13 @@ def run_peers(
     print(
         f"| gigatoken `encode` of each text's UTF-8, one process (the service's encoder for this model) | | "
         f"{giga_best:.2f} | {text_mb / giga_best:.1f} | | | | {giga_best / us_cpu:.2f} |"
+    )
+    wall, cpu = median([m.wall for m in on_ours]), median([m.cpu for m in on_ours])
+    rss = max(m.rss for m in on_ours) / 2**20
+    print(
+        f"| a route not built: gigatoken's own Parquet pipeline on the service's encoder (special tokens as text, "
+        f"no EOS, no shards) | {wall:.2f} | {cpu:.2f} | {text_mb / cpu:.2f} | {rss:,.0f} "
+        f"| {on_ours_correct:,}/{count:,} as ours | {wall / us_wall:.2f} | {cpu / us_cpu:.2f} |"
     )
     print(f"(the floors' first pass: fastokens {first:.2f} CPU-s, gigatoken {giga_first:.2f} CPU-s)")
     print()
