@@ -56,9 +56,14 @@ class Shadow:
         self.gap = self._gap()
         self.names: dict[int, str] = {}
 
+    @property
+    def samples(self) -> bool:
+        """Whether this Shadow ever samples a text (a rate or an interval is set)."""
+        return self.rate > 0 or self.interval > 0
+
     def watch(self, name: str, library: Any) -> None:
         """Sample what `library` (model `name`) encodes while its fast encoder serves it."""
-        if library.fast is not None and (self.rate > 0 or self.interval > 0):
+        if library.fast is not None and self.samples:
             self.names[id(library)] = name
             library.shadow = self
 

@@ -101,16 +101,15 @@ def local_pool(
     Forked workers inherit the model this process loads first (`process.preload`: the library `inspect_model`
     kept, with the fast encoder put in front of it, and its reference library from REFERENCE_BEFORE_FORK_BYTES of
     `input_bytes` where shadow verification samples texts, or when that is not known); if loading it started a native
-    thread, they are spawned. Forked
-    workers also inherit `slots` (`tokenize_locally` passes chunks through them: `slots.shared` says so).
+    thread, they are spawned. Forked workers also inherit `slots` (`tokenize_locally` passes chunks through them:
+    `slots.shared` says so).
     `verified_apart`: a `Verifier` checks the chunks (tokenizer_service.tools.pretokenize.verifier), so no worker
     needs the reference library."""
     method = start_method(model)
     kept = registry.kept_model(model.sha256)
     if method == "fork":
         before = process.os_threads()
-        sampler = process.pretokenize_sampler()
-        checking = sampler.rate > 0 or sampler.interval > 0  # shadow verification off: no worker needs it
+        checking = process.pretokenize_sampler().samples  # shadow verification off: no worker needs it
         big = input_bytes is not None and input_bytes >= REFERENCE_BEFORE_FORK_BYTES
         reference = input_bytes is None or (big and checking and not verified_apart)
         process.preload(model, kept, reference)

@@ -295,14 +295,8 @@ def _outputs_below(directory: Path, own: Path | None) -> list[Path]:
     index.json has litdata's `chunks` and `config`: an export's). The other exports (megatron, nanogpt, llm.c)
     write only `.bin` and `.idx` files, which are no input kind."""
     found = [] if own is None else [own]
-    for name, ours in ((METADATA_FILE, _is_pretokenized), (LITDATA_INDEX, _is_litdata_index)):
-        for file in directory.rglob(name):
-            try:
-                document = orjson.loads(file.read_bytes())
-            except (OSError, orjson.JSONDecodeError):
-                continue
-            if isinstance(document, dict) and ours(document):
-                found.append(file.parent.resolve())
+    for name in OUTPUT_MARKERS:
+        found.extend(file.parent.resolve() for file in directory.rglob(name) if _marks_an_output(name, file.read_bytes))
     return found
 
 
@@ -312,6 +306,25 @@ def _is_pretokenized(metadata: dict[str, Any]) -> bool:
 
 def _is_litdata_index(index: dict[str, Any]) -> bool:
     return isinstance(index.get("chunks"), list) and isinstance(index.get("config"), dict)
+
+
+# the file that marks its directory as an output of ours, and what its JSON holds then
+OUTPUT_MARKERS: dict[str, Callable[[dict[str, Any]], bool]] = {
+    METADATA_FILE: _is_pretokenized,
+    LITDATA_INDEX: _is_litdata_index,
+}
+
+
+def _marks_an_output(name: str, read: Callable[[], bytes]) -> bool:
+    """Whether a file named `name` whose bytes `read` gives marks its directory as an output of ours."""
+    ours = OUTPUT_MARKERS.get(name)
+    if ours is None:
+        return False
+    try:
+        document = orjson.loads(read())
+    except (OSError, orjson.JSONDecodeError):
+        return False
+    return isinstance(document, dict) and ours(document)
 
 
 def expand_url(url: str) -> list[str]:
@@ -356,14 +369,7 @@ def _inputs_of_listing(fs: Any, keys: list[str]) -> list[str]:
     outputs = []
     for key in keys:
         name = key.rsplit("/", 1)[-1]
-        ours = {METADATA_FILE: _is_pretokenized, LITDATA_INDEX: _is_litdata_index}.get(name)
-        if ours is None:
-            continue
-        try:
-            document = orjson.loads(fs.cat_file(key))
-        except (OSError, orjson.JSONDecodeError):
-            continue
-        if isinstance(document, dict) and ours(document):
+        if _marks_an_output(name, lambda key=key: fs.cat_file(key)):
             outputs.append(key[: -len(name)])  # the directory, with its trailing slash
     return [key for key in keys if kind_of(key)[0] and not any(key.startswith(place) for place in outputs)]
 

@@ -106,7 +106,7 @@ def start(model: ModelInfo, input_bytes: int, forking: bool) -> Verifier | None:
     if not forking or not libraries.is_fast(model.encoder) or input_bytes < min_bytes():
         return None
     shadow = process.pretokenize_sampler()
-    if shadow.rate <= 0 and shadow.interval <= 0:
+    if not shadow.samples:
         return None
     kept = registry.peek_kept(model.sha256)
     if kept is None:
