@@ -151,13 +151,14 @@ def measured(route, mtps, rss, passed=True):
     return {"route": route, "passed": passed, "mtps": mtps, "rss_mib": rss}
 
 
-def test_the_rule_picks_the_lightest_within_ten_percent_of_the_fastest_under_the_memory_bound():
+def test_the_rule_picks_the_lightest_within_a_quarter_of_the_fastest_under_the_memory_bound():
     choose = encoders.choose
     # the fastest by far wins
     assert choose([measured("fastokens", 5.5, 100), measured("gigatoken", 11.0, 150)]) == "gigatoken"
-    # within 10%: the lighter one
-    assert choose([measured("fastokens", 10.0, 80), measured("gigatoken", 10.9, 150)]) == "fastokens"
-    assert choose([measured("fastokens", 9.8, 80), measured("gigatoken", 11.0, 150)]) == "gigatoken"  # 11% slower
+    # within 25%: the lighter one
+    assert choose([measured("fastokens", 10.0, 80), measured("gigatoken", 13.0, 150)]) == "fastokens"
+    assert choose([measured("fastokens", 96.2, 183), measured("gigatoken", 84.0, 70)]) == "gigatoken"
+    assert choose([measured("fastokens", 9.8, 80), measured("gigatoken", 13.2, 150)]) == "gigatoken"  # 26% slower
     # over the memory bound: skipped, unless pinned
     heavy = [measured("fastokens(converted)", 12.0, 545), measured("gigatoken(converted)", 6.0, 188)]
     assert choose(heavy) == "gigatoken(converted)"
@@ -328,3 +329,26 @@ def test_gigatoken_reads_a_binary_bodys_utf8_as_it_reads_str(library_models, tmp
         want_ids, want_lengths = reference.encode(texts, options)
         assert got_ids.tolist() == ids.tolist() == want_ids.tolist()
         assert got_lengths.tolist() == lengths.tolist() == want_lengths.tolist()
+
+
+def test_candidates_that_pass_are_raced_side_by_side_in_one_process(library_models, tmp_path, monkeypatch):
+    """Their speeds are measured in turns in one fresh process, not each in its own at another moment (a shared
+    machine's load moved one by 40% there)."""
+    monkeypatch.setenv(libraries.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(checkset, "code_points", lambda: list(range(0x800)))
+    files = find_model_files("hfbpe", library_models["hfbpe"])
+    raced = libraries._race_apart(files, ["fastokens", "gigatoken"])
+    assert raced is not None and set(raced) == {"fastokens", "gigatoken"}
+    assert all(mtps > 0 for mtps in raced.values()), raced
+    races = []
+    race = libraries._race_apart
+
+    def spied(files, routes):
+        races.append(routes)
+        return race(files, routes)
+
+    monkeypatch.setattr(libraries, "_race_apart", spied)
+    _fast, differs, route = libraries.gate_verdict(libraries.load(files, libraries.REFERENCE))
+    assert differs is None and races == [["fastokens", "gigatoken"]]
+    verdict = libraries.cached_verdict(libraries.gate_key(files))
+    assert route == encoders.choose(verdict["candidates"])
