@@ -722,3 +722,26 @@ def test_an_interrupted_run_over_zstd_or_parquet_resumes_byte_identical(
     assert not json.loads((resumed / "metadata.json").read_text())["complete"]
     assert pretokenize(*args, "--output", resumed, "-q") == 0
     assert files_of(resumed) == files_of(reference)
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "give"),
+    [
+        ("TOKENIZER_SHADOW_RATE", "abc", "a number from 0 to 1"),
+        ("TOKENIZER_SHADOW_RATE", "2", "a number from 0 to 1"),
+        ("TOKENIZER_SHADOW_INTERVAL_SECONDS", "nan", "a number at least 0"),
+        ("TOKENIZER_VERIFIER_MIN_BYTES", "1.5", "a whole number of bytes at least 0"),
+        ("TOKENIZER_GATE_SCAN_MIN_BYTES", "-3", "a whole number of bytes at least 0"),
+    ],
+)
+def test_a_bad_number_in_the_environment_is_one_line_before_anything_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, variable, value, give
+) -> None:
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_text('{"text": "hello"}\n')
+    monkeypatch.setenv(variable, value)
+    assert pretokenize(jsonl, "--output", tmp_path / "out", "--local", "-q") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    line = f"tokenizer-pretokenize: {variable}={value!r}: give {give}, or unset it ("
+    assert len(err) == 1 and err[0].startswith(line)
+    assert not (tmp_path / "out").exists()

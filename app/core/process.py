@@ -42,7 +42,7 @@ import numpy as np
 import orjson
 
 from tokenizer_client.wire import ragged_offsets
-from tokenizer_service.core import channel, libraries, memory, protocol
+from tokenizer_service.core import channel, environment, libraries, memory, protocol
 from tokenizer_service.core.handler import Handler, Limits, TextMarker
 from tokenizer_service.core.libraries import Library
 from tokenizer_service.core.models import ModelInfo, find_model_files
@@ -284,8 +284,8 @@ def _pretokenize_shadow(model: str, library: Library) -> Shadow:
 def pretokenize_sampler() -> Shadow:
     """A Shadow with the pre-tokenizer's sampling: the server's settings (TOKENIZER_SHADOW_RATE,
     TOKENIZER_SHADOW_INTERVAL_SECONDS) where they are set."""
-    rate = float(os.environ.get("TOKENIZER_SHADOW_RATE") or Limits.shadow_rate)
-    interval = float(os.environ.get("TOKENIZER_SHADOW_INTERVAL_SECONDS") or Limits.shadow_interval)
+    rate = environment.number("TOKENIZER_SHADOW_RATE", Limits.shadow_rate, most=1)
+    interval = environment.number("TOKENIZER_SHADOW_INTERVAL_SECONDS", Limits.shadow_interval)
     return Shadow(rate, interval)
 
 

@@ -24,11 +24,20 @@ from tqdm import tqdm
 
 from tokenizer_client.errors import TokenizerError
 from tokenizer_client.storage import ENVIRONMENT, StorageError, configure, configured, is_url
+from tokenizer_service.core import process
+from tokenizer_service.core.environment import EnvironmentValueError
 from tokenizer_service.core.models import ModelLoadError
 from tokenizer_service.settings import usable_cpus
 from tokenizer_service.tools.pretokenize.backends import ServedModelChanged
 from tokenizer_service.tools.pretokenize.ranks import RankError, rank_from_environment
-from tokenizer_service.tools.pretokenize.run import DEFAULT_SHARD_TOKENS, Options, Progress, Summary, run
+from tokenizer_service.tools.pretokenize.run import (
+    DEFAULT_SHARD_TOKENS,
+    Options,
+    Progress,
+    Summary,
+    gate_scan_min_bytes,
+    run,
+)
 from tokenizer_service.tools.pretokenize.sources import (
     CONVERSATIONS,
     DEFAULT_FIELDS,
@@ -42,7 +51,7 @@ from tokenizer_service.tools.pretokenize.sources import (
 )
 from tokenizer_service.tools.pretokenize.sources import record_reason as chat_reason
 from tokenizer_service.tools.pretokenize.store import OutputError
-from tokenizer_service.tools.pretokenize.verifier import VerifierGone
+from tokenizer_service.tools.pretokenize.verifier import VerifierGone, min_bytes
 
 EPILOG = """\
 Inputs: .jsonl or .json (one JSON object a line; the text in --text-field), .txt (one document per
@@ -438,6 +447,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ValueError as exc:
         parser.error(str(exc))
+    try:  # the TOKENIZER_* numbers the run reads later (no flag sets them): refused now, in one line
+        process.pretokenize_sampler(), min_bytes(), gate_scan_min_bytes()
+    except EnvironmentValueError as exc:
+        print(f"tokenizer-pretokenize: {exc}", file=sys.stderr)
+        return 2
     if args.ray is not None:
         return run_ranks_on_ray(options, args.ray, args.world_size, quiet=args.quiet)
     bar = ProgressBar(enabled=not args.quiet)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -25,7 +24,7 @@ from pydantic import ValidationError
 from tokenizer_client import storage
 from tokenizer_client.batches import TokenizedBatch
 from tokenizer_client.dataset import FORMAT_NAME, format_version, id_dtype
-from tokenizer_service.core import libraries, process
+from tokenizer_service.core import environment, libraries, process
 from tokenizer_service.core.gatescan import GateScan
 from tokenizer_service.core.models import ModelInfo, ModelLoadError
 from tokenizer_service.core.registry import inspect_model
@@ -649,6 +648,10 @@ def _tokenize(
     )
 
 
+def gate_scan_min_bytes() -> int:
+    return int(environment.number("TOKENIZER_GATE_SCAN_MIN_BYTES", GATE_SCAN_MIN_BYTES, whole=True))
+
+
 def _gate_beside(
     model: ModelInfo, remaining: int, stack: ExitStack, warn: Callable[[str], None]
 ) -> Callable[[], str | None]:
@@ -656,9 +659,7 @@ def _gate_beside(
     library, gate pending), the gate runs beside the workers (tokenizer_service.core.gatescan) and, once it
     passes, fastokens encodes every later chunk (ids are the same either way). An input under
     `TOKENIZER_GATE_SCAN_MIN_BYTES` (default 8 MiB) is done before the scan would be: not scanned."""
-    if model.gate != libraries.PENDING or remaining < int(
-        os.environ.get("TOKENIZER_GATE_SCAN_MIN_BYTES") or GATE_SCAN_MIN_BYTES
-    ):
+    if model.gate != libraries.PENDING or remaining < gate_scan_min_bytes():
         return lambda: None
     scan = GateScan([(0, model)]).start()
     stack.callback(scan.close)  # a run that ends first stops it (nothing cached)

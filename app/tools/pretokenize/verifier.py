@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
-import os
 import signal
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 
-from tokenizer_service.core import libraries, process, registry
+from tokenizer_service.core import environment, libraries, process, registry
 from tokenizer_service.core.models import ModelFiles, ModelInfo
 from tokenizer_service.core.requests import EncodeOptions
 from tokenizer_service.core.shadow import Shadow, ShadowMismatch, mismatch_line
@@ -39,7 +38,7 @@ PROCESS_NAME = "tokenizer-shadow"
 
 
 def min_bytes() -> int:
-    return int(os.environ.get(MIN_BYTES_ENV) or MIN_BYTES)
+    return int(environment.number(MIN_BYTES_ENV, MIN_BYTES, whole=True))
 
 
 class VerifierGone(RuntimeError):
