@@ -44,7 +44,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from bench.inputs import RESULTS, ROOT
+from bench.inputs import RESULTS, ROOT, compile_service
 from bench.peers import PEERS, corpus_documents, measure, peer_model, write_parquet
 from bench.versus import checkout, remove_checkout
 from tokenizer_service.tools.launcher import free_port, stop
@@ -149,14 +149,11 @@ def measure_rounds(args: argparse.Namespace, scratch: Path) -> None:
     for tree_env in trees.values():  # each tree settles its own gate (and keeps what it keeps beside it)
         scan = [sys.executable, "-m", "tokenizer_service.core.gatescan", str(model)]
         print(subprocess.run(scan, env=tree_env, cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip())
-    # The service's modules compiled, as an installed package has them (pip compiles at install): a checkout run
-    # under PYTHONDONTWRITEBYTECODE (which this machine sets) would compile some 40 of them at every start (0.13 s)
-    for tree in {
+    for tree in {  # compiled, as an installed package is (bench.inputs.compile_service)
         ROOT,
         *(Path(tree_env["PYTHONPATH"]).resolve() for tree_env in trees.values() if "PYTHONPATH" in tree_env),
     }:
-        folders = ["app", "client"] if tree == ROOT else ["tokenizer_service/", "tokenizer_client/"]
-        subprocess.run([sys.executable, "-m", "compileall", "-q", *folders], cwd=tree, check=True, capture_output=True)
+        compile_service(tree, ("app", "client") if tree == ROOT else ("tokenizer_service/", "tokenizer_client/"))
 
     load = f"tokenizers.Tokenizer.from_file({str(file)!r})"
     floors = {
