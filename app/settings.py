@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from tokenizer_service.core.environment import usable_cpus
+from tokenizer_service.core.models import model_file_name
 
 BUNDLED_MODELS_DIR = Path(__file__).parent / "models"
 BUNDLED_MODEL_NAME = "default"
@@ -21,14 +23,6 @@ QUEUED_REQUESTS_DEFAULT = 4
 
 class ConfigError(ValueError):
     """Settings that validate one by one but cannot be served together (a models directory with no model)."""
-
-
-def usable_cpus() -> int:
-    """CPU cores this process may run on (respects taskset and cgroup cpusets)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def option(metavar: str, description: str, default: Any = None, **constraints: Any) -> Any:
@@ -270,24 +264,9 @@ class Settings(BaseSettings):
         return paths or dict(BUNDLED)
 
 
-# Mistral's SentencePiece files: tokenizer.model.v3, mistral_instruct_tokenizer_241114.model.v7m1, ...
-_VERSIONED_MODEL = re.compile(r"^(?P<stem>.+)\.model\.(?P<version>v[0-9]+[A-Za-z0-9]*)$")
 MODEL_FILES = "*.model, *.model.vN, *.tiktoken, tekken*.json"
 MODEL_DIRECTORIES = "a subdirectory holding a tokenizer.json, tekken.json or original/tokenizer.model"
 _logged_skips: set[tuple[str, str]] = set()
-
-
-def model_file_name(path: Path) -> str | None:
-    """The name a models directory serves the file `path` under, None for a file it does not serve: NAME.model
-    and NAME.tiktoken as NAME, Mistral's NAME.model.v7 as NAME.v7, a tekken*.json (as mistral-common names
-    them: tekken.json, tekken_240911.json) under its stem."""
-    if path.suffix in (".model", ".tiktoken"):
-        return path.stem
-    if (versioned := _VERSIONED_MODEL.match(path.name)) is not None:
-        return f"{versioned['stem']}.{versioned['version']}"
-    if path.suffix == ".json" and path.name.startswith("tekken"):
-        return path.stem
-    return None
 
 
 def _why_skipped(path: Path) -> str:

@@ -64,10 +64,10 @@ from tokenizer_client._requests import texts_frame
 from tokenizer_service.core import channel, libraries
 from tokenizer_service.core.handler import Handler, Limits, TextMarker
 from tokenizer_service.core.models import SENTENCEPIECE, find_model_files
+from tokenizer_service.core.options import EncodeOptions
 from tokenizer_service.core.protocol import TOKENIZE, request_head
 from tokenizer_service.core.reference import InProcess
 from tokenizer_service.core.registry import model_info
-from tokenizer_service.core.requests import EncodeOptions
 from tokenizer_service.settings import Settings
 from tokenizer_service.tools.launcher import metric_total, stop, worker_pids
 

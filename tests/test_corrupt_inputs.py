@@ -352,7 +352,7 @@ def test_parquet_texts_reach_the_fast_encoder_as_utf8_and_bad_values_are_bad_rec
 
     from tokenizer_service.core import libraries
     from tokenizer_service.core.models import find_model_files
-    from tokenizer_service.core.requests import EncodeOptions
+    from tokenizer_service.core.options import EncodeOptions
 
     good = multilingual[:300]
     assert len(good) > 100

@@ -311,7 +311,7 @@ def test_a_panic_at_the_first_encode_falls_back_and_is_logged_once(
 def test_gigatoken_reads_a_binary_bodys_utf8_as_it_reads_str(library_models, tmp_path, monkeypatch):
     """A binary body's texts reach gigatoken as their UTF-8 bytes (`Utf8Texts`, never decoded): the same ids as the
     same texts given as str, in both special-token modes, and the reference library's."""
-    from tokenizer_service.core.requests import EncodeOptions
+    from tokenizer_service.core.options import EncodeOptions
     from tokenizer_service.core.texts import Utf8Texts
 
     monkeypatch.setenv(libraries.CACHE_DIR_ENV, str(tmp_path / "cache"))

@@ -81,7 +81,7 @@ def test_real_cl100k_base_is_refused_naming_u180e(tmp_path, monkeypatch):
 
 
 def libraries_options():
-    from tokenizer_service.core.requests import EncodeOptions
+    from tokenizer_service.core.options import EncodeOptions
 
     return EncodeOptions()
 

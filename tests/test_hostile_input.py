@@ -65,13 +65,13 @@ def test_a_body_that_is_not_utf8_is_400(server, encoding, bom):
             b'{"conversations": [[{"role": "user", "content": "a\\ud800"}, {"role": "assistant", "content": "x"}]]}',
             "conversations",
             0,
-            "conversations[0][0].content has a lone surrogate at character 1",
+            "conversations[0].messages[0].content has a lone surrogate at character 1",
         ),
         (
             b'{"conversations": [[{"role": "user", "content": "a"}, {"role": "assistant\\udfff", "content": "x"}]]}',
             "conversations",
             0,
-            "conversations[0][1].role has a lone surrogate",
+            "conversations[0].messages[1].role has a lone surrogate",
         ),
         (
             b'{"records": [{"prompt": "a", "completion": "b"}, {"prompt": "a", "completion": "x\\udc00"}]}',

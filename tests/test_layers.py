@@ -137,6 +137,32 @@ def test_worker_processes_do_not_import_httpx():
     assert _under(reached, "tokenizer_service.http") == []
 
 
+def eager_reach(seeds: Iterable[str]) -> set[str]:
+    """What importing `seeds` imports at once: module-level imports only (and each package's own)."""
+    seen: set[str] = set()
+    todo = list(seeds)
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        if module in modules():
+            todo.extend(_ancestors(module))
+            todo.extend(imports(module, eager_only=True))
+    return seen
+
+
+def test_the_pre_tokenizer_starts_without_pydantic_or_tqdm():
+    """pydantic (the server's request schemas and settings) is 0.14 s of a run's start, tqdm 0.04 s: the command
+    imports neither at start (a model named, not a path, imports the server's settings then; a bar, tqdm)."""
+    reached = eager_reach(["tokenizer_service.tools.pretokenize.cli"])
+    assert {"tokenizer_service.core.process", "tokenizer_service.tools.pretokenize.run", "numpy"} <= reached
+    assert {"pydantic", "pydantic_core", "pydantic_settings", "tqdm", "fastapi"} & reached == set()
+    assert {"tokenizer_service.settings", "tokenizer_service.core.requests", "tokenizer_service.core.handler"} & (
+        reached
+    ) == set()
+
+
 def cycles(graph: dict[str, list[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module, or a module importing itself (Tarjan)."""
     index: dict[str, int] = {}

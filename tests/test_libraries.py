@@ -23,8 +23,8 @@ from tokenizer_client import wire
 from tokenizer_service.core import checkset, libraries
 from tokenizer_service.core.errors import InvalidField
 from tokenizer_service.core.models import ModelLoadError, find_model_files
+from tokenizer_service.core.options import EncodeOptions, SampleOptions
 from tokenizer_service.core.registry import inspect_model
-from tokenizer_service.core.requests import EncodeOptions, SampleOptions
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "corpus"
 CL100K_HASH = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"

@@ -745,3 +745,22 @@ def test_a_bad_number_in_the_environment_is_one_line_before_anything_is_written(
     line = f"tokenizer-pretokenize: {variable}={value!r}: give {give}, or unset it ("
     assert len(err) == 1 and err[0].startswith(line)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_run_imports_no_pydantic_nor_tqdm(tmp_path: Path) -> None:
+    """What the run imports as it goes, not only at start (tests/test_layers.py holds the start): a quiet run of
+    the bundled model given by its path (a model's name is resolved by the server's settings, with pydantic), in a
+    process of its own."""
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": f"document {i}: some words"}) + "\n" for i in range(50)))
+    script = (
+        "import sys\n"
+        "from tokenizer_service.tools.pretokenize import main\n"
+        "if __name__ == '__main__':\n"
+        f"    args = [{str(jsonl)!r}, '--local', '--model', {str(BUNDLED_MODELS_DIR / 'default.model')!r}]\n"
+        f"    assert main([*args, '--output', {str(tmp_path / 'out')!r}, '-q']) == 0\n"
+        "    print(sorted(m for m in ('pydantic', 'pydantic_settings', 'tqdm', 'fastapi') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -17,7 +17,7 @@ from tests.conftest import start_server, stop_server
 from tests.test_libraries import Reference
 from tokenizer_service.core import libraries
 from tokenizer_service.core.models import find_model_files
-from tokenizer_service.core.requests import EncodeOptions
+from tokenizer_service.core.options import EncodeOptions
 from tokenizer_service.core.shadow import Shadow
 
 SNOWMAN = 0x2603

@@ -1,10 +1,19 @@
-"""Numbers read from TOKENIZER_* environment variables that no flag sets (the pre-tokenizer's thresholds and
-its shadow verification's sampling): a value that is not a number in range is refused with what to give,
-where a bare int() would end a run in a traceback."""
+"""What a process reads of its environment without pydantic (tokenizer_service.settings reads the server's flags
+and variables with it): the CPU cores it may use, and numbers of TOKENIZER_* variables that no flag sets (the
+pre-tokenizer's thresholds and its shadow verification's sampling), where a value that is not a number in range is
+refused with what to give, where a bare int() would end a run in a traceback."""
 
 from __future__ import annotations
 
 import os
+
+
+def usable_cpus() -> int:
+    """CPU cores this process may run on (respects taskset and cgroup cpusets)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 class EnvironmentValueError(ValueError):

@@ -34,7 +34,7 @@ import orjson
 from tokenizer_client import wire
 from tokenizer_client.packing import PackedRows, pack_best_fit, pack_concat
 from tokenizer_client.wire import ragged_offsets, split_ragged
-from tokenizer_service.core import channel, chat
+from tokenizer_service.core import channel, chat, shadow
 from tokenizer_service.core.errors import (
     InvalidField,
     ModelNotFound,
@@ -45,6 +45,7 @@ from tokenizer_service.core.errors import (
 )
 from tokenizer_service.core.libraries import Library
 from tokenizer_service.core.models import ModelInfo, find_model_files
+from tokenizer_service.core.options import EncodeOptions
 from tokenizer_service.core.poison import PoisonMemory
 from tokenizer_service.core.protocol import (
     BINARY,
@@ -65,7 +66,6 @@ from tokenizer_service.core.protocol import (
 )
 from tokenizer_service.core.requests import (
     DetokenizeRequest,
-    EncodeOptions,
     PackRequest,
     TokenizeRequest,
     parse_request,
@@ -90,8 +90,8 @@ class Limits:
     max_seq_len: int
     min_chunk_chars: int
     max_request_bytes: int = 32 * 1024 * 1024
-    shadow_rate: float = 0.001  # shadow verification (tokenizer_service.core.shadow): share of texts checked
-    shadow_interval: float = 10.0  # and at least one text per this many seconds of fast encoding
+    shadow_rate: float = shadow.RATE  # shadow verification (tokenizer_service.core.shadow): share of texts checked
+    shadow_interval: float = shadow.INTERVAL  # and at least one text per this many seconds of fast encoding
 
 
 class TextMarker:
@@ -191,12 +191,12 @@ class Handler:
                 )
             context = pack_context(request, info, position, binary, self.limits.max_seq_len)
             # both already checked: request.add_bos by its schema, context.add_eos against the model
-            options: EncodeOptions = EncodeOptions.model_construct(
+            options = EncodeOptions(
                 add_bos=request.add_bos, add_eos=context.add_eos, parse_special_tokens=request.parse_special_tokens
             )
         else:
             context = None
-            options = request  # a TokenizeRequest is its EncodeOptions, with the texts besides
+            options = request.encode_options()
             check_special_tokens(options.add_bos, options.add_eos, info)
         seeded = options.seed is not None
         sizes = text_sizes(texts)
@@ -204,7 +204,7 @@ class Handler:
         bounds = chunk_bounds(sizes, parts, self.limits.min_chunk_chars)
         if seeded or len(bounds) > 1:
             # Seeded sampling reproduces ids only within one process: it runs on the seeded sampler.
-            carried = options.without_texts()
+            carried = options
             chunks = [
                 Chunk(route, position, carried, start, binary, texts=texts[start:end]) for start, end in bounds
             ] or [Chunk(route, position, carried, 0, binary, texts=[])]

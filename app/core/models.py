@@ -294,6 +294,23 @@ def find_model_files(name: str, path: Path, chat_template: Path | None = None) -
     return found
 
 
+# Mistral's SentencePiece files: tokenizer.model.v3, mistral_instruct_tokenizer_241114.model.v7m1, ...
+_VERSIONED_MODEL = re.compile(r"^(?P<stem>.+)\.model\.(?P<version>v[0-9]+[A-Za-z0-9]*)$")
+
+
+def model_file_name(path: Path) -> str | None:
+    """The name a models directory serves the file `path` under, None for a file it does not serve: NAME.model
+    and NAME.tiktoken as NAME, Mistral's NAME.model.v7 as NAME.v7, a tekken*.json (as mistral-common names
+    them: tekken.json, tekken_240911.json) under its stem."""
+    if path.suffix in (".model", ".tiktoken"):
+        return path.stem
+    if (versioned := _VERSIONED_MODEL.match(path.name)) is not None:
+        return f"{versioned['stem']}.{versioned['version']}"
+    if path.suffix == ".json" and path.name.startswith("tekken"):
+        return path.stem
+    return None
+
+
 def directory_file(directory: Path) -> str | None:
     """The file a model directory is served from (relative to it): the first of `DIRECTORY_FILES` it holds
     (a dangling link counts: reading it is refused, naming it), else None."""

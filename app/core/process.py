@@ -43,16 +43,16 @@ import orjson
 
 from tokenizer_client.wire import ragged_offsets
 from tokenizer_service.core import channel, environment, libraries, memory, protocol
-from tokenizer_service.core.handler import Handler, Limits, TextMarker
 from tokenizer_service.core.libraries import Library
 from tokenizer_service.core.models import ModelInfo, find_model_files
-from tokenizer_service.core.requests import EncodeOptions
-from tokenizer_service.core.shadow import Shadow, ShadowMismatch
+from tokenizer_service.core.options import EncodeOptions
+from tokenizer_service.core.shadow import INTERVAL, RATE, Shadow, ShadowMismatch
 from tokenizer_service.core.slots import IdsInSlot, Slots, TextsInSlot
 from tokenizer_service.core.texts import readable
 
 if TYPE_CHECKING:
     from tokenizer_client.batches import TokenizedBatch
+    from tokenizer_service.core.handler import Limits
 
 logger = logging.getLogger("tokenizer.pool")
 
@@ -284,8 +284,8 @@ def _pretokenize_shadow(model: str, library: Library) -> Shadow:
 def pretokenize_sampler() -> Shadow:
     """A Shadow with the pre-tokenizer's sampling: the server's settings (TOKENIZER_SHADOW_RATE,
     TOKENIZER_SHADOW_INTERVAL_SECONDS) where they are set."""
-    rate = environment.number("TOKENIZER_SHADOW_RATE", Limits.shadow_rate, most=1)
-    interval = environment.number("TOKENIZER_SHADOW_INTERVAL_SECONDS", Limits.shadow_interval)
+    rate = environment.number("TOKENIZER_SHADOW_RATE", RATE, most=1)
+    interval = environment.number("TOKENIZER_SHADOW_INTERVAL_SECONDS", INTERVAL)
     return Shadow(rate, interval)
 
 
@@ -314,6 +314,10 @@ def serve(connection: socket.socket, startup: Startup, progress: Any) -> None:
         logger.error("worker %d cannot start: %s", os.getpid(), exc)
         sys.exit(1)
     memory.keep_freed_memory()
+    # the server's jobs (and their request schemas, pydantic): imported by its workers only, not by the
+    # pre-tokenizer's, which encode chunks (`encode_chunk`) and start without them
+    from tokenizer_service.core.handler import Handler, TextMarker
+
     libraries_of_models = [library(info.name) for info in startup.models]
     handler = Handler(startup.models, libraries_of_models, startup.default, startup.limits, TextMarker(progress))
     shadow = Shadow(startup.limits.shadow_rate, startup.limits.shadow_interval)

@@ -39,7 +39,7 @@ from typing import NamedTuple
 import numpy as np
 
 from tokenizer_service.core import channel
-from tokenizer_service.core.requests import EncodeOptions
+from tokenizer_service.core.options import EncodeOptions
 
 Buffer = bytes | bytearray | memoryview
 

@@ -26,6 +26,8 @@ from pydantic_core import PydanticCustomError
 
 from tokenizer_client import wire
 from tokenizer_service.core.errors import InvalidField, InvalidJSON, PayloadTooLarge
+from tokenizer_service.core.options import EncodeOptions
+from tokenizer_service.core.options import SampleOptions as Sampling
 from tokenizer_service.core.texts import Utf8Texts, all_valid
 
 MAX_NBEST_SIZE = 512
@@ -58,15 +60,17 @@ NBestSize = Annotated[
 
 
 class SampleOptions(_Body):
-    """SentencePiece subword regularization; the same seed gives the same ids."""
+    """SentencePiece subword regularization; the same seed gives the same ids (the schema of
+    tokenizer_service.core.options.SampleOptions)."""
 
     alpha: Annotated[float, Field(strict=True, gt=0, le=1)] = 0.1  # strict float still takes a JSON 1
     nbest_size: NBestSize = -1
     seed: Annotated[StrictInt, Field(ge=0, lt=1 << 32)] | None = None
 
 
-class EncodeOptions(_Body):
-    """How texts become ids: the options of /v1/tokenize, declared once, and what a worker encodes with."""
+class EncodeFields(_Body):
+    """How texts become ids: the options of /v1/tokenize, declared once; `encode_options()` is what a worker
+    encodes with (tokenizer_service.core.options.EncodeOptions)."""
 
     add_bos: StrictBool = False
     add_eos: StrictBool = False
@@ -74,13 +78,16 @@ class EncodeOptions(_Body):
     sample: SampleOptions | None = None
     parse_special_tokens: StrictBool = False  # special-token strings in the text become their ids
 
-    @property
-    def seed(self) -> int | None:
-        return None if self.sample is None else self.sample.seed
-
-    def without_texts(self) -> EncodeOptions:
-        """The options alone (what each chunk of a split request carries): these are."""
-        return self
+    def encode_options(self) -> EncodeOptions:
+        """The options alone, as a worker takes them (without the texts, and without pydantic)."""
+        sample = self.sample
+        return EncodeOptions(
+            add_bos=self.add_bos,
+            add_eos=self.add_eos,
+            max_length=self.max_length,
+            sample=None if sample is None else Sampling(sample.alpha, sample.nbest_size, sample.seed),
+            parse_special_tokens=self.parse_special_tokens,
+        )
 
 
 # A conversation: OpenAI messages. Checked by tokenizer_service.core.chat (each refusal names the conversation and
@@ -152,10 +159,8 @@ class _TextsAndModel(_Body):
         return self
 
 
-class TokenizeRequest(EncodeOptions, _TextsAndModel):  # texts and model first, as before EncodeOptions
-    def without_texts(self) -> EncodeOptions:
-        """The options alone, without the texts (what each chunk of a split request carries)."""
-        return EncodeOptions.model_construct(**{name: getattr(self, name) for name in EncodeOptions.model_fields})
+class TokenizeRequest(EncodeFields, _TextsAndModel):  # texts and model first, as before the options
+    pass
 
 
 class DetokenizeRequest(_Body):
@@ -399,7 +404,11 @@ def find_lone_surrogate(document: Any) -> tuple[tuple[str | int, ...], int] | No
 
 
 def _path_text(path: tuple[str | int, ...]) -> str:
-    """``texts[3]``, ``conversations[0][1].content``: a place in a request body, as messages name it."""
+    """``texts[3]``, ``conversations[0].messages[1].content``: a place in a request body, as messages name it (a
+    conversation's message as the chat template's refusals name it, tokenizer_service.core.chat, where the body
+    gives the conversation as its list of messages)."""
+    if len(path) >= 3 and path[0] == "conversations" and isinstance(path[1], int) and isinstance(path[2], int):
+        path = (path[0], path[1], "messages", *path[2:])
     text = ""
     for part in path:
         text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else part)

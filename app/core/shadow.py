@@ -23,6 +23,8 @@ import numpy as np
 from tokenizer_service.core.checkset import describe
 from tokenizer_service.core.texts import Utf8Texts
 
+RATE = 0.001  # share of texts checked, by default (the server's --shadow-rate, the pre-tokenizer's)
+INTERVAL = 10.0  # and at least one text per this many seconds of fast encoding, by default
 PENDING_MOST = 64  # texts kept for checking at most; more sampled before a check are dropped
 # The largest text checked (characters, or UTF-8 bytes of a binary body's texts), and the most text kept for one
 # check. The reference library re-encodes a text a thousand times slower than the fast encoder: a 32 MB text took

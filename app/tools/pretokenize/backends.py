@@ -25,7 +25,7 @@ from tokenizer_client.errors import TokenizerServiceError
 from tokenizer_client.wire import ragged_offsets
 from tokenizer_service.core import libraries, process, registry
 from tokenizer_service.core.models import ModelInfo
-from tokenizer_service.core.requests import EncodeOptions
+from tokenizer_service.core.options import EncodeOptions
 from tokenizer_service.core.slots import IdsInSlot, Slots
 from tokenizer_service.core.texts import Utf8Texts, as_utf8
 from tokenizer_service.tools.pretokenize.verifier import Verifier

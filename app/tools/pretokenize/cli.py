@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib.util
 import shutil
 import signal
 import sys
@@ -18,16 +19,13 @@ import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-from tqdm import tqdm
+from typing import TYPE_CHECKING, Any
 
 from tokenizer_client.errors import TokenizerError
 from tokenizer_client.storage import ENVIRONMENT, StorageError, configure, configured, is_url
 from tokenizer_service.core import process
-from tokenizer_service.core.environment import EnvironmentValueError
+from tokenizer_service.core.environment import EnvironmentValueError, usable_cpus
 from tokenizer_service.core.models import ModelLoadError
-from tokenizer_service.settings import usable_cpus
 from tokenizer_service.tools.pretokenize.backends import ServedModelChanged
 from tokenizer_service.tools.pretokenize.ranks import RankError, rank_from_environment
 from tokenizer_service.tools.pretokenize.run import (
@@ -52,6 +50,11 @@ from tokenizer_service.tools.pretokenize.sources import (
 from tokenizer_service.tools.pretokenize.sources import record_reason as chat_reason
 from tokenizer_service.tools.pretokenize.store import OutputError
 from tokenizer_service.tools.pretokenize.verifier import VerifierGone, min_bytes
+
+if TYPE_CHECKING:  # tqdm is imported when a bar is first drawn (a quiet run never does)
+    from tqdm import tqdm
+if importlib.util.find_spec("tqdm") is None:  # but required from the start, as the extra that installs it
+    raise ModuleNotFoundError("No module named 'tqdm'", name="tqdm")
 
 EPILOG = """\
 Inputs: .jsonl or .json (one JSON object a line; the text in --text-field), .txt (one document per
@@ -244,6 +247,8 @@ class ProgressBar:
         if not self.enabled:
             return
         if self._bar is None:
+            from tqdm import tqdm
+
             self._bar = tqdm(
                 total=progress.total_bytes,
                 initial=progress.initial_bytes,
@@ -263,6 +268,11 @@ class ProgressBar:
 
     def write(self, message: str) -> None:
         """A line to stderr that does not tear the bar."""
+        if self._bar is None:
+            print(message, file=sys.stderr, flush=True)
+            return
+        from tqdm import tqdm
+
         tqdm.write(message, file=sys.stderr)
 
     def close(self) -> None:

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from tokenizer_service.settings import usable_cpus
+from tokenizer_service.core.environment import usable_cpus
 from tokenizer_service.tools.pretokenize.ranks import merge
 from tokenizer_service.tools.pretokenize.run import Options
 from tokenizer_service.tools.pretokenize.sources import InputError

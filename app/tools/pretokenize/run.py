@@ -19,19 +19,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import ValidationError
 
 from tokenizer_client import storage
 from tokenizer_client.batches import TokenizedBatch
 from tokenizer_client.dataset import FORMAT_NAME, format_version, id_dtype
 from tokenizer_service.core import environment, libraries, process
+from tokenizer_service.core.environment import usable_cpus
 from tokenizer_service.core.gatescan import GateScan
-from tokenizer_service.core.models import ModelInfo, ModelLoadError
+from tokenizer_service.core.models import ModelInfo, ModelLoadError, model_file_name
+from tokenizer_service.core.options import EncodeOptions
 from tokenizer_service.core.registry import inspect_model
-from tokenizer_service.core.requests import EncodeOptions
 from tokenizer_service.core.shadow import ShadowMismatch
 from tokenizer_service.core.slots import shared_slots
-from tokenizer_service.settings import ConfigError, Settings, describe_error, model_file_name, usable_cpus
 from tokenizer_service.tools.pretokenize.backends import (
     local_pool,
     local_workers,
@@ -182,6 +181,11 @@ def resolve_local_model(name_or_path: str | None, chat_template: Path | None = N
         path = Path(name_or_path).expanduser()
         name = path.name if path.is_dir() else (model_file_name(path) or path.stem)  # as --models-dir names them
         return inspect_model(name, path, chat_template=chat_template, keep=True)
+    # a model's name, resolved as the server's options do (pydantic: imported only here, not by a run given a path)
+    from pydantic import ValidationError
+
+    from tokenizer_service.settings import ConfigError, Settings, describe_error
+
     try:
         settings = Settings()  # type: ignore[call-arg]  # every field has a default or comes from TOKENIZER_*
     except ValidationError as exc:

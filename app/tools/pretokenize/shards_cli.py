@@ -361,7 +361,7 @@ def verify(dataset: TokenDataset, sample: int, model: str | None, seed: int, inf
         raise ValueError("--sample re-tokenizes documents: it needs a ragged output")
     from tokenizer_service.core import libraries
     from tokenizer_service.core.models import find_model_files
-    from tokenizer_service.core.requests import EncodeOptions
+    from tokenizer_service.core.options import EncodeOptions
     from tokenizer_service.tools.pretokenize.sources import DocumentReader, Source
 
     info = info or model_of(dataset, model, recorded_template(dataset) if dataset.masked else None)

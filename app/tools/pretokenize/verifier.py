@@ -29,7 +29,7 @@ import numpy as np
 
 from tokenizer_service.core import environment, libraries, process, registry
 from tokenizer_service.core.models import ModelFiles, ModelInfo
-from tokenizer_service.core.requests import EncodeOptions
+from tokenizer_service.core.options import EncodeOptions
 from tokenizer_service.core.shadow import Shadow, ShadowMismatch, mismatch_line
 
 MIN_BYTES = 16 << 20
