@@ -19,11 +19,12 @@ special-token strings (leftmost, longest), the pieces encoded and the special id
 **The rule** (`choose`): of the candidates that passed the gate, those whose resident memory per process (a
 fresh process's growth while it builds the candidate and encodes the sample) is at most `MEMORY_BOUND_MIB`;
 of those, the ones within `WITHIN` (25%) of the fastest in tokens per CPU-second on a fixed sample
-(`sample_texts`; every candidate measured in one process, in turns), and of those the lightest (then the fastest,
+(`sample_texts`; every candidate measured in one process, in turns); of those, the ones whose build took at most
+`BUILD_WITHIN_SECONDS` (0.25 s) more than the quickest build of them; and of those the lightest (then the fastest,
 then by name). None: the reference library serves. 25%, because which of two encoders is the faster depends on
 the text by more than 10%: on a 32k byte-level BPE, gigatoken encodes multilingual documents 1.13-1.32x as fast as
-fastokens and the Python docs 0.73x, the sample 0.86x; the lighter one builds faster too (a 128k model:
-gigatoken 0.5 s and 35-80 MiB, fastokens 2 s and 180 MiB), which every worker and pre-tokenizer run pays.
+fastokens and the Python docs 0.73x, the sample 0.86x. The build, because every worker start and every
+pre-tokenizer run pays it: for a 128k model, fastokens 1.9-2.3 s, gigatoken 0.4-0.9 s.
 A pinned encoder (``--encoder fastokens|gigatoken``) considers only its own routes and no memory bound.
 """
 
@@ -48,7 +49,11 @@ ENCODERS = (FASTOKENS, GIGATOKEN)
 CONVERTED = "(converted)"
 MEMORY_BOUND_MIB = 300  # a candidate holding more per worker process is not used (unless pinned)
 WITHIN = 0.25  # candidates this close to the fastest count as fast: the lightest of them is used
-RULE = f"fastest within {WITHIN:.0%} then lightest, at most {MEMORY_BOUND_MIB} MiB"
+BUILD_WITHIN_SECONDS = 0.25  # of those, the ones that build this close to the quickest build: the lightest of them
+RULE = (
+    f"fastest within {WITHIN:.0%}, then built within {BUILD_WITHIN_SECONDS} s of the quickest, then lightest, "
+    f"at most {MEMORY_BOUND_MIB} MiB"
+)
 SAMPLE_CHARS = 256 * 1024
 # gigatoken's pretokenizer scheme of each OpenAI encoding whose ranks it loads directly
 GIGATOKEN_SCHEMES = {"cl100k_base": "gpt4", "o200k_base": "o200k", "r50k_base": "gpt2"}
@@ -91,14 +96,16 @@ def versions() -> str:
 
 
 def choose(measured: Sequence[dict[str, Any]], pinned: bool = False) -> str | None:
-    """The route to serve (the rule above) from each candidate's `{"route", "passed", "mtps", "rss_mib"}`; None
-    when none qualifies. Deterministic: the same measurements always give the same route."""
+    """The route to serve (the rule above) from each candidate's `{"route", "passed", "mtps", "rss_mib",
+    "load_seconds"}`; None when none qualifies. Deterministic: the same measurements always give the same route."""
     eligible = [m for m in measured if m.get("passed") and (pinned or m["rss_mib"] <= MEMORY_BOUND_MIB)]
     if not eligible:
         return None
     fastest = max(m["mtps"] for m in eligible)
     near = [m for m in eligible if m["mtps"] >= (1 - WITHIN) * fastest]
-    return min(near, key=lambda m: (m["rss_mib"], -m["mtps"], m["route"]))["route"]
+    quickest = min(m.get("load_seconds", 0.0) for m in near)
+    quick = [m for m in near if m.get("load_seconds", 0.0) <= quickest + BUILD_WITHIN_SECONDS]
+    return min(quick, key=lambda m: (m["rss_mib"], -m["mtps"], m["route"]))["route"]
 
 
 # -- tiktoken ranks as a tokenizer.json ---------------------------------------------------------------------
