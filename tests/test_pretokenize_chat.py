@@ -117,6 +117,21 @@ def test_bad_conversations_are_named_by_file_and_line(setup, tmp_path, capsys):
     assert "field 'messages' is an array, not a string" in capsys.readouterr().err
 
 
+def test_bad_records_are_said_in_the_order_of_the_input(setup, tmp_path, capsys):
+    """A conversation the template refuses (line 2, known when its chunk comes back) is said before a record the
+    reader refuses later in the file (line 5, known as it is read), as before the records after them."""
+    directory, snapshot, chats, *_ = setup
+    lines = [{"messages": chats[0]}, BAD_NOTHING_TO_TRAIN, {"messages": chats[1]}, {"messages": chats[2]}]
+    lines += [BAD_NO_ROLE, {"messages": chats[3]}]
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("".join(json.dumps(line) + "\n" for line in lines) + "{not json\n", encoding="utf-8")
+    args = [str(mixed), "--conversations", "--local", "--model", str(snapshot), "--chat-template", str(STOCK)]
+    assert pretokenize(directory, *args, "--output", str(tmp_path / "out")) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith(f"{mixed}:")]
+    assert [line.split(":")[1] for line in said] == ["2", "5", "7"], said
+    assert TokenDataset(tmp_path / "out").metadata["bad_records"] == 3
+
+
 def test_url_writes_the_same_shards_as_local(setup, local_output, tmp_path):
     directory, snapshot, *_ = setup
     url, process = start_server(

@@ -471,11 +471,11 @@ def _take_refused(
     positions: deque[Position],
     sources: list[Source],
     refused: dict[int, int],
-    on_bad: Callable[[str], None],
+    on_refused: Callable[[Position, str], None],
 ) -> Iterator[TokenizedBatch]:
     """The batches of conversations or records, with the positions of the items the tokenizer refused taken out
-    of `positions` (each reported as a bad record, file:line, and counted in `refused` by source) and the
-    positions after them corrected: those documents were counted good when read."""
+    of `positions` (each told to `on_refused` with its bad-record line, file:line, and counted in `refused` by
+    source) and the positions after them corrected: those documents were counted good when read."""
     for batch, rejected in batches:
         reasons = dict(rejected)
         if not reasons:
@@ -490,7 +490,9 @@ def _take_refused(
         for index, position in enumerate(taken):
             if index in reasons:
                 refused[position.source] = refused.get(position.source, 0) + 1
-                on_bad(f"{sources[position.source].path}:{position.lines}: {record_reason(reasons[index])}")
+                on_refused(
+                    position, f"{sources[position.source].path}:{position.lines}: {record_reason(reasons[index])}"
+                )
             else:
                 kept.append(_corrected(position, refused))
         positions.extendleft(reversed(kept))
@@ -525,12 +527,35 @@ def _tokenize(
     shards_before = len(metadata["shards"])
     bad, last_bad, good = 0, "", 0
 
-    def on_bad(message: str) -> None:
+    # A conversations or records run's bad records found as it reads are held until the documents read before them
+    # are written or refused: the chat template refuses a document when its chunk comes back, after the reader has
+    # gone on. Each is released once no document before it waits (`release`): the lines come in the input's order.
+    held: deque[tuple[tuple[int, int], str]] = deque()
+
+    def release(before: tuple[int, int] | None) -> None:
+        """Report the held bad records found before (source index, line) `before`; None: all of them."""
+        while held and (before is None or held[0][0] < before):
+            report_bad(held.popleft()[1])
+
+    def on_refused(position: Position, message: str) -> None:
+        """A document the tokenizer refused (its chat template, TRL's rule): a bad record at `position`."""
         nonlocal bad, last_bad
+        release((position.source, position.lines))
         if options.strict:
             raise BadRecordError(message)
         bad, last_bad = bad + 1, message
         report_bad(message)
+
+    def on_bad(message: str) -> None:
+        """A record the reader could not take."""
+        nonlocal bad, last_bad
+        if options.strict:
+            raise BadRecordError(message)
+        bad, last_bad = bad + 1, message
+        if options.dialogue and reader.bad_at is not None:
+            held.append((reader.bad_at, message))
+        else:
+            report_bad(message)
         if bad == EARLY_BAD_RECORDS and not good and not shards_before and not text_ahead():
             # a wrong --text-field or the wrong files: say so now, not after reading the whole corpus
             raise all_bad(bad, last_bad, reader, options, early=True)
@@ -623,19 +648,24 @@ def _tokenize(
 
     sink = make_sink(out, metadata, sources, model)
     if kind is not None:
-        batches = _take_refused(masked_batches, positions, sources, sink.refused, on_bad)
+        batches = _take_refused(masked_batches, positions, sources, sink.refused, on_refused)
     total_bytes = sum(source.size for source in sources)
     initial_bytes = sum(
         source.size if source.done else 0 if source.compressed else source.read_bytes for source in sources
     )
     documents = tokens = 0
-    for batch in batches:
-        count = len(batch)
-        sink.add(batch.ids, batch.offsets, [positions.popleft() for _ in range(count)], batch.loss_mask)
-        documents += count
-        tokens += batch.num_tokens
-        if progress is not None:
-            progress(Progress(documents, tokens, reader.compressed_bytes_read(), initial_bytes, total_bytes))
+    try:
+        for batch in batches:
+            count = len(batch)
+            sink.add(batch.ids, batch.offsets, [positions.popleft() for _ in range(count)], batch.loss_mask)
+            documents += count
+            tokens += batch.num_tokens
+            if held:
+                release((positions[0].source, positions[0].lines) if positions else None)
+            if progress is not None:
+                progress(Progress(documents, tokens, reader.compressed_bytes_read(), initial_bytes, total_bytes))
+    finally:
+        release(None)  # what was read, said also where the run stops early
     if documents == 0 and bad and shards_before == 0 and rank is None:
         # Every record of a whole corpus bad: a wrong --text-field, or the wrong files. (A rank's
         # block may hold only bad records; the merge sees the whole.) Nothing written is worth

@@ -558,6 +558,8 @@ class DocumentReader:
         self.records_without_field = 0
         self._unchecked_said = False
         self.current: Source | None = None  # the input being read
+        self._index = 0  # its index in `sources`
+        self.bad_at: tuple[int, int] | None = None  # (source index, line or row) of the last bad record, as said
         self._raw: BinaryIO | None = None
         self._done_bytes = sum(source.size for source in sources if source.done)
 
@@ -574,7 +576,7 @@ class DocumentReader:
         for index, source in enumerate(self.sources):
             if source.done:
                 continue
-            self.current = source
+            self.current, self._index = source, index
             if source.compressed:
                 note = verify_compressed(source.path)
                 if note and self.warn is not None and not self._unchecked_said:
@@ -661,6 +663,7 @@ class DocumentReader:
 
     def _bad(self, source: Source, line: int, reason: str) -> None:
         source.bad_records += 1
+        self.bad_at = (self._index, line)
         self.on_bad(f"{source.path}:{line}: {reason}")
 
     def _jsonl(self, index: int, source: Source, stream: BinaryIO) -> Iterator[tuple[Any, Position]]:
