@@ -54,7 +54,15 @@ import numpy as np
 import orjson
 
 from tokenizer_service.core.errors import InvalidField, PayloadTooLarge
-from tokenizer_service.core.models import TEKKEN, TIKTOKEN, TOKENIZERS, TemplateFile, tiktoken_ranks
+from tokenizer_service.core.models import (
+    TEKKEN,
+    TIKTOKEN,
+    TOKENIZERS,
+    ModelLoadError,
+    TemplateFile,
+    hf_special_tokens,
+    tiktoken_ranks,
+)
 
 CATALOGUE = Path(__file__).resolve().parent / "catalogue"
 GENERATION_TAG = re.compile(r"\{\%-?\s*generation\s*-?\%\}")  # transformers' own test for the marks
@@ -521,7 +529,11 @@ def special_tokens(files: Any, library: Any) -> dict[str, str | None]:
     what templates see as bos_token, eos_token, ... (transformers' special_tokens_map)."""
     found = dict(files.special_tokens())
     if library.library == TOKENIZERS:
-        found.update(_config_tokens(files, TEMPLATE_ONLY_ROLES))
+        try:
+            named = hf_special_tokens(files, TEMPLATE_ONLY_ROLES)
+        except ModelLoadError:  # one that is no string (bos..unk were checked at load): not handed to templates
+            named = {}
+        found.update((role, token) for role, token in named.items() if token is not None)
     if library.library not in (TOKENIZERS, TIKTOKEN, TEKKEN):  # sentencepiece: its own pieces
         processor = library.processor
         for role, token in (
@@ -531,24 +543,6 @@ def special_tokens(files: Any, library: Any) -> dict[str, str | None]:
             ("unk", library.unk_id),
         ):
             found[role] = processor.id_to_piece(token) if token >= 0 else None
-    return found
-
-
-def _config_tokens(files: Any, roles: Sequence[str]) -> dict[str, str]:
-    """role -> the string tokenizer_config.json gives `<role>_token` (a string or an AddedToken object)."""
-    if len(files.files) < 2:
-        return {}
-    try:
-        config = json.loads(files.contents[1])
-    except ValueError:
-        return {}
-    found = {}
-    for role in roles:
-        value = config.get(f"{role}_token") if isinstance(config, dict) else None
-        if isinstance(value, dict):
-            value = value.get("content")
-        if isinstance(value, str):
-            found[role] = value
     return found
 
 

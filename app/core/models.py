@@ -44,6 +44,7 @@ import importlib.util
 import json
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -419,13 +420,14 @@ def json_object(path: Path, content: bytes) -> dict[str, Any]:
     return document
 
 
-def hf_special_tokens(files: ModelFiles) -> dict[str, str | None]:
-    """BOS, EOS, PAD and UNK as tokenizer_config.json names them (a string or an AddedToken object)."""
-    roles: dict[str, str | None] = dict.fromkeys(SPECIAL_ROLES)
+def hf_special_tokens(files: ModelFiles, names: Sequence[str] = SPECIAL_ROLES) -> dict[str, str | None]:
+    """BOS, EOS, PAD and UNK (or the roles `names`: sep, cls, mask) as tokenizer_config.json names them, `<role>_token`:
+    a string or an AddedToken object; None where it names none."""
+    roles: dict[str, str | None] = dict.fromkeys(names)
     if len(files.files) < 2:
         return roles
     config = json_object(files.files[1], files.contents[1])
-    for role in SPECIAL_ROLES:
+    for role in names:
         value = config.get(f"{role}_token")
         if isinstance(value, dict):
             value = value.get("content")
