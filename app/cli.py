@@ -138,7 +138,7 @@ def _main(argv: list[str] | None) -> int:
         for error in exc.errors(include_url=False):
             print(f"{PROG}: {describe_error(error, argv)}", file=sys.stderr)
         return USAGE_ERROR
-    if settings.cache_dir is not None:  # the gate's verdicts (tokenizer_service.core.libraries.cache_dir)
+    if settings.cache_dir is not None:  # the gate's verdicts, descriptions, outlines (tokenizer_service.core.cache)
         os.environ[CACHE_DIR_ENV] = str(settings.cache_dir.expanduser())
     if (problem := check_address(settings.host, settings.port)) is not None:  # before any model is read
         print(f"{PROG}: {problem}", file=sys.stderr)

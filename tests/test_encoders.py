@@ -359,3 +359,57 @@ def test_candidates_that_pass_are_raced_side_by_side_in_one_process(library_mode
     assert differs is None and races == [["fastokens", "gigatoken"]]
     verdict = libraries.cached_verdict(libraries.gate_key(files))
     assert route == encoders.choose(verdict["candidates"])
+
+
+def test_a_tokenizer_json_outline_is_kept_and_its_added_tokens_spliced(library_models, tmp_path, monkeypatch):
+    """A start reads a kept outline of the file (its kind, dropout, normalizer, added tokens and where they are
+    written) instead of parsing the whole file again; gigatoken gets the file with its special added tokens left
+    out by splicing that array, the same document the parse and rewrite gave."""
+    from tokenizer_service.core import models
+
+    monkeypatch.setenv(libraries.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    original = library_models["hfbpe"] / "tokenizer.json"
+    document = json.loads(original.read_text())
+    document["added_tokens"].append(  # an ordinary added token is kept, a special one left out
+        {"id": len(document["model"]["vocab"]) + 50, "content": "[ordinary]", "single_word": False, "lstrip": False,
+         "rstrip": False, "normalized": False, "special": False}
+    )  # fmt: skip
+    for layout, text in (("compact", json.dumps(document)), ("indented", json.dumps(document, indent=2))):
+        content = text.encode()
+        parses: list[int] = []
+
+        def counted(content: bytes, parses: list[int] = parses) -> object:
+            parses.append(1)
+            return json.loads(content)
+
+        monkeypatch.setattr(models, "parsed_json", counted)
+        outline = models.json_outline(content)
+        assert outline is not None and outline["library"] == models.TOKENIZERS and parses == [1], layout
+        assert models.json_outline(content) == outline and parses == [1]  # kept: not parsed again
+        spliced = models.without_special_added_tokens(content, outline)
+        assert spliced is not None, layout
+        assert json.loads(spliced) == json.loads(encoders.without_special_tokens(text))
+        ordinary = [added["content"] for added in document["added_tokens"] if not added["special"]]
+        assert [added["content"] for added in json.loads(spliced)["added_tokens"]] == ordinary
+        assert "[ordinary]" in ordinary
+    # where the array cannot be found as it parsed, no splice: the caller parses and rewrites the file
+    assert models.without_special_added_tokens(b"{}", {"span": None, "added_tokens": []}) is None
+    assert models._array_span(b'{"added_tokens": [1, 2}', b'"added_tokens"', [1, 2]) is None
+
+
+def test_a_model_loads_and_its_fast_encoder_builds_without_parsing_it_again(library_models, tmp_path, monkeypatch):
+    from tokenizer_service.core import models
+
+    monkeypatch.setenv(libraries.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    files = find_model_files("hfbpe", library_models["hfbpe"])  # parses it once, and keeps its outline
+    library = libraries.load(files, libraries.REFERENCE)
+    gigatoken = libraries._build_fast(library, "gigatoken")[0]
+    models.parsed_json.cache_clear()
+    monkeypatch.setattr(models, "parsed_json", lambda content: pytest.fail("parsed again"))
+    monkeypatch.setattr(encoders, "parsed_json", lambda content: pytest.fail("parsed again"))
+    again = find_model_files("hfbpe", library_models["hfbpe"])
+    rebuilt = libraries._build_fast(libraries.HuggingFace(again, libraries.REFERENCE), "gigatoken")[0]
+    texts = [*read_multilingual()[:50], "<|endoftext|> as text", "a <tool_call> b"]
+    first = libraries._fast_flat(gigatoken, encoders.as_read(gigatoken, texts), False)
+    second = libraries._fast_flat(rebuilt, encoders.as_read(rebuilt, texts), False)
+    assert first[0].tolist() == second[0].tolist() and first[1].tolist() == second[1].tolist()

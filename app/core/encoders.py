@@ -41,7 +41,14 @@ from typing import Any
 import numpy as np
 import orjson
 
-from tokenizer_service.core.models import TEKKEN, TIKTOKEN, parsed_json, tiktoken_ranks
+from tokenizer_service.core.models import (
+    TEKKEN,
+    TIKTOKEN,
+    json_outline,
+    parsed_json,
+    tiktoken_ranks,
+    without_special_added_tokens,
+)
 from tokenizer_service.core.texts import Utf8Texts
 
 FASTOKENS, GIGATOKEN = "fastokens", "gigatoken"
@@ -328,10 +335,12 @@ def build(library: Any, name: str, module: Any) -> Any:
                     raise ValueError(f"gigatoken has no pretokenizer for {library.spec.encoding or 'this'} pattern")
                 return Gigatoken(BPETokenizer.from_tiktoken(str(library.files.main), scheme, None), special)
             return Gigatoken(load_hf_json(_document(library, True, specials=False)), special)
-        document = parsed_json(library.files.contents[0])  # the parse loading it made (models.parsed_json)
-        added_tokens = document.get("added_tokens") or []
+        content = library.files.contents[0]
+        outline = json_outline(content, library.files.main_sha256)  # what loading it kept (models.json_outline)
+        added_tokens = (outline or {}).get("added_tokens") or []
         special = {added["content"]: added["id"] for added in added_tokens if added.get("special")}
-        backend = load_hf_json(without_special_tokens(document))
+        spliced = without_special_added_tokens(content, outline) if outline is not None else None
+        backend = load_hf_json(spliced if spliced is not None else without_special_tokens(parsed_json(content)))
         if type(backend).__name__ != "BPETokenizer":
             raise ValueError(f"gigatoken loads it as a {type(backend).__name__}, not byte-level BPE")
         return Gigatoken(backend, special)

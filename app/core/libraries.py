@@ -39,7 +39,6 @@ import os
 import random
 import re
 import statistics
-import tempfile
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -50,7 +49,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from tokenizer_client.wire import ragged_offsets
-from tokenizer_service.core import checkset, encoders
+from tokenizer_service.core import cache, checkset, encoders
+from tokenizer_service.core.cache import CACHE_DIR_ENV, cache_dir  # noqa: F401  # re-exported: where verdicts are
 from tokenizer_service.core.errors import InvalidField, PayloadTooLarge
 from tokenizer_service.core.models import (
     KINDS,
@@ -63,6 +63,7 @@ from tokenizer_service.core.models import (
     ModelLoadError,
     hf_model_type,
     hf_vocab_size,
+    json_outline,
     parsed_json,
     tekken_spec,
     tiktoken_ranks,
@@ -345,7 +346,6 @@ def _sentencepiece_type(serialized: bytes) -> str:
 Rows = Callable[[list[str], bool], list[list[int]]]
 GATE_BATCH_CHARS = 1 << 20  # check texts encoded together, at most (tokenizers' memory grows with a batch)
 GATE_BATCH_TEXTS = 1 << 16
-CACHE_DIR_ENV = "TOKENIZER_CACHE_DIR"
 # Tests only (tests/test_shadow.py): "U+XXXX" makes every worker's fast encoder give one wrong id for texts
 # holding that code point, after its gate: what shadow verification must catch. Never set it in production.
 PLANT_ENV = "TOKENIZER_TEST_FAST_DIFFERS"
@@ -555,16 +555,6 @@ def edge_separator(library: Any) -> tuple[str, int] | None:
     return min(candidates, key=lambda found: (len(found[0]), found[0]))
 
 
-def cache_dir() -> Path:
-    """Where gate verdicts (and the descriptions of the models they are of) are kept: $TOKENIZER_CACHE_DIR/gate,
-    else $XDG_CACHE_HOME (~/.cache)/tokenizer-service/gate."""
-    configured = os.environ.get(CACHE_DIR_ENV)
-    if configured:
-        return Path(configured).expanduser() / "gate"
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "tokenizer-service" / "gate"
-
-
 def _version(package: str) -> str:
     try:
         return importlib.metadata.version(package)
@@ -587,23 +577,9 @@ def gate_key(files: ModelFiles, encoder: str = FAST) -> dict[str, Any]:
     }
 
 
-def _cache_file(key: dict[str, Any]) -> Path:
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-    return cache_dir() / f"{digest}.json"
-
-
-def _read_cache(key: dict[str, Any]) -> dict[str, Any] | None:
-    """The cache's file for exactly this key, or None (no cache, unreadable, not JSON, another key)."""
-    try:
-        found = json.loads(_cache_file(key).read_text())
-    except (OSError, ValueError):
-        return None
-    return found if isinstance(found, dict) and found.get("key") == key else None
-
-
 def cached_verdict(key: dict[str, Any]) -> dict[str, Any] | None:
     """An earlier gate's verdict for exactly this key, or None (no cache, unreadable, another key)."""
-    verdict = _read_cache(key)
+    verdict = cache.read(key)
     return verdict if verdict is not None and isinstance(verdict.get("passed"), bool) else None
 
 
@@ -629,7 +605,7 @@ def remember_verdict(
     }
     if checkset_ids is not None:
         verdict["checkset_ids"] = checkset_ids
-    _write_cache(key, verdict)
+    cache.write(key, verdict)
 
 
 def remember_mismatch(files: ModelFiles, route: str, mismatch: str) -> None:
@@ -640,24 +616,6 @@ def remember_mismatch(files: ModelFiles, route: str, mismatch: str) -> None:
     differs = f"{route} differs from {files.library} on a text it served (shadow verification): {mismatch}"
     for select in dict.fromkeys((FAST, encoders.encoder_of(route) or FAST)):
         remember_verdict(gate_key(files, select), differs, 0.0)
-
-
-def _write_cache(key: dict[str, Any], value: dict[str, Any]) -> None:
-    """`value` as the cache's file for `key`, written atomically; a cache that cannot be written is silently none."""
-    path = _cache_file(key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=".cached-", suffix=".tmp")
-        try:
-            with os.fdopen(descriptor, "w") as file:
-                json.dump(value, file)
-            os.replace(temporary, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
-            raise
-    except OSError:
-        return
 
 
 def checkset_ids(rows: Rows, texts: list[str]) -> str:
@@ -711,7 +669,7 @@ def _whole_hf(found: dict[str, Any]) -> bool:
 
 def cached_description(key: dict[str, Any]) -> dict[str, Any] | None:
     """The description a process that loaded these very files in the same reference library kept, or None."""
-    found = _read_cache(key)
+    found = cache.read(key)
     return found["description"] if found is not None and isinstance(found.get("description"), dict) else None
 
 
@@ -1082,7 +1040,7 @@ def gate_verdict(
                     if kept_key is not None and kept is not None and ours and digest != recorded:
                         # a verdict from before digests (or a stale one): kept with this one, so the next start
                         # needs no reference library
-                        _write_cache(kept_key, {**kept, "checkset_ids": digest})
+                        cache.write(kept_key, {**kept, "checkset_ids": digest})
                     if report is not None:
                         report(None, 0.0, name)
                     return fast, None, name
@@ -1147,7 +1105,7 @@ def _scan_lock(key: dict[str, Any]) -> Any:
     try:
         import fcntl
 
-        path = _cache_file(key).with_suffix(".lock")
+        path = cache.cache_file(key).with_suffix(".lock")
         path.parent.mkdir(parents=True, exist_ok=True)
         handle = open(path, "a+b")  # noqa: SIM115  # closed below, after the lock
     except (ImportError, OSError):
@@ -1229,7 +1187,7 @@ class FastEncoded:
             return found
         self._reference = self._new_reference()
         described = describe(self._reference)  # a ModelLoadError here: nothing kept
-        _write_cache(key, {"key": key, "description": described})
+        cache.write(key, {"key": key, "description": described})
         return described
 
     def _build_fast(self, module: Any, route: str) -> Any:
@@ -1249,16 +1207,20 @@ class HuggingFace(FastEncoded, Library):
 
     def __init__(self, files: ModelFiles, encoder: str = FAST, trusted: bool = False) -> None:
         self.files = files
-        document = parsed_json(files.contents[0])
-        if document["model"].get("dropout") not in (None, 0, 0.0):
+        outline = json_outline(files.contents[0], files.main_sha256)  # kept: the file is not parsed again
+        if outline is None or outline["library"] != TOKENIZERS:
+            raise ModelLoadError(f"{files.main} is not a tokenizer.json")
+        if outline["dropout"] not in (None, 0, 0.0):
             raise ModelLoadError(
-                f"{files.main}: BPE dropout ({document['model']['dropout']}) makes its ids random; set "
+                f"{files.main}: BPE dropout ({outline['dropout']}) makes its ids random; set "
                 '"dropout": null in the file to serve it'
             )
-        described = self._described(lambda reference: self._describe(document, reference), _whole_hf)
+        described = self._described(
+            lambda reference: self._describe(parsed_json(files.contents[0]), reference), _whole_hf
+        )
         self.type, self.vocab_size, ids = described["type"], described["vocab_size"], described["ids"]
         self.bos_id, self.eos_id, self.pad_id, self.unk_id = ids["bos"], ids["eos"], ids["pad"], ids["unk"]
-        self.normalizes = document.get("normalizer") is not None
+        self.normalizes = bool(outline["normalizer"])
         self.special: list[str] = described["special"]
         self._holes: frozenset[int] | None = None
         self.fast: Any | None = None

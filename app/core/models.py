@@ -51,6 +51,8 @@ from typing import Any
 
 import orjson
 
+from tokenizer_service.core import cache
+
 SENTENCEPIECE, TOKENIZERS, TIKTOKEN = "sentencepiece", "tokenizers", "tiktoken"
 TEKKEN = "mistral-common"  # Mistral's tekken.json, encoded as mistral-common's Tekkenizer encodes it
 LIBRARIES = (SENTENCEPIECE, TOKENIZERS, TIKTOKEN, TEKKEN)
@@ -265,7 +267,8 @@ def find_model_files(name: str, path: Path, chat_template: Path | None = None) -
             f"{DIRECTORY_FILES[-1]}{hint}"
         )
     content = _read(name, given / inside if inside is not None else given)
-    library = sniff(content)
+    main_sha256 = hashlib.sha256(content).hexdigest()  # taken once (10-20 ms for a 128k tokenizer.json)
+    library = sniff(content, main_sha256)
     if library is None:
         raise ModelLoadError(
             f"model {name!r}: {given / inside if inside is not None else given} is not a model file; a model is {KINDS}"
@@ -288,6 +291,7 @@ def find_model_files(name: str, path: Path, chat_template: Path | None = None) -
     except ModelLoadError as exc:
         raise ModelLoadError(f"model {name!r}: {exc}") from None
     found = ModelFiles(library, path, tuple(files), tuple(contents), template)
+    found.__dict__["main_sha256"] = main_sha256  # the cached_property, already known
     if library == TIKTOKEN:
         tiktoken_spec(found, name)  # refuse a file without its pattern now, in one line
     if library == TEKKEN:
@@ -330,26 +334,103 @@ def parsed_json(content: bytes) -> Any:
         return json.loads(content)
 
 
-def sniff(content: bytes) -> str | None:
-    """Which library's format these bytes are in, or None. SentencePiece is only a candidate: loading decides."""
+def sniff(content: bytes, sha256: str | None = None) -> str | None:
+    """Which library's format these bytes are in, or None. SentencePiece is only a candidate: loading decides.
+    `sha256`: the content's, where known (a JSON file's outline is kept by it: `json_outline`)."""
     if content[:4096].lstrip().startswith(b"{"):
-        try:
-            document = parsed_json(content)
-        except ValueError:
-            document = None
-        model = document.get("model") if isinstance(document, dict) else None
-        if isinstance(model, dict) and ("type" in model or "vocab" in model):  # older files have no type
-            return TOKENIZERS
-        config = document.get("config") if isinstance(document, dict) else None
-        if isinstance(config, dict) and "pattern" in config and isinstance(document.get("vocab"), list):
-            return TEKKEN  # Mistral's tekken.json
-        if document is not None:
-            return None  # JSON, but not a tokenizer.json
+        outline = json_outline(content, sha256)
+        if outline is not None:
+            return outline["library"]  # a tokenizer.json, a tekken.json, or JSON that is neither (None)
     if _TIKTOKEN_LINE.match(content[:4096].split(b"\n", 1)[0].rstrip(b"\r")):
         return TIKTOKEN
     if content[:1] == b"\n":  # a serialized ModelProto starts with field 1 (pieces), length-delimited
         return SENTENCEPIECE
     return None
+
+
+# -- a JSON model file's outline ---------------------------------------------------------------------------------
+
+OUTLINE = 1  # what a kept outline holds; a new one reads no older entry
+
+
+def json_outline(content: bytes, sha256: str | None = None) -> dict[str, Any] | None:
+    """What a start needs of a JSON model file, short of its vocabulary: `library` (TOKENIZERS, TEKKEN, or None for
+    JSON that is neither); for a tokenizer.json, its model's `dropout`, whether it has a `normalizer`, its
+    `added_tokens`, and `span`, the [start, end) bytes of that added_tokens array in `content` (None where it was
+    not found as it parsed). None: not JSON. Kept in the cache (tokenizer_service.core.cache) by the content's
+    sha256: the first process to read the file parses it (orjson: 0.1-0.2 s for a 128k tokenizer.json, and 0.04 s
+    to free the parse), later ones read the outline."""
+    key = {"outline": OUTLINE, "sha256": sha256 or hashlib.sha256(content).hexdigest()}
+    kept = cache.read(key)
+    if kept is not None and isinstance(kept.get("outline"), dict):
+        return kept["outline"]
+    try:
+        document = parsed_json(content)
+    except ValueError:
+        return None
+    outline = _outline_of(document, content)
+    cache.write(key, {"key": key, "outline": outline})
+    return outline
+
+
+def _outline_of(document: Any, content: bytes) -> dict[str, Any]:
+    if not isinstance(document, dict):
+        return {"library": None}
+    model = document.get("model")
+    if isinstance(model, dict) and ("type" in model or "vocab" in model):  # older files have no type
+        added = document.get("added_tokens") or []
+        return {
+            "library": TOKENIZERS,
+            "dropout": model.get("dropout"),
+            "normalizer": document.get("normalizer") is not None,
+            "added_tokens": added,
+            "span": _array_span(content, b'"added_tokens"', added) if isinstance(added, list) and added else None,
+        }
+    config = document.get("config")
+    if isinstance(config, dict) and "pattern" in config and isinstance(document.get("vocab"), list):
+        return {"library": TEKKEN}  # Mistral's tekken.json
+    return {"library": None}
+
+
+SPAN_TRIES = 64  # closing brackets tried as an array's end, for each of the first 4 places its key is written
+
+
+def _array_span(content: bytes, key: bytes, value: list[Any]) -> list[int] | None:
+    """[start, end) of the JSON array `value` written after `key` in `content`: the first place where the bytes from
+    a `[` after `key:` to a `]` parse as exactly `value`, or None."""
+    at = 0
+    for _ in range(4):
+        at = content.find(key, at)
+        if at < 0:
+            return None
+        at += len(key)
+        start = at
+        while start < len(content) and content[start] in b" \t\r\n:":
+            start += 1
+        if start >= len(content) or content[start : start + 1] != b"[":
+            continue
+        end = start
+        for _ in range(SPAN_TRIES):
+            end = content.find(b"]", end + 1)
+            if end < 0:
+                break
+            try:
+                if orjson.loads(content[start : end + 1]) == value:
+                    return [start, end + 1]
+            except orjson.JSONDecodeError:
+                continue
+    return None
+
+
+def without_special_added_tokens(content: bytes, outline: dict[str, Any]) -> str | None:
+    """The tokenizer.json `content` with its special added tokens left out (ordinary ones kept), written by
+    splicing its added_tokens array (`json_outline`'s span), not by parsing and writing the whole file again; None
+    where the outline found no span."""
+    span = outline.get("span")
+    if span is None:
+        return None
+    kept = [added for added in outline["added_tokens"] if not added.get("special")]
+    return (content[: span[0]] + orjson.dumps(kept) + content[span[1] :]).decode("utf-8")
 
 
 # -- chat templates ------------------------------------------------------------------------------------
