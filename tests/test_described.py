@@ -15,7 +15,7 @@ import mistral_common
 import pytest
 
 from tests.conftest import EDGE_CASES, read_multilingual
-from tokenizer_service.core import checkset, libraries
+from tokenizer_service.core import cache, checkset, libraries
 from tokenizer_service.core.models import find_model_files
 
 TEKKEN = Path(mistral_common.__file__).parent / "data" / "tekken_240911.json"
@@ -73,7 +73,7 @@ def test_a_description_holds_for_the_files_bytes_only(library_models, counts, tm
     assert counted(counts)["reference"] == 3
     key = libraries.description_key(find_model_files("m", copy))
     for broken in ({}, {"type": "bpe", "vocab_size": 7}, {"type": "bpe", "vocab_size": 7, "special": [], "ids": {}}):
-        libraries._write_cache(key, {"key": key, "description": broken})  # its key, not all of it: described again
+        cache.write(key, {"key": key, "description": broken})  # its key, not all of it: described again
         described = libraries.load(find_model_files("m", copy), libraries.REFERENCE)
         assert described.vocab_size > 7 and described.eos_id >= 0
     assert counted(counts)["reference"] == 6
@@ -122,7 +122,7 @@ def test_a_route_whose_ids_are_not_its_digests_is_checked_against_the_reference_
 
 def test_a_verdict_kept_before_digests_gets_one_at_its_next_start(settled, counts):
     files, route = settled
-    path = libraries._cache_file(libraries.gate_key(files))
+    path = cache.cache_file(libraries.gate_key(files))
     verdict = json.loads(path.read_text())
     digest = verdict.pop("checkset_ids")
     path.write_text(json.dumps(verdict))
