@@ -3,6 +3,7 @@ the client, and every refusal a 4xx that names the conversation and message whil
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
@@ -52,6 +53,13 @@ def reference(snapshot: Path, conversation):
         conversation, chat_template=training, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
     )
     return list(out["input_ids"]), list(out["assistant_masks"])
+
+
+def deep(levels: int) -> object:
+    value: object = "leaf"
+    for _ in range(levels):
+        value = {"a": [value]} if isinstance(value, str) else [value]
+    return value
 
 
 def test_models_announce_their_chat_templates_and_the_start_log_says_which_cannot_train(chat_server):
@@ -166,16 +174,49 @@ def test_records_through_the_service(chat_server):
             r"pass --chat-template unknown=FILE",
         ),
         ({"records": [{"prompt": "a"}]}, 422, r"records\[0\] must be"),
+        (  # orjson writes 254 levels at most, Jinja's tojson and Python's recursion about 1,000: refused at 64
+            {
+                "conversations": [
+                    [{"role": "user", "content": "a", "x": deep(100)}, {"role": "assistant", "content": "b"}]
+                ]
+            },
+            422,
+            r"conversations\[0\]\.messages\[0\] nests deeper than 64 levels",
+        ),
+        (  # json.dumps writes NaN, which is no JSON
+            {"conversations": [[{"role": "user", "content": "a", "x": float("nan")}]]},
+            400,
+            r"NaN is no JSON number",
+        ),
     ],
 )
 def test_bad_conversations_are_4xx_naming_where_and_the_server_stays_up(chat_server, body, status, message):
     import re
 
     url, _, _ = chat_server
-    answer = httpx.post(f"{url}/v1/tokenize", json=body, timeout=120)
+    content = json.dumps(body)  # the stdlib's: it writes NaN, as some clients do
+    answer = httpx.post(
+        f"{url}/v1/tokenize", content=content, headers={"content-type": "application/json"}, timeout=120
+    )
     assert answer.status_code == status, answer.text
     assert re.search(message, answer.json()["error"]["message"]), answer.json()
     assert httpx.post(f"{url}/v1/tokenize", json={"texts": ["still up"]}).status_code == 200
+
+
+def test_integers_beyond_64_bits_render_as_transformers_renders_them(chat_server):
+    """orjson reads 100000000000000000000 as 1e+20 and cannot write a 309-digit integer back: a body holding one
+    in its conversations is read by the stdlib, exactly, as a user's json.loads reads it."""
+    url, snapshot, _ = chat_server
+    for number in (10**20, 10**308 + 7, -(2**64)):
+        call = {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": number}}}
+        conversation = [
+            {"role": "user", "content": "add them"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+        ]
+        answer = httpx.post(f"{url}/v1/tokenize", json={"conversations": [conversation]}, timeout=60)
+        assert answer.status_code == 200, answer.text
+        ids, mask = reference(snapshot, conversation)
+        assert answer.json()["ids"] == [ids] and answer.json()["loss_mask"] == [mask], number
 
 
 def test_the_client_error_names_the_conversation(chat_server):

@@ -620,6 +620,8 @@ def _checked_message(message: Any, index: int, position: int) -> dict[str, Any]:
             field="conversations",
             index=index,
         )
+    if _depth(message) > MAX_MESSAGE_DEPTH:  # the strings' walks, orjson and Jinja's tojson recurse
+        raise InvalidField(f"{where} nests deeper than {MAX_MESSAGE_DEPTH} levels", field="conversations", index=index)
     train = message.get("train")
     if train is not None and not isinstance(train, bool):
         raise InvalidField(f"{where}.train must be true or false", field="conversations", index=index)
@@ -630,6 +632,34 @@ def _checked_message(message: Any, index: int, position: int) -> dict[str, Any]:
             index=index,
         )
     return {key: value for key, value in message.items() if value is not None and key != "train"}
+
+
+MAX_MESSAGE_DEPTH = 64  # levels of objects and lists in one message (tool calls' arguments nest a few)
+
+
+def _depth(value: Any) -> int:
+    """How many levels of objects and lists `value` nests (a string, number: 0), walked without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        value, level = stack.pop()
+        if isinstance(value, dict):
+            stack.extend((item, level + 1) for item in value.values())
+        elif isinstance(value, list):
+            stack.extend((item, level + 1) for item in value)
+        else:
+            continue
+        deepest = max(deepest, level + 1)
+        if deepest > MAX_MESSAGE_DEPTH:
+            break
+    return deepest
+
+
+def _json(value: Any) -> bytes | None:
+    """`value` as orjson writes it, None where it cannot (an integer beyond 64 bits, which JSON may hold)."""
+    try:
+        return orjson.dumps(value)
+    except TypeError:
+        return None
 
 
 def _strings(value: Any) -> list[str]:
@@ -829,7 +859,9 @@ class ChatTemplate:
             return False
         if not self.tokens.json_safe or self.tokens.splits_always:
             return True
-        data = orjson.dumps(checked)
+        data = _json(checked)
+        if data is None:
+            return True  # each string searched (_placeholders)
         if self.tokens._needles is not None:
             return any(needle in data for needle in self.tokens._needles)
         return self.tokens._any.search(data.decode("utf-8")) is not None
@@ -839,13 +871,11 @@ class ChatTemplate:
         if options.parse_special_tokens or not self.tokens.special:
             return []
         pattern = self.tokens._any
-        if (
-            pattern is not None
-            and self.tokens.json_safe
-            and not self.tokens.splits_always
-            and pattern.search(orjson.dumps(messages).decode("utf-8")) is None  # one search: the usual case
-        ):
-            return []
+        data = (
+            _json(messages) if pattern is not None and self.tokens.json_safe and not self.tokens.splits_always else None
+        )
+        if pattern is not None and data is not None and pattern.search(data.decode("utf-8")) is None:
+            return []  # one search: the usual case
         strings = _strings(messages)
         found = sorted(
             {match.group(0) for string in strings for match in pattern.finditer(string)} if pattern else set(),

@@ -317,28 +317,66 @@ def check_item_count(document: object, field: str, limit: int) -> None:
 
 
 def parse_json(raw: bytes | bytearray | memoryview) -> tuple[Any, bool]:
-    """Parse with orjson; fall back to the stdlib only to explain what orjson refused.
+    """Parse with orjson; fall back to the stdlib only to explain what orjson refused, or where orjson would change
+    what a chat template renders.
 
     Returns the document and whether it came from the fallback (which, unlike orjson, lets lone
     surrogates through as str, so the caller must look for them). The body must be UTF-8: the
     stdlib would also take UTF-16 and UTF-32, which the API does not. JSON nested deeper than
-    orjson's limit (1,024 levels) is refused as such, never parsed by a recursive fallback.
+    orjson's limit (1,024 levels) is refused as such, never parsed by a recursive fallback. NaN and
+    Infinity, which the stdlib reads, are not JSON: refused. orjson reads an integer beyond 64 bits as a float
+    (100000000000000000000 as 1e+20): in conversations and records, which a template renders as a user's
+    json.loads would read them, such a body is read again by the stdlib, whose integers are exact.
     """
+    fast_error: orjson.JSONDecodeError | None = None
     try:
-        return orjson.loads(raw), False
-    except orjson.JSONDecodeError as fast_error:
-        if "depth limit" in str(fast_error):
+        document = orjson.loads(raw)
+        if not _inexact_integers(document):
+            return document, False
+    except orjson.JSONDecodeError as error:
+        if "depth limit" in str(error):
             raise InvalidJSON(f"request body nests deeper than {JSON_MAX_DEPTH} levels") from None
-        try:
-            text = bytes(raw).decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise InvalidJSON(f"request body is not valid UTF-8 (byte {exc.start})") from exc
-        try:
-            return json.loads(text, parse_int=_integer), True
-        except RecursionError:
-            raise InvalidJSON(f"request body nests deeper than {JSON_MAX_DEPTH} levels") from None
-        except ValueError:
-            raise InvalidJSON(f"request body is not valid JSON: {fast_error}") from fast_error
+        fast_error = error
+    try:
+        text = bytes(raw).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidJSON(f"request body is not valid UTF-8 (byte {exc.start})") from exc
+    try:
+        return json.loads(text, parse_int=_integer, parse_constant=_not_json), True
+    except RecursionError:
+        raise InvalidJSON(f"request body nests deeper than {JSON_MAX_DEPTH} levels") from None
+    except _NotJSON as exc:
+        raise InvalidJSON(f"request body is not valid JSON: {exc}") from None
+    except ValueError as exc:
+        raise InvalidJSON(f"request body is not valid JSON: {fast_error or exc}") from fast_error
+
+
+class _NotJSON(ValueError):
+    pass
+
+
+def _not_json(constant: str) -> Any:
+    raise _NotJSON(f"{constant} is no JSON number (a number is finite and written in digits)")
+
+
+_INEXACT = float(2**63)  # orjson reads integers from -2**63 to 2**64 - 1 exactly, larger ones as floats
+
+
+def _inexact_integers(document: Any) -> bool:
+    """Whether the conversations or records of a parsed body hold a float as large as an integer orjson would
+    not read exactly (walked without recursion; their strings are not read)."""
+    if not isinstance(document, dict):
+        return False
+    stack = [document.get(name) for name in ("conversations", "records") if document.get(name) is not None]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+        elif isinstance(value, float) and abs(value) >= _INEXACT and value.is_integer():
+            return True
+    return False
 
 
 # An integer of more digits than Python converts from text (4,300) stands for itself as one of this size: it is
