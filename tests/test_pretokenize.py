@@ -730,6 +730,7 @@ def test_an_interrupted_run_over_zstd_or_parquet_resumes_byte_identical(
         ("TOKENIZER_SHADOW_RATE", "abc", "a number from 0 to 1"),
         ("TOKENIZER_SHADOW_RATE", "2", "a number from 0 to 1"),
         ("TOKENIZER_SHADOW_INTERVAL_SECONDS", "nan", "a number at least 0"),
+        ("TOKENIZER_SHADOW_INTERVAL_SECONDS", "inf", "a number at least 0"),
         ("TOKENIZER_VERIFIER_MIN_BYTES", "1.5", "a whole number of bytes at least 0"),
         ("TOKENIZER_GATE_SCAN_MIN_BYTES", "-3", "a whole number of bytes at least 0"),
     ],
@@ -764,3 +765,33 @@ def test_a_run_imports_no_pydantic_nor_tqdm(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.slow  # a run killed half way and resumed; .ci/run's slow stage
+def test_a_worker_killed_is_one_line_and_the_run_resumes(big_input: Path, tmp_path: Path) -> None:
+    """SIGKILL to one worker, as the kernel's OOM killer sends it: one line (no traceback), exit 1, the complete shards
+    kept, and the same command goes on to the same files as a run never interrupted."""
+    model = BUNDLED_MODELS_DIR / "default.model"
+    args = [str(big_input), "--local", "--model", str(model), "--shard-tokens", "20000", "--workers", "2"]
+    reference, resumed = tmp_path / "reference", tmp_path / "resumed"
+    assert pretokenize(*args, "--output", reference, "-q") == 0
+    command = [sys.executable, "-m", "tokenizer_service.tools.pretokenize", *args, "--output", str(resumed), "-q"]
+    process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        wait_for_first_shard(resumed, process)
+        workers = [int(task) for task in Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()]
+        assert workers, "no worker process to kill"
+        os.kill(workers[-1], signal.SIGKILL)
+        _, errors = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    said = errors.decode()
+    if process.returncode == 0:
+        pytest.skip("the run finished before the worker was killed")
+    last = said.strip().splitlines()[-1]  # after the input's bad records
+    assert process.returncode == 1 and "Traceback" not in said, said
+    assert "a worker process died" in last and "run the same command again" in last, last
+    assert pretokenize(*args, "--output", resumed, "-q") == 0
+    assert files_of(resumed) == files_of(reference)

@@ -223,3 +223,11 @@ def test_the_pretokenizer_restarts_the_shard_with_the_reference_library_on_a_mis
         assert checked_by and verifiers.PROCESS_NAME not in checked_by, lines
     verdict = libraries.cached_verdict(libraries.gate_key(find_model_files("tt", library_models["tt"]), libraries.FAST))
     assert verdict is not None and verdict["passed"] is False and "shadow verification" in verdict["differs"]
+
+
+@pytest.mark.parametrize("rate", [1e-17, 5e-324, 1e-300])
+def test_a_rate_too_small_for_log_of_one_minus_it_samples_as_good_as_never(rate):
+    """log(1 - rate) is 0 for a rate under about 1e-16: the gap used to divide by it (ZeroDivisionError at every
+    worker's start, the server's and the pre-tokenizer's)."""
+    shadow = Shadow(rate, 0.0, seed=1)
+    assert all(shadow._gap() > 10**9 for _ in range(100))  # a gap below it: 1 chance in 10**7 a draw

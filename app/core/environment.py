@@ -6,6 +6,7 @@ refused with what to give, where a bare int() would end a run in a traceback."""
 from __future__ import annotations
 
 import os
+import sys
 
 
 def usable_cpus() -> int:
@@ -33,6 +34,6 @@ def number(name: str, default: float, *, whole: bool = False, most: float | None
         found: float = int(value) if whole else float(value)
     except ValueError:
         found = -1.0
-    if not 0 <= found <= (most if most is not None else float("inf")):  # NaN too
+    if not 0 <= found <= (most if most is not None else sys.float_info.max):  # NaN and infinity too
         raise EnvironmentValueError(f"{name}={value!r}: give {what} {bound}, or unset it (default {shown})")
     return found

@@ -75,7 +75,9 @@ class Shadow:
             return 1 << 62
         if self.rate >= 1:
             return 0
-        return int(math.log(1.0 - self.random.random()) / math.log(1.0 - self.rate))
+        # log1p: a rate under 1e-16 is no 0 there; a gap past 2**62 texts is as good as never
+        gap = math.log(1.0 - self.random.random()) / math.log1p(-self.rate)
+        return int(gap) if gap < 1 << 62 else 1 << 62
 
     def sample(self, library: Any, texts: list[str], parse_special: bool, ids: np.ndarray, lengths: np.ndarray) -> None:
         """Called as `library` encoded `texts` with its fast encoder: keep the sampled ones with their ids."""

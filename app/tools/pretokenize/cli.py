@@ -18,6 +18,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -485,6 +486,13 @@ def main(argv: list[str] | None = None) -> int:
     except (OutputError, InputRefused) as exc:
         print(f"tokenizer-pretokenize: {exc}", file=sys.stderr)
         return 2
+    except BrokenProcessPool:  # a worker killed (the kernel's OOM killer, a signal): its chunk is not written
+        print(
+            f"tokenizer-pretokenize: a worker process died (killed by a signal, or out of memory); the complete "
+            f"shards in {args.output} are kept: run the same command again to go on",
+            file=sys.stderr,
+        )
+        return 1
     except BadRecordError as exc:
         print(f"tokenizer-pretokenize: bad record (--strict): {exc}", file=sys.stderr)
         return 1
