@@ -107,17 +107,28 @@ def test_a_binary_parquet_column_of_text_is_read_as_utf8(tmp_path: Path, capsys:
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=str(MODEL))
-    for kind in (pa.binary(), pa.large_binary()):
+    values = [b"hello world", b"bad \xff", "d\u00e9j\u00e0".encode()]
+    columns = {
+        "binary": pa.array(values, pa.binary()),
+        "large_binary": pa.array(values, pa.large_binary()),
+        # as other writers store text: dictionary-encoded (a probe's were refused row by row), views
+        "dictionary_binary": pa.array(values, pa.binary()).dictionary_encode(),
+        "binary_view": pa.array(values, pa.binary_view()),
+    }
+    for kind, column in columns.items():
         path = tmp_path / f"{kind}.parquet"
-        pq.write_table(
-            pa.table({"text": pa.array([b"hello world", b"bad \xff", "d\u00e9j\u00e0".encode()], kind)}), path
-        )
+        pq.write_table(pa.table({"text": column}), path)
         out = tmp_path / f"out-{kind}"
         assert pretokenize(path, "--output", out, *COMMON) == 0
         dataset = TokenDataset(out)
         assert [sp.decode(dataset[i].tolist()) for i in range(len(dataset))] == ["hello world", "d\u00e9j\u00e0"]
-        assert dataset.metadata["bad_records"] == 1
+        assert dataset.metadata["bad_records"] == 1, kind
         assert "not valid UTF-8 (its byte 4)" in capsys.readouterr().err
+        # --peek reads the first value as the run does (it said "no string field ... every record bad")
+        assert pretokenize(path, "--peek") == 0
+        said = capsys.readouterr().out
+        assert "'text': a string of 11 characters: 'hello world'" in said, said
+        assert "--text-field text holds a string: ready to pre-tokenize" in said, said
 
 
 def test_peek_at_a_gzip_input_cut_short_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

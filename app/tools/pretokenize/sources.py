@@ -758,14 +758,32 @@ class DocumentReader:
 PEEK_CHARS = 60
 
 
+def text_column(column: Any) -> Any:
+    """A Parquet column of text stored another way (dictionary-encoded, as bytes, as views) as the string column of
+    its values, their UTF-8 unchecked (`text_values` checks it); any other column as it is."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(column.type):
+        column = column.dictionary_decode()
+    views = {
+        getattr(pa, name)(): cast
+        for name, cast in (("binary_view", pa.large_binary()), ("string_view", pa.large_string()))
+        if hasattr(pa, name)
+    }
+    if column.type in views:
+        column = column.cast(views[column.type])
+    if column.type in (pa.binary(), pa.large_binary()):  # text stored as bytes: read as UTF-8, each value checked
+        column = column.view(pa.string() if column.type == pa.binary() else pa.large_string())
+    return column
+
+
 def text_values(column: Any, utf8: bool) -> list[Any]:
     """A Parquet text column's values: each a str (with `utf8`: a memoryview of its UTF-8, never decoded), None for
     a null, and for a value that is not UTF-8 the UnicodeDecodeError saying where; a binary column is read so too
     (text stored as bytes); a column of another type: its Python values (refused one by one)."""
     import pyarrow as pa
 
-    if column.type in (pa.binary(), pa.large_binary()):  # text stored as bytes: read as UTF-8, each value checked
-        column = column.view(pa.string() if column.type == pa.binary() else pa.large_string())
+    column = text_column(column)
     if column.type not in (pa.string(), pa.large_string()):
         return column.to_pylist()
     try:
@@ -857,7 +875,9 @@ def first_record(source: Source) -> dict[str, Any] | str | None:
     None for an empty input; InputError if the first record is not a JSON object."""
     if source.format == "parquet":
         first = next(_parquet_file(source).iter_batches(batch_size=1), None)
-        return {name: value[0] for name, value in first.to_pydict().items()} if first is not None else None
+        if first is None:
+            return None
+        return {name: _first_value(column) for name, column in zip(first.schema.names, first.columns, strict=True)}
     with open_input(source.path) as raw:
         stream = decompressed(raw, source.codec)
         if source.format == "txt":
@@ -882,6 +902,14 @@ def first_record(source: Source) -> dict[str, Any] | str | None:
                 raise InputError(f"{source.path}:{number}: {_describe_value(parsed)}, not a JSON object")
             return parsed  # type: ignore[no-any-return]
     return None
+
+
+def _first_value(column: Any) -> Any:
+    """A Parquet column's first value as the pre-tokenizer reads it: text stored as bytes (or dictionary-encoded,
+    or as views) as a str where it is UTF-8."""
+    values = text_values(column, utf8=False) if len(column) else [None]
+    value = values[0]
+    return column.to_pylist()[0] if isinstance(value, UnicodeDecodeError) else value
 
 
 def holds_text(path: str | Path, text_field: str, kind: str = TEXT) -> bool:
