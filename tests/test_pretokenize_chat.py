@@ -132,6 +132,28 @@ def test_bad_records_are_said_in_the_order_of_the_input(setup, tmp_path, capsys)
     assert TokenDataset(tmp_path / "out").metadata["bad_records"] == 3
 
 
+def test_a_template_without_marks_is_said_once_in_the_pre_tokenizers_terms(setup, tmp_path, capsys):
+    """The server's warning (with its --chat-template NAME=FILE) was printed by every run of the pre-tokenizer of
+    a model whose own template has no marks, of texts too."""
+    import shutil
+
+    directory, snapshot, *_ = setup
+    unmarked = tmp_path / "snapshot"
+    shutil.copytree(snapshot, unmarked)
+    config = json.loads((unmarked / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config["chat_template"] = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    (unmarked / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text(json.dumps({"text": "a document"}) + "\n", encoding="utf-8")
+    args = ["--local", "--model", str(unmarked)]
+    assert pretokenize(directory, str(texts), *args, "--output", str(tmp_path / "texts")) == 0
+    assert "--chat-template" not in capsys.readouterr().err
+    conversations = [str(directory / "chats.jsonl"), "--conversations", *args, "--output", str(tmp_path / "chats")]
+    assert pretokenize(directory, *conversations) != 0
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and "=FILE" not in said[0] and "served" not in said[0], said
+
+
 def test_url_writes_the_same_shards_as_local(setup, local_output, tmp_path):
     directory, snapshot, *_ = setup
     url, process = start_server(

@@ -48,6 +48,7 @@ def inspect_model(
     chat_template: Path | None = None,
     wait: bool = False,
     keep: bool = False,
+    serving: bool = True,
 ) -> ModelInfo:
     """What the model at `path` is (any of the four kinds); ModelLoadError in one line when it is none.
     `chat_template`: a --chat-template file, which overrides the model's own template.
@@ -57,7 +58,8 @@ def inspect_model(
     `gate` "pending" where no verdict is cached (scanned beside the work: tokenizer_service.core.gatescan).
     A cached refusal is logged once. `wait`: a pending gate is run here instead, blocking (seconds to a minute).
     `keep`: keep the loaded library, and its parsed files, for `kept_model` (the pre-tokenizer's pool adopts it
-    instead of loading the files again, and builds its fast encoder without parsing them again)."""
+    instead of loading the files again, and builds its fast encoder without parsing them again). `serving` False:
+    not for the server (the pre-tokenizer), which says itself what it cannot do with the model."""
     files = find_model_files(name, path, chat_template)
     try:
         library = libraries.load(files, libraries.REFERENCE, keep_parsed=keep)
@@ -88,7 +90,7 @@ def inspect_model(
     info = model_info(name, files, library, route if gate == libraries.PASSED else library.encoder, gate)
     if gate == libraries.PENDING and encoder != libraries.FAST:
         info = dataclasses.replace(info, select=encoder)
-    if info.chat_template is not None and info.chat_template["loss_mask"] is None:
+    if serving and info.chat_template is not None and info.chat_template["loss_mask"] is None:
         logger.warning("%s", chat.no_mask_message(name) + "; its texts are served, its conversations refused")
     logger.info("model %r: %s", name, files.recognized())  # which file, and which known encoding
     if keep:

@@ -180,7 +180,7 @@ def resolve_local_model(name_or_path: str | None, chat_template: Path | None = N
     if name_or_path is not None and Path(name_or_path).expanduser().exists():
         path = Path(name_or_path).expanduser()
         name = path.name if path.is_dir() else (model_file_name(path) or path.stem)  # as --models-dir names them
-        return inspect_model(name, path, chat_template=chat_template, keep=True)
+        return inspect_model(name, path, chat_template=chat_template, keep=True, serving=False)
     # a model's name, resolved as the server's options do (pydantic: imported only here, not by a run given a path)
     from pydantic import ValidationError
 
@@ -200,7 +200,7 @@ def resolve_local_model(name_or_path: str | None, chat_template: Path | None = N
         raise ModelLoadError(
             f"--model {name!r} is neither a model file nor a model the server's options know ({', '.join(paths)})"
         )
-    return inspect_model(name, paths[name], chat_template=chat_template, keep=True)
+    return inspect_model(name, paths[name], chat_template=chat_template, keep=True, serving=False)
 
 
 def resolve_service_model(urls: list[str], name: str | None) -> ModelInfo:
