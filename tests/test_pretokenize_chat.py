@@ -312,3 +312,23 @@ def test_outputs_without_masks_are_version_1_and_masked_write_dataset_rows(tmp_p
         assert ((stored.labels == IGNORE_INDEX) == (packed.loss_mask(row) == 0)).all()
         seen += int(packed.loss_mask(row).sum())
     assert seen == int(mask.sum())
+
+
+@pytest.mark.parametrize("weight", [2, 0.5, "0", True, None])
+def test_a_sharegpt_weight_is_0_or_1_or_the_record_is_bad(weight):
+    """axolotl's `weight` trains a turn (1) or not (0); any other value was ignored without a word, and the turn
+    trained."""
+    from tokenizer_service.tools.pretokenize.sources import from_sharegpt
+
+    assert from_sharegpt({"from": "gpt", "value": "x", "weight": 0}, 1) == {
+        "role": "assistant",
+        "content": "x",
+        "train": False,
+    }
+    assert from_sharegpt({"from": "human", "value": "q", "weight": 1}, 0) == {"role": "user", "content": "q"}
+    message = {"from": "gpt", "value": "x", "weight": weight}
+    if weight is None:
+        assert from_sharegpt(message, 1) == {"role": "assistant", "content": "x"}
+        return
+    with pytest.raises(ValueError, match=r"messages\[1\]: 'weight' .* is not 0 or 1"):
+        from_sharegpt(message, 1)

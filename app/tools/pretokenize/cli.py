@@ -232,7 +232,7 @@ class BadRecordLog:
 
     def close(self) -> None:
         if self.count > self.said:
-            self.write(f"{self.count:,} bad records in all (the last: {self._last})")
+            self.write(f"{self.count:,} bad records in this run (the last: {self._last}); metadata.json counts all")
             self.said = self.count
 
 

@@ -102,7 +102,9 @@ def from_sharegpt(message: Any, position: int) -> Any:
     mapped = {key: value for key, value in message.items() if key not in ("from", "value", "weight")}
     mapped["role"], mapped["content"] = role, message.get("value")
     weight = message.get("weight")
-    if role == "assistant" and weight in (0, 1) and type(weight) is not bool:
+    if weight is not None and (type(weight) is not int or weight not in (0, 1)):  # 0.5, 2, "0": no turn's weight
+        raise ValueError(f"messages[{position}]: 'weight' {weight!r} is not 0 or 1 (axolotl's: train the turn or not)")
+    if role == "assistant" and weight is not None:
         mapped["train"] = bool(weight)
     return mapped
 
