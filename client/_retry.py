@@ -18,6 +18,7 @@ is cut short to end with the budget, and one last round is tried then.
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
@@ -46,6 +47,11 @@ class RetryPolicy:
     jitter: float = 0.5
 
     def __post_init__(self) -> None:
+        fields = (self.budget_s, self.initial_backoff_s, self.max_backoff_s, self.multiplier, self.jitter)
+        if any(math.isnan(value) for value in fields):  # NaN compares false: a NaN budget retried forever
+            raise ValueError("budget_s, initial_backoff_s, max_backoff_s, multiplier and jitter must not be NaN")
+        if not all(math.isfinite(value) for value in fields[1:]):
+            raise ValueError("initial_backoff_s, max_backoff_s, multiplier and jitter must be finite")
         if self.budget_s < 0 or self.initial_backoff_s < 0 or self.max_backoff_s < 0:
             raise ValueError("budget_s, initial_backoff_s and max_backoff_s must not be negative")
         if self.multiplier < 1 or not 0 <= self.jitter <= 1:

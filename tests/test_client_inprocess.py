@@ -534,3 +534,21 @@ def ragged(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     rows = byte_ids(texts)
     ids = np.array([i for row in rows for i in row], dtype=np.int32)
     return ids, wire.ragged_offsets(np.array([len(row) for row in rows], dtype=np.int64))
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        {"budget_s": float("nan")},
+        {"initial_backoff_s": float("nan")},
+        {"max_backoff_s": float("inf")},
+        {"multiplier": float("nan")},
+        {"jitter": float("nan")},
+    ],
+)
+def test_a_retry_policy_refuses_nan_and_infinite_backoffs(given):
+    """NaN compares false to everything: RetryPolicy(budget_s=nan) passed its checks, and a client retried a dead
+    URL forever."""
+    with pytest.raises(ValueError, match=r"NaN|finite"):
+        RetryPolicy(**given)
+    assert RetryPolicy(budget_s=float("inf")).budget_s == float("inf")  # retrying for ever is a choice one can make
