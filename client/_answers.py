@@ -140,6 +140,11 @@ def _batch(frame: wire.Frame | None, document: Any, sha256: str | None, texts: i
     else:
         flat, lengths = _json_rows(document["ids"], "ids")
         ids, offsets, model = flat, wire.ragged_offsets(lengths), document["model"]
+        # what the answer says besides the ids agrees with them (a reader of those fields would be misled)
+        if "lengths" in document and document["lengths"] != lengths.tolist():
+            raise MalformedAnswerError("lengths are not the lengths of the ids' rows")
+        if "num_tokens" in document and document["num_tokens"] != len(flat):
+            raise MalformedAnswerError(f"num_tokens is {document['num_tokens']!r:.40}, the ids hold {len(flat)}")
     ids = _ids(ids, "ids")
     count = len(offsets) - 1 if texts is None else texts
     offsets = _offsets(offsets, "offsets", count, len(ids))

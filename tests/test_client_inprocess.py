@@ -501,6 +501,16 @@ MALFORMED = {
         wire.MEDIA_TYPE,
         MalformedAnswerError,
     ),
+    "lengths that are not the ids' (JSON)": (
+        json.dumps({"model": "m", "ids": [[1], [2]], "lengths": [7, 9], "num_tokens": 2}).encode(),
+        "application/json",
+        MalformedAnswerError,
+    ),
+    "num_tokens that is not the ids' (JSON)": (
+        json.dumps({"model": "m", "ids": [[1], [2]], "lengths": [1, 1], "num_tokens": 99}).encode(),
+        "application/json",
+        MalformedAnswerError,
+    ),
     "not a frame": (b"TKNX" + bytes(20), wire.MEDIA_TYPE, TokenizerProtocolError),
     "not JSON": (b"{", "application/json", TokenizerProtocolError),
     "no ids": (b"{}", "application/json", TokenizerProtocolError),
