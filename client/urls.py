@@ -34,5 +34,7 @@ def check_url(url: str) -> str:
     except httpx.InvalidURL as exc:
         raise ValueError(f"url {url!r} is not a URL: {exc}") from None
     if scheme not in ("http", "https"):
+        if "://" in url:  # another scheme (ftp://, grpc://): the service speaks HTTP only
+            raise ValueError(f"url {url!r} is not http:// or https://: the service speaks HTTP")
         raise ValueError(f"url {url!r} has no http:// or https:// in front: did you mean 'http://{url}'?")
     return url

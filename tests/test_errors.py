@@ -189,6 +189,7 @@ def test_the_async_client_refuses_the_same(call):
             "url 'localhost:8000' has no http:// or https:// in front: did you mean 'http://localhost:8000'?",
         ),
         ({"url": ["http://a:1", "b:2"]}, "url 'b:2' has no http://"),
+        ({"url": "ftp://127.0.0.1:8000"}, "url 'ftp://127.0.0.1:8000' is not http:// or https://: the service speaks"),
         (
             {"url": "http://127.0.0.1:8000", "timeout": "5"},
             "timeout is in seconds, a number above 0 (or None, or an httpx.Timeout); got '5'",

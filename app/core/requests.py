@@ -217,7 +217,7 @@ def parse_request(raw: bytes | bytearray | memoryview, model: type[Body], items:
     """
     if bytes(raw[: len(wire.MAGIC)]) == wire.MAGIC:  # a binary frame (JSON never starts so): texts as UTF-8 arrays
         if items != "texts":
-            raise InvalidJSON(f"a {wire.MEDIA_TYPE} request body carries texts; this endpoint takes JSON")
+            raise InvalidJSON(f"an {wire.MEDIA_TYPE} request body carries texts; this endpoint takes JSON")
         document = texts_document(raw, max_items)
         texts = document.pop("texts")
         # validated without its texts (each checked UTF-8 already, and kept so: tokenizer_service.core.texts)
@@ -255,10 +255,10 @@ def texts_document(raw: bytes | bytearray | memoryview, max_items: int) -> dict[
     except wire.WireFormatError as exc:
         raise InvalidJSON(f"request body is not a valid {wire.MEDIA_TYPE} frame: {exc}") from None
     if not isinstance(frame.meta, dict):
-        raise InvalidField(f"a {wire.MEDIA_TYPE} body's meta must be an object of the request's fields")
+        raise InvalidField(f"an {wire.MEDIA_TYPE} body's meta must be an object of the request's fields")
     if set(frame.arrays) != {"texts", "offsets"}:
         raise InvalidField(
-            f"a {wire.MEDIA_TYPE} body carries two arrays, texts (uint8, the texts' UTF-8 end to end) and offsets "
+            f"an {wire.MEDIA_TYPE} body carries two arrays, texts (uint8, the texts' UTF-8 end to end) and offsets "
             f"(int64, where each text starts, then the end), not {sorted(frame.arrays)}",
             field="texts",
         )
