@@ -114,12 +114,16 @@ def test_each_process_loads_the_model_once(held_server):
     # each candidate that passed is measured in a fresh process of its own (no model load counted, one build)
     measures = {key: count for key, count in found.items() if key[1] == "tokenizer-gate-measure"}
     assert all(count == collections.Counter(fast=1) for count in measures.values()), found
+    # those that passed (more than one) are then raced side by side in one more process: each built once there
+    races = {key: count for key, count in found.items() if key[1] == "tokenizer-gate-race"}
+    assert all(count == collections.Counter(fast=len(measures)) for count in races.values()), found
+    assert len(races) == (1 if len(measures) > 1 else 0), found
     assert list(server.values()) == [collections.Counter(load=1)], found
     assert len(workers) == 2, found
     assert list(zygotes.values()) == [collections.Counter(load=1)], found
     assert all(count == collections.Counter(fast=1) for count in workers.values()), found
     assert [count["load"] for count in scans.values()] == [1], found
-    assert set(found) == set(server) | set(zygotes) | set(workers) | set(scans) | set(measures), found
+    assert set(found) == set(server) | set(zygotes) | set(workers) | set(scans) | set(measures) | set(races), found
 
 
 def test_a_cached_pass_is_fast_from_the_first_request(library_models, tmp_path, monkeypatch):

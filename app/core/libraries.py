@@ -906,7 +906,7 @@ def _race_main() -> None:
     import pickle
     import sys
 
-    multiprocessing.current_process().name = "tokenizer-gate-measure"
+    multiprocessing.current_process().name = "tokenizer-gate-race"
     single_threaded()
     with contextlib.suppress(OSError):
         os.nice(19)

@@ -9,6 +9,7 @@ batch: (index in the chunk, the service's message), which the run reports as bad
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import signal
 import sys
@@ -219,7 +220,7 @@ def tokenize_via_service(
 
     Every answer must come from the model file the output was started with (its sha256).
     """
-    encode = options.model_dump(exclude_none=True)  # the keywords of /v1/tokenize that are set
+    encode = {name: value for name, value in dataclasses.asdict(options).items() if value is not None}  # those set
     with client.prefetch(texts, batch_size=batch_size, depth=depth, model=model, **encode) as batches:
         for batch in batches:
             if not isinstance(batch, TokenizedBatch):  # only with pack=, which is not asked for here
