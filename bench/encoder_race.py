@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -67,22 +66,6 @@ def vocabulary_words(library: Any, count: int = 20_000, size: int = 256 * 1024) 
     return documents
 
 
-def race(built: dict[str, Any], texts: list[str], rounds: int) -> dict[str, float]:
-    """The median M tokens per CPU-second of each route over `texts`, passes in turn."""
-    speeds: dict[str, list[float]] = {route: [] for route in built}
-    order = list(built)
-    for round_ in range(rounds):
-        for route in order if round_ % 2 == 0 else reversed(order):
-            fast = built[route]
-            read = encoders.as_read(fast, texts)
-
-            def encode(texts: Sequence[str], fast: Any = fast) -> int:
-                return len(libraries._fast_flat(fast, texts, False)[0])
-
-            speeds[route].append(encoders.tokens_per_cpu_second(encode, read, 1))
-    return {route: statistics.median(values) for route, values in speeds.items()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="a tokenizer.json (default: the 128k BPE)")
@@ -118,7 +101,7 @@ def main() -> None:
     for name, documents in texts.items():
         if not documents:
             continue
-        speeds = race(built, documents, args.rounds)
+        speeds = libraries.race(built, documents, args.rounds)  # as the gate races them
         cells = " | ".join(f"{speeds[route]:.1f}" for route in routes)
         print(f"| {name} | {cells} | {speeds[routes[1]] / speeds[routes[0]]:.2f} |", flush=True)
     print(f"| build (CPU-s) | {' | '.join(f'{builds[route]:.2f}' for route in routes)} | |")

@@ -368,6 +368,7 @@ def test_a_tokenizer_json_outline_is_kept_and_its_added_tokens_spliced(library_m
     from tokenizer_service.core import models
 
     monkeypatch.setenv(libraries.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(models, "_OUTLINES", {})  # none read yet in this process
     original = library_models["hfbpe"] / "tokenizer.json"
     document = json.loads(original.read_text())
     document["added_tokens"].append(  # an ordinary added token is kept, a special one left out
@@ -385,7 +386,9 @@ def test_a_tokenizer_json_outline_is_kept_and_its_added_tokens_spliced(library_m
         monkeypatch.setattr(models, "parsed_json", counted)
         outline = models.json_outline(content)
         assert outline is not None and outline["library"] == models.TOKENIZERS and parses == [1], layout
-        assert models.json_outline(content) == outline and parses == [1]  # kept: not parsed again
+        assert models.json_outline(content) == outline and parses == [1]  # this process's: not parsed again
+        models._OUTLINES.clear()  # as a later process: read from the cache's file
+        assert models.json_outline(content) == outline and parses == [1]
         spliced = models.without_special_added_tokens(content, outline)
         assert spliced is not None, layout
         assert json.loads(spliced) == json.loads(encoders.without_special_tokens(text))
@@ -401,10 +404,12 @@ def test_a_model_loads_and_its_fast_encoder_builds_without_parsing_it_again(libr
     from tokenizer_service.core import models
 
     monkeypatch.setenv(libraries.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(models, "_OUTLINES", {})  # none read yet in this process
     files = find_model_files("hfbpe", library_models["hfbpe"])  # parses it once, and keeps its outline
     library = libraries.load(files, libraries.REFERENCE)
     gigatoken = libraries._build_fast(library, "gigatoken")[0]
     models.parsed_json.cache_clear()
+    models._OUTLINES.clear()  # as a later process: the outline read from the cache's file
     monkeypatch.setattr(models, "parsed_json", lambda content: pytest.fail("parsed again"))
     monkeypatch.setattr(encoders, "parsed_json", lambda content: pytest.fail("parsed again"))
     again = find_model_files("hfbpe", library_models["hfbpe"])

@@ -30,7 +30,6 @@ A pinned encoder (``--encoder fastokens|gigatoken``) considers only its own rout
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -48,6 +47,7 @@ from tokenizer_service.core.models import (
     parsed_json,
     tiktoken_ranks,
     without_special_added_tokens,
+    without_special_tokens,
 )
 from tokenizer_service.core.texts import Utf8Texts
 
@@ -217,16 +217,6 @@ def non_merges(ranks: dict[bytes, int]) -> list[bytes]:
     return [token for _, token in sorted(found)]
 
 
-def without_special_tokens(document: str | dict[str, Any]) -> str:
-    """A tokenizer.json (its text, or parsed) with its special added tokens left out (ordinary ones kept)."""
-    parsed = dict(parsed_json(document) if isinstance(document, str | bytes) else document)
-    parsed["added_tokens"] = [added for added in parsed.get("added_tokens") or [] if not added.get("special")]
-    try:
-        return orjson.dumps(parsed).decode("utf-8")
-    except TypeError:  # a lone surrogate in a string (orjson writes UTF-8 only)
-        return json.dumps(parsed, ensure_ascii=False)
-
-
 # -- gigatoken behind fastokens' call --------------------------------------------------------------------------
 
 
@@ -336,10 +326,11 @@ def build(library: Any, name: str, module: Any) -> Any:
                 return Gigatoken(BPETokenizer.from_tiktoken(str(library.files.main), scheme, None), special)
             return Gigatoken(load_hf_json(_document(library, True, specials=False)), special)
         content = library.files.contents[0]
-        outline = json_outline(content, library.files.main_sha256)  # what loading it kept (models.json_outline)
-        added_tokens = (outline or {}).get("added_tokens") or []
-        special = {added["content"]: added["id"] for added in added_tokens if added.get("special")}
-        spliced = without_special_added_tokens(content, outline) if outline is not None else None
+        outline = json_outline(content, library.files.main_sha256)  # what loading it read (models.json_outline)
+        if outline is None:
+            raise ValueError(f"{library.files.main} is not JSON")
+        special = {added["content"]: added["id"] for added in outline["added_tokens"] if added.get("special")}
+        spliced = without_special_added_tokens(content, outline)
         backend = load_hf_json(spliced if spliced is not None else without_special_tokens(parsed_json(content)))
         if type(backend).__name__ != "BPETokenizer":
             raise ValueError(f"gigatoken loads it as a {type(backend).__name__}, not byte-level BPE")

@@ -204,10 +204,9 @@ class Handler:
         bounds = chunk_bounds(sizes, parts, self.limits.min_chunk_chars)
         if seeded or len(bounds) > 1:
             # Seeded sampling reproduces ids only within one process: it runs on the seeded sampler.
-            carried = options
             chunks = [
-                Chunk(route, position, carried, start, binary, texts=texts[start:end]) for start, end in bounds
-            ] or [Chunk(route, position, carried, 0, binary, texts=[])]
+                Chunk(route, position, options, start, binary, texts=texts[start:end]) for start, end in bounds
+            ] or [Chunk(route, position, options, 0, binary, texts=[])]
             units = np.array([int(sizes[start:end].sum()) for start, end in bounds] or [0], dtype=np.int64)
             if seeded:
                 return channel.SPLIT, split_payload(position, route, len(texts), True, units, context, chunks)

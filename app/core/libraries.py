@@ -900,37 +900,45 @@ def _race_apart(files: ModelFiles, routes: list[str]) -> dict[str, float] | None
     return {str(route): float(mtps) for route, mtps in found.items()}
 
 
-def _race_main() -> None:
-    """The racing process (`_race_apart`): (files, routes) pickled on stdin, {route: M tokens per CPU-second}
-    on stdout."""
+def race(built: dict[str, Any], texts: list[str], rounds: int = RACE_ROUNDS) -> dict[str, float]:
+    """The median M tokens per CPU-second of each built fast encoder (route -> encoder) over `texts`, a pass of each
+    in turn, `rounds` times, the order reversed every other round (each warmed by one pass first, as a worker is
+    once it has encoded): the gate's race (`_race_apart`), and bench/encoder_race.py's."""
+    read = {route: encoders.as_read(fast, texts) for route, fast in built.items()}
+    for route, fast in built.items():
+        _fast_flat(fast, read[route], False)
+    passes: dict[str, list[float]] = {route: [] for route in built}
+    order = list(built)
+    for round_ in range(rounds):
+        for route in order if round_ % 2 == 0 else reversed(order):
+
+            def encode(texts: Sequence[str], fast: Any = built[route]) -> int:
+                return len(_fast_flat(fast, texts, False)[0])
+
+            passes[route].append(encoders.tokens_per_cpu_second(encode, read[route], 1))
+    return {route: statistics.median(speeds) for route, speeds in passes.items()}
+
+
+def _started_apart(name: str) -> tuple[Any, Library, list[str]]:
+    """In a measuring process (`_run_apart`): named `name`, single-threaded and nice as a worker's neighbour;
+    (what its starter pickled on stdin besides the files, the model's reference library, the gate's sample)."""
     import pickle
     import sys
 
-    multiprocessing.current_process().name = "tokenizer-gate-race"
+    multiprocessing.current_process().name = name
     single_threaded()
     with contextlib.suppress(OSError):
         os.nice(19)
-    files, routes = pickle.loads(sys.stdin.buffer.read())  # from the process that started this one
-    library = LIBRARIES[files.library].variant(files)(files, REFERENCE)
-    sample = encoders.sample_texts()
-    runners = {}
-    for route in routes:
-        fast, _ = _build_fast(library, route)
-        if fast is not None:
-            texts = encoders.as_read(fast, sample)
-            _fast_flat(fast, texts, False)  # warm, as a worker is once it has encoded
-            runners[route] = (fast, texts)
-    passes: dict[str, list[float]] = {route: [] for route in runners}
-    order = list(runners)
-    for round_ in range(RACE_ROUNDS):
-        for route in order if round_ % 2 == 0 else reversed(order):
-            fast, texts = runners[route]
+    files, argument = pickle.loads(sys.stdin.buffer.read())  # from the process that started this one
+    return argument, LIBRARIES[files.library].variant(files)(files, REFERENCE), encoders.sample_texts()
 
-            def encode(texts: Sequence[str], fast: Any = fast) -> int:
-                return len(_fast_flat(fast, texts, False)[0])
 
-            passes[route].append(encoders.tokens_per_cpu_second(encode, texts, 1))
-    print(json.dumps({route: statistics.median(speeds) for route, speeds in passes.items()}), flush=True)
+def _race_main() -> None:
+    """The racing process (`_race_apart`): (files, routes) pickled on stdin, {route: M tokens per CPU-second}
+    on stdout."""
+    routes, library, sample = _started_apart("tokenizer-gate-race")
+    built = {route: fast for route in routes if (fast := _build_fast(library, route)[0]) is not None}
+    print(json.dumps(race(built, sample)), flush=True)
 
 
 def _run_apart(main: str, argument: Any) -> Any:
@@ -951,16 +959,7 @@ def _run_apart(main: str, argument: Any) -> Any:
 
 def _measure_main() -> None:
     """The measuring process (`_measure_apart`): (files, route) pickled on stdin, the measurements on stdout."""
-    import pickle
-    import sys
-
-    multiprocessing.current_process().name = "tokenizer-gate-measure"
-    single_threaded()
-    with contextlib.suppress(OSError):
-        os.nice(19)
-    files, route = pickle.loads(sys.stdin.buffer.read())  # from the process that started this one
-    library = LIBRARIES[files.library].variant(files)(files, REFERENCE)
-    sample = encoders.sample_texts()
+    route, library, sample = _started_apart("tokenizer-gate-measure")
     before, started = encoders.rss_mib(), time.perf_counter()
     fast, _ = _build_fast(library, route)
     seconds = time.perf_counter() - started

@@ -267,7 +267,8 @@ def find_model_files(name: str, path: Path, chat_template: Path | None = None) -
             f"{DIRECTORY_FILES[-1]}{hint}"
         )
     content = _read(name, given / inside if inside is not None else given)
-    main_sha256 = hashlib.sha256(content).hexdigest()  # taken once (10-20 ms for a 128k tokenizer.json)
+    digest = hashlib.sha256(content)  # taken once (10-20 ms for a 128k tokenizer.json): main_sha256, contents_sha256
+    main_sha256 = digest.hexdigest()
     library = sniff(content, main_sha256)
     if library is None:
         raise ModelLoadError(
@@ -291,7 +292,10 @@ def find_model_files(name: str, path: Path, chat_template: Path | None = None) -
     except ModelLoadError as exc:
         raise ModelLoadError(f"model {name!r}: {exc}") from None
     found = ModelFiles(library, path, tuple(files), tuple(contents), template)
-    found.__dict__["main_sha256"] = main_sha256  # the cached_property, already known
+    for more in contents[1:]:
+        digest.update(more)
+    # the cached_properties, already known (files_sha256: the files' bytes end to end)
+    found.__dict__.update(main_sha256=main_sha256, contents_sha256=digest.hexdigest())
     if library == TIKTOKEN:
         tiktoken_spec(found, name)  # refuse a file without its pattern now, in one line
     if library == TEKKEN:
@@ -351,6 +355,8 @@ def sniff(content: bytes, sha256: str | None = None) -> str | None:
 # -- a JSON model file's outline ---------------------------------------------------------------------------------
 
 OUTLINE = 1  # what a kept outline holds; a new one reads no older entry
+_OUTLINES: dict[str, dict[str, Any] | None] = {}  # this process's, by sha256: read or made once (sniff, load, build)
+OUTLINES_MOST = 64
 
 
 def json_outline(content: bytes, sha256: str | None = None) -> dict[str, Any] | None:
@@ -360,16 +366,24 @@ def json_outline(content: bytes, sha256: str | None = None) -> dict[str, Any] | 
     not found as it parsed). None: not JSON. Kept in the cache (tokenizer_service.core.cache) by the content's
     sha256: the first process to read the file parses it (orjson: 0.1-0.2 s for a 128k tokenizer.json, and 0.04 s
     to free the parse), later ones read the outline."""
-    key = {"outline": OUTLINE, "sha256": sha256 or hashlib.sha256(content).hexdigest()}
+    digest = sha256 or hashlib.sha256(content).hexdigest()
+    if digest in _OUTLINES:
+        return _OUTLINES[digest]
+    key = {"outline": OUTLINE, "sha256": digest}
     kept = cache.read(key)
+    outline: dict[str, Any] | None = None
     if kept is not None and isinstance(kept.get("outline"), dict):
-        return kept["outline"]
-    try:
-        document = parsed_json(content)
-    except ValueError:
-        return None
-    outline = _outline_of(document, content)
-    cache.write(key, {"key": key, "outline": outline})
+        outline = kept["outline"]
+    else:
+        try:
+            outline = _outline_of(parsed_json(content), content)
+        except ValueError:  # not JSON
+            outline = None
+        if outline is not None:
+            cache.write(key, {"key": key, "outline": outline})
+    if len(_OUTLINES) >= OUTLINES_MOST:
+        _OUTLINES.clear()
+    _OUTLINES[digest] = outline
     return outline
 
 
@@ -422,14 +436,29 @@ def _array_span(content: bytes, key: bytes, value: list[Any]) -> list[int] | Non
     return None
 
 
+def ordinary_added_tokens(added_tokens: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A tokenizer.json's added tokens without its special ones."""
+    return [added for added in added_tokens if not added.get("special")]
+
+
+def without_special_tokens(document: str | dict[str, Any]) -> str:
+    """A tokenizer.json (its text, or parsed) with its special added tokens left out (ordinary ones kept)."""
+    parsed = dict(parsed_json(document) if isinstance(document, str | bytes) else document)
+    parsed["added_tokens"] = ordinary_added_tokens(parsed.get("added_tokens") or [])
+    try:
+        return orjson.dumps(parsed).decode("utf-8")
+    except TypeError:  # a lone surrogate in a string (orjson writes UTF-8 only)
+        return json.dumps(parsed, ensure_ascii=False)
+
+
 def without_special_added_tokens(content: bytes, outline: dict[str, Any]) -> str | None:
-    """The tokenizer.json `content` with its special added tokens left out (ordinary ones kept), written by
-    splicing its added_tokens array (`json_outline`'s span), not by parsing and writing the whole file again; None
-    where the outline found no span."""
+    """`without_special_tokens` of the tokenizer.json `content`, written by splicing its added_tokens array
+    (`json_outline`'s span), not by parsing and writing the whole file again; None where the outline found no
+    span."""
     span = outline.get("span")
     if span is None:
         return None
-    kept = [added for added in outline["added_tokens"] if not added.get("special")]
+    kept = ordinary_added_tokens(outline["added_tokens"])
     return (content[: span[0]] + orjson.dumps(kept) + content[span[1] :]).decode("utf-8")
 
 
