@@ -26,7 +26,7 @@ from tokenizer_service.core import zygote
 from tokenizer_service.core.libraries import CACHE_DIR_ENV
 from tokenizer_service.core.models import ModelLoadError
 from tokenizer_service.core.registry import ModelRegistry
-from tokenizer_service.entry import USAGE_ERROR
+from tokenizer_service.entry import USAGE_ERROR, ArgumentParser
 from tokenizer_service.http.connections import uvicorn_options
 from tokenizer_service.settings import BUNDLED, MODEL_DIRECTORIES, MODEL_FILES, ConfigError, Settings, describe_error
 
@@ -54,7 +54,7 @@ def _add_argument(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -
 
 
 def _source(argv: list[str]) -> CliSettingsSource[Settings]:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog=PROG,
         description=(
             "Serve tokenization (SentencePiece, tokenizer.json, tiktoken, tekken.json) over HTTP on a pool of worker "

@@ -7,6 +7,7 @@ of ending in ``ModuleNotFoundError``. This module imports nothing beyond the sta
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import errno
 import importlib
@@ -29,6 +30,15 @@ _STDOUT_ERRORS = {
     errno.ENOSPC: "the device is full (No space left on device); free space there, or send stdout elsewhere",
     errno.EDQUOT: "the disk quota is used up (Disk quota exceeded); free space there, or send stdout elsewhere",
 }
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, refusing a command line in one line: what was wrong, and where the help is. (argparse's
+    own puts the whole usage first: 14 lines of tokenizer-pretokenize's flags above the line that matters.) Its
+    subcommands' parsers are of this class too (`add_subparsers` makes them of the parser's own)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 class _CommandStdout:

@@ -89,6 +89,29 @@ def test_a_bad_flag_is_one_line_not_a_traceback():
     )
 
 
+@pytest.mark.parametrize(
+    ("command", "says"),
+    [
+        (["tokenizer-server", "--bogus"], "tokenizer-server: error: unrecognized arguments: --bogus"),
+        (["tokenizer-pretokenize", "--bogus", "in.jsonl"], "tokenizer-pretokenize: error: unrecognized arguments"),
+        (["tokenizer-shards"], "tokenizer-shards: error: the following arguments are required: command"),
+        (["tokenizer-shards", "export", "DIR"], "tokenizer-shards export: error: the following arguments are"),
+        (["tokenizer-bench", "--rounds", "x"], "tokenizer-bench: error: argument --rounds: invalid int value"),
+    ],
+    ids=lambda item: " ".join(item) if isinstance(item, list) else "",
+)
+def test_a_command_line_argparse_refuses_is_one_line_naming_the_help(command, says):
+    """argparse's refusal, without the usage it prints first (14 lines for tokenizer-pretokenize): one line
+    saying what was wrong and where the help is, exit 2; a subcommand's names the subcommand."""
+    program = shutil.which(command[0]) or os.path.join(os.path.dirname(sys.executable), command[0])
+    result = subprocess.run([program, *command[1:]], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(says), result.stderr
+    prog = says.partition(": error:")[0]
+    assert lines[0].endswith(f"(see {prog} --help)"), lines[0]
+
+
 def test_help_reads_as_a_person_wrote_it():
     output = subprocess.run(["tokenizer-server", "--help"], capture_output=True, text=True, check=True).stdout
     for leak in ("null", "{Path", "{int", "{str", "default factory", "list[", "SecretStr", "PydanticUndefined"):

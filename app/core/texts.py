@@ -15,6 +15,7 @@ from typing import Any, overload
 
 import numpy as np
 
+
 class Utf8Texts(Sequence[str]):
     """Texts ``data[bounds[i]:bounds[i + 1]]``, each valid UTF-8 (checked by `all_valid` or made by `of`)."""
 

@@ -75,6 +75,7 @@ def _load_here(spec: str) -> None:
     """In the zygote, at its start: load every model as the server announces it; whatever fails is left to the
     workers, which load what the zygote does not hold. Its log lines are the announcing process's to say."""
     import pyarrow  # noqa: F401  # what each worker it forks imports to serve, once, here: texts.all_valid's
+
     import tokenizer_service.core.handler  # noqa: F401
     from tokenizer_service.core import libraries, process, registry
 

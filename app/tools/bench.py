@@ -40,6 +40,7 @@ from tokenizer_client.urls import parse_urls
 from tokenizer_service.core.models import find_model_files
 from tokenizer_service.core.reference import InProcess
 from tokenizer_service.core.registry import inspect_model
+from tokenizer_service.entry import ArgumentParser
 from tokenizer_service.settings import usable_cpus
 from tokenizer_service.tools.launcher import ServerNotReady, ServerProcess
 from tokenizer_service.tools.pretokenize.run import Options, run
@@ -177,7 +178,7 @@ def table(candidates: list[Method], seconds: dict[str, list[float]], tokens: dic
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="tokenizer-bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(

@@ -27,6 +27,7 @@ from tokenizer_client.storage import ENVIRONMENT, StorageError, configure, confi
 from tokenizer_service.core import process
 from tokenizer_service.core.environment import EnvironmentValueError, usable_cpus
 from tokenizer_service.core.models import ModelLoadError
+from tokenizer_service.entry import ArgumentParser
 from tokenizer_service.tools.pretokenize.backends import ServedModelChanged
 from tokenizer_service.tools.pretokenize.ranks import RankError, rank_from_environment
 from tokenizer_service.tools.pretokenize.run import (
@@ -72,7 +73,7 @@ Run the same command again after an interruption to resume; a finished output is
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="tokenizer-pretokenize",
         description="Tokenize a corpus once into memory-mapped shards, with the service's tokenizer and packing.",
         epilog=EPILOG,

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from tokenizer_client.dataset import TokenDataset
 from tokenizer_client.storage import ENVIRONMENT, StorageError, configure, filesystem, is_url
+from tokenizer_service.entry import ArgumentParser
 from tokenizer_service.tools.pretokenize.export import (
     DEFAULT_LLMC_SHARD_TOKENS,
     FORMATS,
@@ -66,7 +67,7 @@ holding other files, and never writes into the dataset it reads.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="tokenizer-shards",
         description="Look at, check and export a tokenizer-pretokenize output directory.",
         epilog=EXPORTS,
