@@ -163,6 +163,16 @@ def test_the_pre_tokenizer_starts_without_pydantic_or_tqdm():
     ) == set()
 
 
+def test_tokenizer_shards_starts_without_the_model_code_or_tqdm():
+    """info, merge and export read shards: no tokenizer library, no server, no tqdm at start (export -q, the
+    second command of every pre-tokenize-then-export run, never imports it)."""
+    reached = eager_reach(["tokenizer_service.tools.pretokenize.shards_cli"])
+    assert {"tokenizer_service.tools.pretokenize.export", "tokenizer_client.dataset", "numpy"} <= reached
+    assert {"tqdm", "pydantic", "tokenizers", "sentencepiece", "tiktoken", "tokenizer_service.core.libraries"} & (
+        reached
+    ) == set()
+
+
 def cycles(graph: dict[str, list[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module, or a module importing itself (Tarjan)."""
     index: dict[str, int] = {}

@@ -169,7 +169,7 @@ def test_export_says_which_files_are_hard_links(
     prefix = tmp_path / "m" / "corpus"
     assert shards(["export", str(tmp_path / "one"), "--to", "megatron", "--output", str(prefix)]) == 0
     out = capsys.readouterr().out
-    assert "1 of them are hard links to the shards" in out and "read-only" in out
+    assert "1 of them is a hard link to the shards" in out and "read-only" in out
     linked = prefix.with_name("corpus.bin")
     assert linked.stat().st_ino == (tmp_path / "one" / "00000.bin").stat().st_ino
     assert not linked.stat().st_mode & 0o222

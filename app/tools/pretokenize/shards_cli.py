@@ -14,6 +14,8 @@ any progress bar; 1 for an output that fails verification.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import os
 import random
 import shutil
@@ -23,7 +25,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from tqdm import tqdm
 
 from tokenizer_client.dataset import TokenDataset
 from tokenizer_client.storage import ENVIRONMENT, StorageError, configure, filesystem, is_url
@@ -44,6 +45,22 @@ from tokenizer_service.tools.pretokenize.ranks import RankError, merge
 # libraries) is imported where verify needs it, which keeps those commands' start-up at a fraction of a second
 if TYPE_CHECKING:
     from tokenizer_service.core.models import ModelInfo
+if importlib.util.find_spec("tqdm") is None:  # imported by export when it draws its bar; required from the start
+    raise ModuleNotFoundError("No module named 'tqdm'", name="tqdm")  # as the extra that installs it (entry.py)
+
+
+class _Silent(contextlib.nullcontext):
+    """export's progress bar under --quiet: tqdm's calls, doing nothing."""
+
+    def update(self, count: int = 1) -> None:
+        pass
+
+    def reset(self, total: int | None = None) -> None:
+        pass
+
+    def set_description(self, text: str) -> None:
+        pass
+
 
 EXPORTS = """\
 export formats (ragged outputs go to all four; packed concat outputs too, a row being a sequence;
@@ -567,9 +584,11 @@ def _main(args: argparse.Namespace, scratch: list[Path]) -> int:
     except ExportError as exc:
         print(f"tokenizer-shards: cannot export to {args.to}: {exc}", file=sys.stderr)
         return 2
-    bar = tqdm(
-        total=dataset.num_tokens, desc="export", unit="ids", unit_scale=True, disable=args.quiet, file=sys.stderr
-    )
+    bar: Any = _Silent()
+    if not args.quiet:
+        from tqdm import tqdm  # here: 40 ms of imports that --quiet, info, verify and merge never need
+
+        bar = tqdm(total=dataset.num_tokens, desc="export", unit="ids", unit_scale=True, file=sys.stderr)
 
     def stage(what: str, total: int) -> None:
         bar.reset(total=total)
@@ -636,8 +655,8 @@ def describe_export(dataset: TokenDataset, to: str, output: Path, done: Exported
         )
     if done.linked:
         lines.append(
-            f"{len(done.linked)} of them are hard links to the shards (the same bytes, no copy; read-only like the "
-            f"shards: copy a file before editing it)"
+            f"{len(done.linked)} of them {'is a hard link' if len(done.linked) == 1 else 'are hard links'} to the "
+            f"shards (the same bytes, no copy; read-only like the shards: copy a file before editing it)"
         )
     return "\n".join(lines)
 
