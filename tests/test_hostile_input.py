@@ -111,6 +111,25 @@ def test_an_integer_of_thousands_of_digits_is_422_naming_its_field(server, path,
     assert answer.json()["error"]["field"] == field
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "field", "says"),
+    [
+        ("/v1/tokenize", b'{"texts": ["a"], "max_length": ' + b"1" * 25 + b"}", "max_length", "less than or equal"),
+        ("/v1/pack", b'{"texts": ["a"], "seq_len": ' + b"7" * 300 + b"}", "seq_len", "less than or equal"),
+        ("/v1/pack", b'{"texts": ["a"], "seq_len": -' + b"7" * 21 + b"}", "seq_len", "greater than or equal"),
+        ("/v1/detokenize", b'{"ids": [[5, ' + b"9" * 40 + b"]]}", "ids", "less than or equal"),
+    ],
+    ids=["max_length", "seq_len", "negative-seq_len", "id"],
+)
+def test_an_integer_beyond_64_bits_is_refused_by_its_fields_bound(server, path, body, field, says):
+    """orjson reads an integer of 20 to 300 digits as a float, which the fields' strict integers refused as "not a
+    valid integer": the field's bound says what is wrong, as for any other integer too large for it."""
+    answer = post(server.url, path, body)
+    assert answer.status_code == 422, answer.text
+    error = answer.json()["error"]
+    assert error["field"] == field and says in error["message"] and "valid integer" not in error["message"], error
+
+
 @pytest.mark.parametrize("encoding", ["gzip", "br", "gzip, chunked", "deflate"])
 def test_a_compressed_body_is_415_and_identity_is_read_as_sent(server, encoding):
     """A probe's plain body with Content-Encoding: gzip was answered 200 as if plain, and a real gzip body got a

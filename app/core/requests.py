@@ -401,19 +401,47 @@ def validate(model: type[Body], document: Any) -> Body:
     """Validate a parsed document, turning the first pydantic error into a 422 naming field and index."""
     if not isinstance(document, dict):
         raise InvalidField(f"request body must be a JSON object, not {type(document).__name__}")
+    tries = 0
+    while True:
+        try:
+            return model.model_validate(document)
+        except ValidationError as exc:
+            error = exc.errors(include_url=False)[0]
+        tries += 1
+        if tries > _EXACT_AGAIN_MOST or not _exact_again(document, error):
+            break
+    field, index = _field_path(tuple(error["loc"]))
+    if error["type"] == "inputs":  # which of texts, conversations and records: the body as a whole
+        field = error["ctx"]["field"]
+    message = error["msg"]
+    if index is not None:
+        message = f"{field}[{index}]: {message}"
+    elif field:
+        message = f"{field}: {message}"
+    raise InvalidField(message, field=field or None, index=index)
+
+
+_EXACT_AGAIN_MOST = 4  # fields whose integer beyond 64 bits is put back, one after the other, for their bounds' message
+
+
+def _exact_again(document: Any, error: Any) -> bool:
+    """An integer beyond 64 bits, which orjson read as a float (seq_len 1e+23), refused as "a valid integer": put
+    back as an integer at its place, so that validating again says what the field's bound is, as it does for
+    any other integer too large for it. Whether it was one."""
+    value = error.get("input")
+    if error["type"] != "int_type" or not isinstance(value, float) or not value.is_integer() or abs(value) < _INEXACT:
+        return False
+    *path, last = error["loc"]
+    holder = document
     try:
-        return model.model_validate(document)
-    except ValidationError as exc:
-        error = exc.errors(include_url=False)[0]
-        field, index = _field_path(tuple(error["loc"]))
-        if error["type"] == "inputs":  # which of texts, conversations and records: the body as a whole
-            field = error["ctx"]["field"]
-        message = error["msg"]
-        if index is not None:
-            message = f"{field}[{index}]: {message}"
-        elif field:
-            message = f"{field}: {message}"
-        raise InvalidField(message, field=field or None, index=index) from None
+        for part in path:
+            holder = holder[part]
+        if holder[last] is not value:
+            return False
+        holder[last] = int(value)
+    except (KeyError, IndexError, TypeError):
+        return False
+    return True
 
 
 def find_lone_surrogate(document: Any) -> tuple[tuple[str | int, ...], int] | None:
