@@ -271,6 +271,53 @@ def test_a_bucket_in_and_out_equals_local_files(s3: object, documents: list[str]
     assert objects(s3, f"s3://{bucket}/megatron") == files_of(tmp_path / "megatron")
 
 
+@pytest.mark.slow  # a server of its own
+def test_an_export_to_a_url_never_writes_into_a_dataset_or_over_its_corpus(
+    s3: object,
+    documents: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A URL --output was never checked (a probe's): `--output s3://B/shards/00001.bin` overwrote the dataset's own
+    shard, an export to the input's object overwrote the corpus, all exit 0. Now the rules of a path hold in the
+    store, and refused credentials are one line before a shard is read."""
+    from tokenizer_service.tools.pretokenize.shards_cli import main as shards
+
+    files = write_corpus(tmp_path / "corpus", documents[:200])
+    bucket = new_bucket(s3)
+    upload(s3, tmp_path / "corpus", bucket, "corpus")
+    args = ["--local", "--model", MODEL, "--workers", "1", "--shard-tokens", "2000", "-q"]
+    dataset = f"s3://{bucket}/shards"
+    assert pretokenize(f"s3://{bucket}/corpus/", "--output", dataset, *args) == 0
+    assert pretokenize(*files, "--output", tmp_path / "local", *args) == 0
+    before, corpus = objects(s3, dataset), objects(s3, f"s3://{bucket}/corpus")
+    capsys.readouterr()
+    cases = [
+        (dataset, "nanogpt", f"{dataset}/00001.bin", "inside the dataset"),
+        (dataset, "megatron", f"{dataset}/00000", "inside the dataset"),
+        (dataset, "litdata", dataset, "inside the dataset"),
+        (dataset, "llmc", f"{dataset}/llmc", "inside the dataset"),
+        (str(tmp_path / "local"), "nanogpt", f"{dataset}/00002.bin", "lies inside the dataset"),
+        (str(tmp_path / "local"), "megatron", f"{dataset}/sub/corpus", "lies inside the dataset"),
+        (dataset, "nanogpt", f"s3://{bucket}/corpus/{files[0].name}", "would write over"),
+        (dataset, "litdata", f"s3://{bucket}/corpus", "would write over"),
+    ]
+    for given, to, output, says in cases:
+        assert shards(["export", given, "--to", to, "--output", output, "-q"]) == 2, (to, output)
+        error = capsys.readouterr().err
+        assert says in error and len(error.strip().splitlines()) == 1, error
+    assert objects(s3, dataset) == before and objects(s3, f"s3://{bucket}/corpus") == corpus
+    # refused credentials: one line, before the shards are read (no progress bar)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    assert shards(["export", str(tmp_path / "local"), "--to", "megatron", "--output", f"s3://{bucket}/out/m"]) == 1
+    error = capsys.readouterr().err
+    assert len(error.strip().splitlines()) == 1 and "checking shards" not in error, error
+
+
 @pytest.mark.slow  # runs killed and resumed against a server
 def test_a_run_killed_mid_upload_resumes_to_exactly_the_objects_of_an_uninterrupted_one(
     s3: object, s3_server: dict[str, str], documents: list[str], tmp_path: Path
@@ -916,7 +963,7 @@ def test_shards_info_verify_export_read_and_write_urls(
     assert shards(["info", str(local)]) == 0
     said_here = capsys.readouterr().out
     assert shards(["info", url, "--cache-dir", str(tmp_path / "cache")]) == 0
-    assert capsys.readouterr().out == said_here.replace(str(local), str(next((tmp_path / "cache").iterdir())))
+    assert capsys.readouterr().out == said_here.replace(str(local), url)  # named as given, not by its cache
     assert shards(["verify", url]) == 0
     assert "headers and sizes agree with metadata.json" in capsys.readouterr().out
     for to, where in (("megatron", "meg/web_text_document"), ("nanogpt", "nano/"), ("llmc", "llmc")):

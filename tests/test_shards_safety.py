@@ -114,6 +114,67 @@ def test_an_export_onto_its_own_shards_is_refused_before_anything_is_touched(dat
     assert tokenizer_shards("verify", moved).returncode == 0
 
 
+@pytest.mark.parametrize("dataset", ["one", "three"], indirect=True)
+def test_a_file_url_is_held_to_the_rules_of_its_path(dataset: Path, tmp_path: Path) -> None:
+    """An --output given as a file:// URL (staged, then stored through fsspec) was never checked: it overwrote the
+    dataset's own shards, or the corpus the dataset was made from, and said nothing. A file:// dataset (read through
+    a cache) with a path --output inside it was checked against the cache's folder."""
+    before = snapshot(dataset)
+    url = f"file://{dataset}"
+    cases = [
+        (dataset, "megatron", f"file://{dataset}/00000", "inside the dataset"),
+        (dataset, "nanogpt", f"file://{dataset}/00000.bin", "inside the dataset"),
+        (dataset, "litdata", f"file://{dataset}", "inside the dataset"),
+        (url, "nanogpt", str(dataset / "x.bin"), "inside the dataset"),
+        (url, "megatron", f"file://{dataset}/sub/corpus", "inside the dataset"),
+    ]
+    for given, to, output, says in cases:
+        one_line(tokenizer_shards("export", given, "--to", to, "--output", output), 2, says)
+        assert snapshot(dataset) == before, (given, to, output)
+
+
+def _corpus_of(dataset: Path) -> Path:
+    return Path(TokenDataset(dataset).metadata["sources"][0]["path"])
+
+
+def test_an_export_never_writes_over_the_corpus_it_was_made_from_by_url(documents: list[str], tmp_path: Path) -> None:
+    dataset = build(tmp_path / "ds", documents[:50])
+    source = _corpus_of(dataset)
+    before = source.read_bytes()
+    for given in (dataset, f"file://{dataset}"):
+        for output in (f"file://{source}", str(source)):
+            result = tokenizer_shards("export", given, "--to", "nanogpt", "--output", output)
+            one_line(result, 2, "would write over", str(source))
+    assert source.read_bytes() == before
+
+
+def test_a_validation_place_of_other_files_is_refused_without_val_documents(made: dict[str, Path], tmp_path: Path):
+    """An export removes an earlier export's validation files at OUT_val: a directory there that holds anything
+    else is refused, as with --val-documents (it was emptied of its export and left with the foreign file)."""
+    other = tmp_path / "web_val"
+    assert shards(["export", str(made["three"]), "--to", "litdata", "--output", str(other), "-q"]) == 0
+    (other / "notes.txt").write_text("keep")
+    before = snapshot(other)
+    result = tokenizer_shards("export", made["one"], "--to", "litdata", "--output", tmp_path / "web")
+    one_line(result, 2, "notes.txt", "not written by an export")
+    assert snapshot(other) == before and not (tmp_path / "web").exists()
+
+
+@pytest.mark.parametrize(
+    ("to", "extra", "says"),
+    [
+        ("nanogpt", ["--per-shard"], "--per-shard is megatron's"),
+        ("litdata", ["--per-shard"], "--per-shard is megatron's"),
+        ("megatron", ["--shard-tokens", "7"], "--shard-tokens is llmc's"),
+        ("nanogpt", ["--shard-tokens", "7"], "--shard-tokens is llmc's"),
+    ],
+)
+def test_an_option_of_another_format_is_refused(made: dict[str, Path], tmp_path: Path, to, extra, says) -> None:
+    result = tokenizer_shards("export", made["one"], "--to", to, "--output", tmp_path / "out", *extra)
+    one_line(result, 2, says)
+    assert not list(tmp_path.iterdir())
+
+
 # -- 3. a re-export replaces the earlier one ----------------------------------------------------------------------
 
 

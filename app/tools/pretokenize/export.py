@@ -87,7 +87,8 @@ from typing import Any
 import numpy as np
 
 from tokenizer_client.dataset import BIN_SUFFIX, FORMAT_NAME, METADATA_FILE, SHARD_SUFFIXES, TokenDataset, is_masked
-from tokenizer_client.storage import is_url
+from tokenizer_client.storage import StorageError, check_reachable, filesystem, is_url, protocol_of
+from tokenizer_client.storage import describe as describe_storage
 
 FORMATS = ("megatron", "litdata", "nanogpt", "llmc")
 
@@ -240,19 +241,37 @@ def _touches(to: str, output: Path, file: Path) -> bool:
     return file.parent in {place.resolve() for place, _ in places(to, output)} and _ours(pattern, file.name)
 
 
-def check_destination(dataset: TokenDataset, to: str, output: Path, val_documents: int = 0) -> None:
+def local_home(source: str) -> Path | None:
+    """Where the dataset given as `source` lies on this machine: a path's place, or a ``file://`` URL's (read
+    through a cache, whose folder is not the dataset); None for a URL of another store."""
+    if not is_url(source):
+        return Path(source).resolve()
+    if protocol_of(source) == "file":
+        return Path(filesystem(source)[1]).resolve()
+    return None
+
+
+def check_destination(
+    dataset: TokenDataset, to: str, output: Path, val_documents: int = 0, home: Path | None = None
+) -> None:
     """ExportError, before anything is read or written, unless the export may write at `output`: no place it writes
-    is, or lies inside, the dataset (paths resolved, symlinks followed), nor is any file it writes or removes one of
-    the dataset's (a shard linked from elsewhere); a directory it owns (litdata, llmc) holds nothing but an earlier
-    export's files; and the places can be made and written."""
-    home = dataset.path.resolve()
-    written = places(to, output)[: 1 if to == "llmc" or not val_documents else 2]
+    is, or lies inside, the dataset (`home`, else its path; paths resolved, symlinks followed), nor is any file it
+    writes or removes one of the dataset's (a shard linked from elsewhere), nor an input it was made from; a directory
+    it owns (litdata, llmc) holds nothing but an earlier export's files; and the places can be made and written."""
+    shown = home or dataset.path  # the dataset as the user knows it (a file:// URL's place, not its cache)
+    home = shown.resolve()
+    # the validation place counts where it is written, or where an earlier export's files there would be removed
+    written = [
+        (place, owned)
+        for index, (place, owned) in enumerate(places(to, output)[: 1 if to == "llmc" else 2])
+        if index == 0 or val_documents or _occupied(to, place)
+    ]
     for place, _ in written:
         resolved = place.resolve()
         if resolved == home or resolved.is_relative_to(home):
             what = f"--output {output}" if place == output else f"the validation set's place {place}"
             raise ExportError(
-                f"{what} is inside the dataset {dataset.path} ({resolved}): an export never writes into the dataset "
+                f"{what} is inside the dataset {shown} ({resolved}): an export never writes into the dataset "
                 "it reads; give a path outside it"
             )
     for place, owned in written:
@@ -264,13 +283,14 @@ def check_destination(dataset: TokenDataset, to: str, output: Path, val_document
             )
     for source in dataset.metadata.get("sources") or []:
         path = source.get("path") if isinstance(source, dict) else None
-        if not isinstance(path, str) or is_url(path) or not path:
+        if not isinstance(path, str) or not path or local_home(path) is None:
             continue
-        file = Path(path).resolve()
+        file = local_home(path)
+        assert file is not None
         inside = any(owned and file.is_relative_to(place.resolve()) for place, owned in written)
         if inside or _touches(to, output, file):
             raise ExportError(
-                f"--output {output} would write over {path}, an input the dataset {dataset.path} was made from; "
+                f"--output {output} would write over {path}, an input the dataset {shown} was made from; "
                 "give another path"
             )
     if to == "nanogpt":
@@ -299,13 +319,20 @@ def check_destination(dataset: TokenDataset, to: str, output: Path, val_document
             raise ExportError(f"cannot write {place}: no permission to write in {existing}")
     for shard in dataset.metadata["shards"]:
         for suffix in SHARD_SUFFIXES:
-            file = (dataset.path / f"{shard['name']}{suffix}").resolve()
+            file = (home / f"{shard['name']}{suffix}").resolve()
             if _touches(to, output, file):
                 raise ExportError(
                     f"--output {output} would write over {file}, shard {shard['name']}{suffix} of the dataset "
-                    f"{dataset.path} (linked from there): an export never writes into the dataset it reads; "
+                    f"{shown} (linked from there): an export never writes into the dataset it reads; "
                     "give another path"
                 )
+
+
+def _occupied(to: str, place: Path) -> bool:
+    """Whether anything is at an export's place: a directory or file there, or a megatron prefix's .bin/.idx."""
+    if place.exists() or place.is_symlink():
+        return True
+    return to == "megatron" and any(place.with_name(place.name + suffix).exists() for suffix in (".bin", ".idx"))
 
 
 def dataset_around(directory: Path) -> Path | None:
@@ -319,6 +346,114 @@ def dataset_around(directory: Path) -> Path | None:
         if isinstance(found, dict) and found.get("format") == FORMAT_NAME:
             return place
     return None
+
+
+def url_base(root: str) -> str:
+    """The store path an export to a URL whose path is `root` writes under: the URL's parent (its files are staged
+    locally, then uploaded there)."""
+    return root.rstrip("/").rsplit("/", 1)[0] if "/" in root.rstrip("/") else root
+
+
+def _inside(path: str, home: str) -> bool:
+    home = home.rstrip("/")
+    return path.rstrip("/") == home or path.startswith(home + "/")
+
+
+def check_url_destination(
+    dataset: TokenDataset, source: str, to: str, url: str, staging: Path, output: Path, val_documents: int
+) -> None:
+    """ExportError (StorageError for the store's refusals), before a shard is read, unless an export staged at
+    `output` under `staging` may be uploaded under `url`: the rules `check_destination` holds a path to, in the store.
+    Its bucket exists and the credentials are accepted; no place it writes is, or lies inside, the dataset it reads
+    (`source`, when a URL) or another dataset (a ``metadata.json`` of the format above it); none writes over an input
+    the dataset was made from; a directory it owns (litdata, llmc) holds nothing but an earlier export's files, and a
+    nanogpt file there is an earlier export's ``.bin``. A validation place counts where it is written or already
+    holds something (an export removes an earlier one's files there)."""
+    check_reachable(url)
+    fs, root = filesystem(url)
+    protocol, base = protocol_of(url), url_base(root)
+    try:
+        written: list[tuple[str, bool]] = []
+        for index, (place, owned) in enumerate(places(to, output)[: 1 if to == "llmc" else 2]):
+            target = f"{base}/{place.relative_to(staging).as_posix()}"
+            if index == 0 or val_documents or fs.exists(target) or fs.exists(target + BIN_SUFFIX):
+                written.append((os.path.realpath(target) if protocol == "file" else target, owned))
+        local = protocol == "file"  # a file:// URL: paths compared as check_destination compares them, resolved
+        found = local_home(source) if local else None
+        home = str(found) if found is not None else None
+        if not local and is_url(source) and protocol_of(source) == protocol:
+            home = filesystem(source)[1].rstrip("/")
+        for target, owned in written:
+            shown = fs.unstrip_protocol(target)
+            if home is not None and _inside(target, home):
+                raise ExportError(
+                    f"{shown} is inside the dataset {source}: an export never writes into the dataset it reads; "
+                    "give a URL outside it"
+                )
+            parts = (target if owned else target.rsplit("/", 1)[0]).split("/")
+            for depth in range(len(parts), 0, -1):
+                around = "/".join(parts[:depth])
+                if fs.exists(f"{around}/{METADATA_FILE}") and _is_dataset(fs, f"{around}/{METADATA_FILE}"):
+                    raise ExportError(
+                        f"{shown} lies inside the dataset {fs.unstrip_protocol(around)} (its {METADATA_FILE}): an "
+                        "export never writes into a dataset; give a URL outside it"
+                    )
+        for source_file in dataset.metadata.get("sources") or []:
+            path = source_file.get("path") if isinstance(source_file, dict) else None
+            if not isinstance(path, str) or not path:
+                continue
+            if local:
+                if (input_home := local_home(path)) is None:
+                    continue
+                file = str(input_home)
+            elif is_url(path) and protocol_of(path) == protocol:
+                file = filesystem(path)[1]
+            else:
+                continue
+            if any(_touches_url(to, target, owned, file) for target, owned in written):
+                raise ExportError(
+                    f"--output {url} would write over {path}, an input the dataset was made from; give another URL"
+                )
+        for target, owned in written:
+            if owned and fs.isdir(target):
+                pattern = _LITDATA_FILE if to == "litdata" else _LLMC_FILE
+                names = sorted(entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(target, detail=False))
+                others = [name for name in names if not _ours(pattern, name) or fs.isdir(f"{target}/{name}")]
+                if others:
+                    listed = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+                    raise ExportError(
+                        f"{fs.unstrip_protocol(target)} holds objects not written by an export to {to}: {listed}; "
+                        "give an empty or new prefix (an export replaces an earlier export's own files there, and "
+                        "nothing else)"
+                    )
+            if to == "nanogpt" and (fs.isdir(target) or (fs.exists(target) and not target.endswith(BIN_SUFFIX))):
+                raise ExportError(
+                    f"{fs.unstrip_protocol(target)} exists and is no {BIN_SUFFIX} file: an export to nanogpt replaces "
+                    f"only an earlier export's {BIN_SUFFIX} files; give a new URL (nanoGPT reads train.bin)"
+                )
+    except (ExportError, StorageError):
+        raise
+    except Exception as exc:
+        raise StorageError(describe_storage(exc, url)) from None
+
+
+def _is_dataset(fs: Any, metadata: str) -> bool:
+    try:
+        found = json.loads(fs.cat_file(metadata))
+    except (OSError, ValueError):
+        return False
+    return isinstance(found, dict) and found.get("format") == FORMAT_NAME
+
+
+def _touches_url(to: str, target: str, owned: bool, file: str) -> bool:
+    """Whether an export writing `target` (a store path: a file, a megatron prefix, or an owned directory) may
+    write or remove the object `file`."""
+    if owned:
+        return _inside(file, target)
+    if to == "megatron":
+        directory, _, prefix = target.rpartition("/")
+        return file.rpartition("/")[0] == directory and _ours(_megatron_files(Path(prefix)), file.rpartition("/")[2])
+    return file == target
 
 
 def remove_earlier(dataset: TokenDataset, to: str, output: Path) -> list[Path]:

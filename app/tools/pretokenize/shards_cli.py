@@ -37,7 +37,10 @@ from tokenizer_service.tools.pretokenize.export import (
     ExportError,
     check_destination,
     check_exportable,
+    check_url_destination,
     export,
+    local_home,
+    url_base,
 )
 from tokenizer_service.tools.pretokenize.ranks import RankError, merge
 
@@ -158,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     exporter.add_argument(
         "--shard-tokens",
         type=int,
-        default=DEFAULT_LLMC_SHARD_TOKENS,
+        default=None,
         help=f"llmc: ids a shard file (default {DEFAULT_LLMC_SHARD_TOKENS:,})",
     )
     exporter.add_argument(
@@ -268,7 +271,8 @@ def trainable_lines(dataset: TokenDataset) -> list[str]:
     ]
 
 
-def describe(dataset: TokenDataset) -> str:
+def describe(dataset: TokenDataset, name: str | None = None) -> str:
+    """`info`'s lines; `name`: the dataset as given (a URL's, not the cache's temporary folder)."""
     meta = dataset.metadata
     model = meta["model"]
     layout = (
@@ -287,7 +291,7 @@ def describe(dataset: TokenDataset) -> str:
     options = ", ".join(f"{key}={value}" for key, value in meta["options"].items())
     state = "complete" if meta["complete"] else "INCOMPLETE (run tokenizer-pretokenize again to finish)"
     lines = [
-        f"{dataset.path}: {state}",
+        f"{name or dataset.path}: {state}",
         f"  {meta['documents']:,} documents, {meta['tokens']:,} tokens tokenized, {stored}, {layout}",
         f"  {dataset.num_shards} shards, dtype {meta['dtype']}, {meta['bad_records']:,} bad records skipped",
         f"  model {model['name']} ({model.get('library', 'sentencepiece')} {model.get('type', '')}, encoded by "
@@ -504,7 +508,7 @@ def upload_export(staging: Path, url: str) -> int:
     from tokenizer_service.tools.pretokenize.remote import abort_uploads, upload_file
 
     fs, root = filesystem(url)
-    base = root.rstrip("/").rsplit("/", 1)[0] if "/" in root.rstrip("/") else root
+    base = url_base(root)
     files = sorted(path for path in staging.rglob("*") if path.is_file())
     targets = {f"{base}/{path.relative_to(staging).as_posix()}": path for path in files}
     try:  # the parts an export of the same files killed mid-upload left (billed until aborted)
@@ -538,7 +542,7 @@ def _main(args: argparse.Namespace, scratch: list[Path]) -> int:
         print(f"tokenizer-shards: {exc}", file=sys.stderr)
         return 2
     if args.command == "info":
-        print(describe(dataset))
+        print(describe(dataset, args.directory if is_url(args.directory) else None))
         return 0
     if args.command == "verify":
         from tokenizer_service.core.models import ModelLoadError
@@ -565,6 +569,17 @@ def _main(args: argparse.Namespace, scratch: list[Path]) -> int:
     if args.val_documents < 0:
         print("tokenizer-shards: --val-documents must be 0 or more", file=sys.stderr)
         return 2
+    if args.per_shard and args.to != "megatron":
+        print(
+            f"tokenizer-shards: --per-shard is megatron's (one .bin/.idx pair a shard), not {args.to}'s",
+            file=sys.stderr,
+        )
+        return 2
+    if args.shard_tokens is not None and args.to != "llmc":
+        print(f"tokenizer-shards: --shard-tokens is llmc's (ids a shard file), not {args.to}'s", file=sys.stderr)
+        return 2
+    if args.shard_tokens is None:
+        args.shard_tokens = DEFAULT_LLMC_SHARD_TOKENS
     if args.shard_tokens < 1:
         print(f"tokenizer-shards: --shard-tokens must be at least 1, got {args.shard_tokens}", file=sys.stderr)
         return 2
@@ -577,10 +592,11 @@ def _main(args: argparse.Namespace, scratch: list[Path]) -> int:
         if url is not None and staging is not None:  # written here, then uploaded under the URL's parent
             name = url.rstrip("/").rsplit("/", 1)[-1] + ("/" if url.endswith("/") else "")
             output = export_output(args.to, str(staging / name) + ("/" if name.endswith("/") else ""))
+            check_url_destination(dataset, args.directory, args.to, url, staging, output, args.val_documents)
         else:
             output = export_output(args.to, args.output)
         check_exportable(dataset.metadata, args.to, args.val_documents, args.drop_mask)
-        check_destination(dataset, args.to, output, args.val_documents)
+        check_destination(dataset, args.to, output, args.val_documents, home=local_home(args.directory))
     except ExportError as exc:
         print(f"tokenizer-shards: cannot export to {args.to}: {exc}", file=sys.stderr)
         return 2
