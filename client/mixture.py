@@ -1081,12 +1081,17 @@ def _torch_class() -> type:
         turn, so any k hands them out in the order k = 0 does. ``state_dict``/``load_state_dict`` follow
         torchdata's Stateful protocol: in a worker the state says which of its batches the loader has consumed,
         and ``StatefulDataLoader`` (same number of workers) resumes each worker and the turn. The state of a
-        batch (``batch.state``) resumes any loader.
+        batch (``batch.state``) resumes any loader. Every iteration (every loop over a DataLoader) starts at the
+        state given, or the start, whatever k: a copy in a worker never tells the dataset where it got to.
         """
 
         def __iter__(self) -> Any:
             info = get_worker_info()
             worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+            # Every iteration starts at the state given (or the start): a worker's copy never tells the
+            # DataLoader's dataset where it got to, so a second loop with k workers starts there again, and so
+            # does one with none (it went on from where the first stopped).
+            self._next = self._start
             ahead: deque[MixtureBatch] = deque()  # this worker's batches read and not yet handed out
             handed = None  # the batch after the last one handed out
             while True:
@@ -1115,7 +1120,7 @@ def _torch_class() -> type:
             first = (state or {}).get("first", rows)
             if isinstance(first, bool) or not isinstance(first, int) or first % self.global_batch_size:
                 raise ValueError(f"state first {first!r} is not a whole number of global batches")
-            self._next = rows // self.global_batch_size
+            self._next = self._start = rows // self.global_batch_size  # the start of every iteration from here
             self._first: int = first // self.global_batch_size  # the batch its workers started at
 
     TorchMixture.__module__ = __name__

@@ -557,6 +557,21 @@ def test_dataloader_workers_give_the_batches_of_no_workers(mix: Mixture) -> None
         assert got[0].input_ids.dtype == torch.int32 and got[-1].state == reference[-1].state
 
 
+def test_every_loop_over_a_dataloader_starts_at_the_state_whatever_its_workers(mix: Mixture) -> None:
+    """A probe's: with no workers a second loop went on from where the first stopped (the dataset kept its
+    position), with 2 it started again (workers advance copies). Both start again now, at the state given."""
+    pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    state = mix.state_dict(2 * 4, 4)
+    for workers in (0, 2):
+        loader = DataLoader(mix.torch(batch_size=4, state=state), batch_size=None, num_workers=workers)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            loops = [[b.index for b in batches(loader, 3)] for _ in range(2)]
+        assert loops == [[2, 3, 4], [2, 3, 4]], (workers, loops)
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_stateful_dataloader_resumes_where_it_stopped(mix: Mixture, workers: int) -> None:
     pytest.importorskip("torch")
