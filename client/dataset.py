@@ -753,11 +753,11 @@ class TokenDataset:
         """(shard, position in shard) of document or row `index`; negative counts from the end."""
         bounds = self._count_bounds
         total = bounds[-1]
-        index = operator.index(index)
+        given = index = operator.index(index)
         if index < 0:
             index += total
         if not 0 <= index < total:
-            raise IndexError(f"index {index} out of range for {total} items")
+            raise IndexError(f"index {given} out of range for {total} items")
         shard = bisect.bisect_right(bounds, index) - 1
         return shard, index - bounds[shard]
 
@@ -873,7 +873,7 @@ def _torch_dataset_class() -> type:
             if dataset.layout == "packed" and seq_len not in (None, dataset.seq_len):
                 raise ValueError(f"packed rows are {dataset.seq_len} long; got seq_len={seq_len}")
             self.seq_len = seq_len
-            self._sequences = dataset.sequences(seq_len) if seq_len and dataset.layout == "ragged" else None
+            self._sequences = dataset.sequences(seq_len) if seq_len is not None and dataset.layout == "ragged" else None
 
         def __len__(self) -> int:
             return len(self._sequences) if self._sequences is not None else len(self.dataset)

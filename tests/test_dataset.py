@@ -145,6 +145,20 @@ def test_torch_datasets_and_a_dataloader(ragged_dir: Path, packed_dir: Path, exp
     assert pickle.loads(pickle.dumps(rows))[1]["input_ids"].tolist() == rows[1]["input_ids"].tolist()
 
 
+def test_a_sequence_length_of_zero_and_an_index_out_of_range_say_what_was_given(
+    ragged_dir: Path, packed_dir: Path
+) -> None:
+    """`torch(seq_len=0)` gave whole documents (0 read as "no seq_len"); `dataset[-N - 1]` named index -1."""
+    pytest.importorskip("torch")
+    dataset = TokenDataset(ragged_dir)
+    for directory in (ragged_dir, packed_dir):
+        with pytest.raises(ValueError, match="seq_len"):
+            TokenDataset(directory).torch(seq_len=0)
+    beyond = -len(dataset) - 3
+    with pytest.raises(IndexError, match=rf"index {beyond} out of range for {len(dataset)} items"):
+        dataset[beyond]
+
+
 @pytest.mark.parametrize("strategy", ["concat", "best_fit"])
 def test_write_dataset_reads_back_what_it_was_given(ragged_dir: Path, tmp_path: Path, strategy: str) -> None:
     real = TokenDataset(ragged_dir)
