@@ -157,6 +157,12 @@ def test_merge_refuses_missing_and_disagreeing_ranks(inputs: Path, tmp_path: Pat
     assert "disagree on the world size" in capsys.readouterr().err
     again = run_rank(inputs, ranked, {}, "--rank", "0", "--world-size", "2")  # into rank 0's output of W=3
     assert again.returncode == 2 and "ranks of another world size never mix" in again.stderr
+    # a rank made with another option: the refusal names it
+    options = tmp_path / "options"
+    assert run_rank(inputs, options, {}, "--rank", "0", "--world-size", "2").returncode == 0
+    assert run_rank(inputs, options, {}, "--rank", "1", "--world-size", "2", "--no-add-eos").returncode == 0
+    assert shards(["merge", str(options)]) == 2
+    assert "(option add_eos: rank-00000 has True, rank-00001 False)" in capsys.readouterr().err
 
 
 def test_ray_local_runs_every_rank_and_merges_to_one_run(inputs: Path, tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ from tokenizer_client.dataset import (
     shard_file_sizes,
 )
 from tokenizer_client.storage import StorageError, check_reachable, describe, filesystem, is_url
-from tokenizer_service.tools.pretokenize.store import TMP_SUFFIX, identity
+from tokenizer_service.tools.pretokenize.store import TMP_SUFFIX, differences, identity
 
 RANK_DIRECTORY = "rank-{:05d}"
 RANK_NAME = re.compile(r"rank-([0-9]{5})")
@@ -358,7 +358,12 @@ def combine(found: Mapping[str, dict[str, Any] | str]) -> tuple[dict[str, Any], 
 
     for rank, meta in enumerate(ordered[1:], start=1):
         if agreed(meta) != agreed(first):
-            raise RankError(f"cannot merge: {RANK_DIRECTORY.format(rank)} was made with other inputs, model or options")
+            name, names = RANK_DIRECTORY.format(rank), RANK_DIRECTORY.format(0)
+            found = [line for line in differences(first, meta, f"{names} has", name) if not line.startswith("inputs:")]
+            raise RankError(
+                f"cannot merge: {name} was made with other inputs, model or options ({'; '.join(found)}): run it "
+                "again as the others were"
+            )
     merged = {
         "format": FORMAT_NAME,
         "version": first["version"],  # 2 with loss masks (the ranks agree: the options say so)

@@ -167,8 +167,11 @@ def identity(metadata: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-def differences(existing: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
-    """Human-readable list of what differs between an existing output and this run."""
+def differences(
+    existing: dict[str, Any], wanted: dict[str, Any], theirs: str = "output has", ours: str = "this run"
+) -> list[str]:
+    """Human-readable list of what differs between an existing output and this run (or two ranks: `theirs`, `ours`
+    say which is which)."""
     try:
         old = identity(existing)
     except (KeyError, TypeError) as exc:
@@ -180,7 +183,7 @@ def differences(existing: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
             for option in {**old["options"], **new["options"]}:  # an option is only written when set
                 before, now = old["options"].get(option), new["options"].get(option)
                 if before != now:
-                    lines.append(f"option {option}: output has {before!r}, this run {now!r}")
+                    lines.append(f"option {option}: {theirs} {before!r}, {ours} {now!r}")
         elif old[key] != new[key]:
-            lines.append(f"{key}: output has {old[key]!r}, this run {new[key]!r}")
+            lines.append(f"{key}: {theirs} {old[key]!r}, {ours} {new[key]!r}")
     return lines
