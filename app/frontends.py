@@ -26,14 +26,13 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 from typing import Any
 
 import uvicorn
 from prometheus_client import multiprocess
 
-from tokenizer_service.core import zygote
+from tokenizer_service.core import scratch, zygote
 from tokenizer_service.core.process import exit_with_parent
 from tokenizer_service.metrics import MULTIPROCESS_DIR_ENV
 from tokenizer_service.settings import Settings
@@ -62,32 +61,9 @@ METRICS_DIR_PREFIX = "tokenizer-metrics-"  # then the supervisor's pid, then mkd
 
 
 def remove_stale_metrics_dirs(directory: str | None = None) -> list[str]:
-    """Remove the metrics directories of supervisors that are gone (killed outright, they leave theirs behind).
-
-    Only this user's `tokenizer-metrics-PID-*` directories whose PID no longer runs; one of a live
-    supervisor, of another user, or of a name without a pid is left alone. The paths removed."""
-    directory = directory or tempfile.gettempdir()
-    removed = []
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return removed
-    for entry in entries:
-        owner, _, rest = entry.name.removeprefix(METRICS_DIR_PREFIX).partition("-")
-        if not entry.name.startswith(METRICS_DIR_PREFIX) or not owner.isdigit() or not rest:
-            continue
-        try:
-            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.getuid():
-                continue
-            os.kill(int(owner), 0)
-        except ProcessLookupError:  # its supervisor is gone
-            shutil.rmtree(entry.path, ignore_errors=True)
-            removed.append(entry.path)
-        except OSError:  # alive (another user's: EPERM), or unreadable: not ours to remove
-            continue
-    if removed:
-        logger.info("removed %d metrics directories of supervisors that are gone: %s", len(removed), removed)
-    return removed
+    """Remove the metrics directories of supervisors that are gone (killed outright, they leave theirs behind):
+    `scratch.remove_stale`'s rule. The paths removed."""
+    return scratch.remove_stale(METRICS_DIR_PREFIX, directory)
 
 
 def _drain() -> None:
@@ -132,7 +108,7 @@ def supervise(settings: Settings) -> int:
     own_dir = None
     if not os.environ.get(MULTIPROCESS_DIR_ENV):
         remove_stale_metrics_dirs()
-        own_dir = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-")
+        own_dir = str(scratch.make(METRICS_DIR_PREFIX))
         os.environ[MULTIPROCESS_DIR_ENV] = own_dir
     context = multiprocessing.get_context("spawn")
     dump = settings.model_dump(mode="json")

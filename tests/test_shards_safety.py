@@ -175,6 +175,31 @@ def test_an_option_of_another_format_is_refused(made: dict[str, Path], tmp_path:
     assert not list(tmp_path.iterdir())
 
 
+def test_what_a_killed_command_left_in_the_temporary_directory_goes_at_the_next_start(
+    made: dict[str, Path], tmp_path: Path
+) -> None:
+    """A URL's cache and an export's staging were left in /tmp by every kill -9 (megabytes each), and a rerun made
+    new ones: the next command removes those of processes that are gone, and leaves a live one's."""
+    import os
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    stale = [temporary / f"tokenizer-shards-{what}-{dead}-abc" for what in ("cache", "export")]
+    live = temporary / f"tokenizer-shards-cache-{os.getpid()}-abc"
+    for directory in (*stale, live):
+        directory.mkdir()
+        (directory / "left.bin").write_bytes(b"x" * 1000)
+    url = f"file://{made['one']}"
+    command = [COMMAND, "export", url, "--to", "nanogpt", "--output", f"file://{tmp_path}/out.bin", "-q"]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(temporary)}
+    )
+    assert result.returncode == 0, result.stderr
+    assert sorted(path.name for path in temporary.iterdir()) == [live.name]
+
+
 # -- 3. a re-export replaces the earlier one ----------------------------------------------------------------------
 
 

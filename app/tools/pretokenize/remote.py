@@ -24,13 +24,13 @@ import json
 import math
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tokenizer_client.dataset import METADATA_FILE, check_metadata, shard_index
 from tokenizer_client.storage import StorageError, check_reachable, describe, filesystem, is_url, protocol_of
+from tokenizer_service.core import scratch
 from tokenizer_service.tools.pretokenize.store import TMP_SUFFIX, OutputDir, OutputError, _ours
 
 MAX_PARTS = 10_000  # S3's limit on the parts of one multipart upload
@@ -96,6 +96,9 @@ def upload_file(fs: Any, local: Path, key: str, url: str, where: str) -> None:
         raise
 
 
+STAGING_PREFIX = "tokenizer-pretokenize-staging-"  # then the pid and a random part (core.scratch)
+
+
 class StagedOutput(OutputDir):
     """`OutputDir` for a URL: `path` is the local staging directory shards are written in, `url` where they go."""
 
@@ -105,7 +108,8 @@ class StagedOutput(OutputDir):
         self.root = self.root.rstrip("/")
         self._base = Path(staging).expanduser() if staging is not None else None
         if self._base is None:
-            self._base = Path(tempfile.mkdtemp(prefix="tokenizer-pretokenize-staging-"))
+            scratch.remove_stale(STAGING_PREFIX)  # what runs killed outright left behind
+            self._base = scratch.make(STAGING_PREFIX)
             self._own_base = True
         else:
             self._own_base = not self._base.exists()

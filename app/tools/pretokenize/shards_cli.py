@@ -28,6 +28,7 @@ import numpy as np
 
 from tokenizer_client.dataset import TokenDataset
 from tokenizer_client.storage import ENVIRONMENT, StorageError, configure, filesystem, is_url
+from tokenizer_service.core import scratch as scratch_dirs
 from tokenizer_service.entry import ArgumentParser
 from tokenizer_service.tools.pretokenize.export import (
     DEFAULT_LLMC_SHARD_TOKENS,
@@ -317,7 +318,6 @@ def recorded_template(dataset: TokenDataset) -> Path | None:
     template = (dataset.metadata.get("loss_mask") or {}).get("chat_template")
     if not template or template.get("source") != "flag" or template.get("text") is None:
         return None
-    import tempfile
 
     with tempfile.NamedTemporaryFile("wb", suffix=".jinja", prefix="chat-template-", delete=False) as file:
         file.write(template["text"].encode("utf-8"))
@@ -487,8 +487,13 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(directory, ignore_errors=True)
 
 
+TEMPORARY_PREFIX = "tokenizer-shards-{what}-"  # then the pid and a random part (core.scratch)
+
+
 def _temporary(scratch: list[Path], what: str) -> Path:
-    directory = Path(tempfile.mkdtemp(prefix=f"tokenizer-shards-{what}-"))
+    """A temporary directory for this command (removed at its end), after those that killed ones left behind."""
+    scratch_dirs.remove_stale(TEMPORARY_PREFIX.format(what=what))
+    directory = scratch_dirs.make(TEMPORARY_PREFIX.format(what=what))
     scratch.append(directory)
     return directory
 
