@@ -273,6 +273,25 @@ def test_a_missing_extra_names_what_to_install(entry, missing, extra):
     ]
 
 
+@pytest.mark.parametrize(("given", "seen"), [(None, "1"), ("4", "4")])
+def test_commands_import_numpy_without_openblas_threads_unless_asked(given, seen):
+    """Every command's processes (its workers inherit it) run OpenBLAS on one thread: none multiplies matrices,
+    and its threads cost each process 0.1 CPU-s at import on 2 cores. A user's own setting stands."""
+    program = (
+        "import os, sys; from tokenizer_service.tools import bench; "
+        "bench.main = lambda: print(os.environ.get('OPENBLAS_NUM_THREADS')) or 0; "
+        "from tokenizer_service.entry import bench as command; command()"
+    )
+    environment = {key: value for key, value in os.environ.items() if key != "OPENBLAS_NUM_THREADS"}
+    if given is not None:
+        environment["OPENBLAS_NUM_THREADS"] = given
+    result = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=60, env=environment
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == seen
+
+
 @pytest.mark.slow  # a server process of its own; .ci/run's slow stage
 @pytest.mark.parametrize("to", ["server", "process-group"])
 def test_sigterm_is_a_clean_stop(tmp_path, to):
