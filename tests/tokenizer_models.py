@@ -34,6 +34,15 @@ def training_texts(documents: list[str], multilingual: list[str]) -> list[str]:
 
 
 def byte_level_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
+    return _byte_level_bpe(texts, vocab_size, BPE_SPECIAL)
+
+
+def byte_level_bpe_without_specials(texts: list[str], vocab_size: int) -> Tokenizer:
+    """Trained without special tokens (ids 0..n-1 all the vocabulary's), as Llama 3's: add them after."""
+    return _byte_level_bpe(texts, vocab_size, [])
+
+
+def _byte_level_bpe(texts: list[str], vocab_size: int, special: list[str]) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -44,7 +53,7 @@ def byte_level_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=BPE_SPECIAL,
+        special_tokens=special,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

@@ -1,6 +1,7 @@
 """What a process keeps on disk for the next one: the fast encoders' gate verdicts, the models' descriptions and the
 outlines of their tokenizer.json files, each a small JSON file named by the digest of its key (the key is kept in
-it, and a file whose key differs is no entry). Written atomically; a cache that cannot be read or written is
+it, and a file whose key differs is no entry), and files such an entry names (a tokenizer.json's ranks). Written
+atomically; a cache that cannot be read or written is
 silently none: every entry is what a process would otherwise compute itself."""
 
 from __future__ import annotations
@@ -41,17 +42,28 @@ def read(key: dict[str, Any]) -> dict[str, Any] | None:
 
 def write(key: dict[str, Any], value: dict[str, Any]) -> None:
     """`value` (which holds `key` under "key") as the entry for `key`, written atomically."""
-    path = cache_file(key)
+    _replace(cache_file(key), json.dumps(value).encode())
+
+
+def write_file(name: str, data: bytes) -> Path | None:
+    """`data` as the file `name` in the cache (one an entry names: a model's ranks), written atomically; its path,
+    or None where the cache cannot be written."""
+    path = cache_dir() / name
+    return path if _replace(path, data) else None
+
+
+def _replace(path: Path, data: bytes) -> bool:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=".cached-", suffix=".tmp")
         try:
-            with os.fdopen(descriptor, "w") as file:
-                json.dump(value, file)
+            with os.fdopen(descriptor, "wb") as file:
+                file.write(data)
             os.replace(temporary, path)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(temporary)
             raise
     except OSError:
-        return
+        return False
+    return True

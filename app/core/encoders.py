@@ -30,6 +30,7 @@ A pinned encoder (``--encoder fastokens|gigatoken``) considers only its own rout
 
 from __future__ import annotations
 
+import base64
 import os
 import random
 import re
@@ -41,6 +42,7 @@ import numpy as np
 import orjson
 
 from tokenizer_service.core.models import (
+    META_ENCODINGS,
     TEKKEN,
     TIKTOKEN,
     json_outline,
@@ -54,6 +56,13 @@ from tokenizer_service.core.texts import Utf8Texts
 FASTOKENS, GIGATOKEN = "fastokens", "gigatoken"
 ENCODERS = (FASTOKENS, GIGATOKEN)
 CONVERTED = "(converted)"
+AS_RANKS = "(ranks)"  # a tokenizer.json read as the tiktoken ranks it is equivalent to (`json_as_ranks`)
+# The candidates each kind of model has (`routes`): part of the gate's key, so that a verdict from before a route
+# existed is scanned again once.
+ROUTES = (
+    "tokenizer.json: fastokens, gigatoken and beside it gigatoken(ranks); ranks: direct, else converted; "
+    "tekken: converted"
+)
 MEMORY_BOUND_MIB = 300  # a candidate holding more per worker process is not used (unless pinned)
 WITHIN = 0.25  # candidates this close to the fastest count as fast: the lightest of them is used
 BUILD_WITHIN_SECONDS = 0.25  # of those, the ones that build this close to the quickest build: the lightest of them
@@ -66,15 +75,16 @@ SAMPLE_CHARS = 256 * 1024
 GIGATOKEN_SCHEMES = {"cl100k_base": "gpt4", "o200k_base": "o200k", "r50k_base": "gpt2"}
 
 
-def route(encoder: str, converted: bool = False) -> str:
-    return encoder + (CONVERTED if converted else "")
+def route(encoder: str, converted: bool = False, ranks: bool = False) -> str:
+    return encoder + (CONVERTED if converted else "") + (AS_RANKS if ranks else "")
 
 
 def encoder_of(name: str | None) -> str | None:
-    """The fast encoder a route names (``fastokens(converted)`` -> fastokens), None for anything else."""
+    """The fast encoder a route names (``fastokens(converted)``, ``gigatoken(ranks)`` -> its encoder), None for
+    anything else."""
     if not name:
         return None
-    base = name.removesuffix(CONVERTED)
+    base = name.removesuffix(CONVERTED).removesuffix(AS_RANKS)
     return base if base in ENCODERS else None
 
 
@@ -293,7 +303,15 @@ def routes(library: Any, encoder: str) -> list[str]:
         return [route(encoder), route(encoder, converted=True)]
     if library.library == TEKKEN:
         return [route(encoder, converted=True)]
+    if encoder == GIGATOKEN:  # a tokenizer.json: also as its ranks, which gigatoken builds in half the time
+        return [route(encoder), route(encoder, ranks=True)]
     return [route(encoder)]
+
+
+def measured_beside(name: str) -> bool:
+    """Whether route `name` is a candidate of its own beside the encoder's route before it (a tokenizer.json as
+    ranks: the same encoder, built quicker), not one tried only where that one could not load."""
+    return name.endswith(AS_RANKS)
 
 
 def build(library: Any, name: str, module: Any) -> Any:
@@ -302,6 +320,14 @@ def build(library: Any, name: str, module: Any) -> Any:
     PanicException, a BaseException, included)."""
     encoder, converted = encoder_of(name), name.endswith(CONVERTED)
     kind = library.library
+    if name == route(GIGATOKEN, ranks=True):
+        if kind in (TIKTOKEN, TEKKEN):
+            raise ValueError(f"{name} reads a tokenizer.json as ranks; this model's are ranks already")
+        ranks_file, scheme = json_as_ranks(library.files)
+        outline = json_outline(library.files.contents[0], library.files.main_sha256)
+        assert outline is not None  # json_as_ranks read it as a tokenizer.json
+        special = {added["content"]: added["id"] for added in outline["added_tokens"] if added.get("special")}
+        return Gigatoken(module.BPETokenizer.from_tiktoken(str(ranks_file), scheme, None), special)
     if kind == TEKKEN and not converted:
         raise ValueError(f"{encoder} reads no tekken.json: its ranks are converted ({route(str(encoder), True)})")
     if encoder == FASTOKENS:
@@ -353,6 +379,134 @@ def _document(library: Any, converted: bool, specials: bool = True) -> str:
         return library.files.contents[0].decode("utf-8")
     ranks, pattern, special = ranks_model(library)
     return ranks_to_tokenizer_json(ranks, pattern, special if specials else {})
+
+
+# -- a tokenizer.json as tiktoken ranks ---------------------------------------------------------------------
+
+RANKS_FORMAT = 1  # of the ranks files kept in the cache
+# gigatoken's pretokenizer scheme of each split pattern a byte-level tokenizer.json may carry: Llama 3's (which is
+# cl100k_base's pattern as first published) and cl100k_base's as tiktoken now writes it, the same split. The gate
+# still proves every model's route on the check set's code points.
+_CL100K_SPLIT = (
+    r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|"
+    r"\s+(?!\S)|\s"
+)
+GIGATOKEN_SPLITS = {META_ENCODINGS["llama3"].pat_str: "gpt4", _CL100K_SPLIT: "gpt4"}
+
+
+def json_as_ranks(files: Any) -> tuple[Any, str]:
+    """The tiktoken ranks file that encodes as the byte-level BPE tokenizer.json of `files` does, and gigatoken's
+    scheme for its split pattern: kept in the cache by the file's sha256 (the first process writes it); ValueError
+    saying why where there is none (`tokenizer_json_ranks`)."""
+    from tokenizer_service.core import cache
+
+    key = {"ranks": RANKS_FORMAT, "sha256": files.main_sha256}
+    kept = cache.read(key)
+    if kept is not None and isinstance(kept.get("scheme"), str) and isinstance(kept.get("file"), str):
+        path = cache.cache_dir() / kept["file"]
+        if path.is_file():
+            return path, kept["scheme"]
+    ranks, scheme = tokenizer_json_ranks(parsed_json(files.contents[0]))
+    text = "".join(f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in ranks.items())
+    path = cache.write_file(f"{files.main_sha256}.tiktoken", text.encode())
+    if path is None:
+        raise ValueError("gigatoken(ranks) keeps its ranks file in the cache, and the cache cannot be written")
+    cache.write(key, {"key": key, "scheme": scheme, "file": path.name})
+    return path, scheme
+
+
+def tokenizer_json_ranks(document: Any) -> tuple[dict[bytes, int], str]:
+    """The ranks (token bytes -> id) of a byte-level BPE tokenizer.json that tiktoken's rank order encodes exactly
+    as its merges do, and gigatoken's scheme for its split; ValueError naming what stands in the way.
+
+    tiktoken merges, in a piece, the adjacent pair whose concatenation has the lowest rank, and takes a piece that
+    is a token whole; BPE merges the pair earliest in its merge list, only pairs listed. They agree on every text
+    when, token by token in id order, tiktoken's merging of the token's own bytes with the ranks below it ends in
+    exactly the pair the merge list gives for it, at that place in the list (derived here, all of them: the rank of
+    a merge then orders pairs as the list does, and a token can only be reached by its own listed pair). A token
+    that is no merge of two (a special token in the vocabulary) is left out of the ranks: BPE never makes it either,
+    unless `ignore_merges` takes a piece whole (then refused). No normalizer, no non-special added token, all 256
+    bytes, and the ranks numbered 0 to n-1 (gigatoken reads no others: special tokens after them, as Llama 3's)."""
+    if not isinstance(document, dict) or document.get("normalizer") is not None:
+        raise ValueError("only a tokenizer.json without a normalizer is read as ranks")
+    model = document.get("model")
+    if not isinstance(model, dict) or model.get("type", "BPE") != "BPE" or not isinstance(model.get("vocab"), dict):
+        raise ValueError("only a BPE tokenizer.json is read as ranks")
+    if model.get("dropout") or model.get("byte_fallback") or model.get("continuing_subword_prefix"):
+        raise ValueError("dropout, byte fallback and subword prefixes have no ranks")
+    if model.get("end_of_word_suffix"):
+        raise ValueError("an end-of-word suffix has no ranks")
+    added = document.get("added_tokens") or []
+    if any(not token.get("special") for token in added):
+        raise ValueError("a non-special added token has no rank")
+    scheme = _split_scheme(document.get("pre_tokenizer"))
+    table = {char: byte for byte, char in enumerate(_byte_table())}
+    special_ids = {token.get("id") for token in added}
+    ranks: dict[bytes, int] = {}
+    try:
+        for token, token_id in model["vocab"].items():
+            if token_id not in special_ids:
+                ranks[bytes(table[char] for char in token)] = int(token_id)
+    except KeyError:
+        raise ValueError("a vocabulary entry is not byte-level") from None
+    if any(bytes([byte]) not in ranks for byte in range(256)):
+        raise ValueError("the vocabulary lacks some of the 256 bytes")
+    merges = model.get("merges") or []
+    listed = [tuple(merge.split(" ", 1)) if isinstance(merge, str) else tuple(merge) for merge in merges]
+    try:
+        given = [(bytes(table[c] for c in left), bytes(table[c] for c in right)) for left, right in listed]
+    except (KeyError, ValueError):
+        raise ValueError("a merge is not byte-level") from None
+    derived, wholes = [], []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        if len(token) > 1:
+            parts = _merged(token, rank, ranks)
+            (derived if len(parts) == 2 else wholes).append((parts[0], parts[-1]) if len(parts) == 2 else token)
+    if derived != given:
+        pairs = zip(derived, given, strict=False)
+        at = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(derived), len(given)))
+        raise ValueError(f"its merges are not tiktoken's rank order (merge {at} of {len(given)})")
+    if wholes and model.get("ignore_merges"):
+        raise ValueError(f"ignore_merges takes whole {len(wholes)} tokens that no merge makes")
+    if wholes and any(part in set(wholes) for pair in derived for part in pair):
+        raise ValueError("a merge is of a token that no merge makes")
+    for token in wholes:
+        del ranks[token]
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ValueError("gigatoken reads ranks numbered 0 to n-1, and these have gaps (special tokens among them)")
+    return ranks, scheme
+
+
+def _split_scheme(pre_tokenizer: Any) -> str:
+    """gigatoken's scheme for a split pattern, then byte-level (`GIGATOKEN_SPLITS`); ValueError for any other."""
+    steps = pre_tokenizer.get("pretokenizers") if isinstance(pre_tokenizer, dict) else None
+    if not (isinstance(steps, list) and len(steps) == 2 and all(isinstance(step, dict) for step in steps)):
+        raise ValueError("gigatoken has no scheme for its pre-tokenizer")
+    split, level = steps
+    pattern = split.get("pattern")
+    regex = pattern.get("Regex") if isinstance(pattern, dict) else None
+    plain = split.get("type") == "Split" and split.get("behavior") == "Isolated" and not split.get("invert")
+    bytes_only = level.get("type") == "ByteLevel" and not level.get("use_regex", True)
+    if pre_tokenizer.get("type") != "Sequence" or not plain or not bytes_only or level.get("add_prefix_space"):
+        raise ValueError("gigatoken has no scheme for its pre-tokenizer")
+    if regex not in GIGATOKEN_SPLITS:
+        raise ValueError("gigatoken has no scheme for its split pattern")
+    return GIGATOKEN_SPLITS[regex]
+
+
+def _merged(token: bytes, rank: int, ranks: dict[bytes, int]) -> list[bytes]:
+    """tiktoken's merging of `token`'s bytes with the ranks below `rank` only: the parts it ends in."""
+    parts = [token[index : index + 1] for index in range(len(token))]
+    while len(parts) > 1:
+        best, at = rank, -1
+        for index in range(len(parts) - 1):
+            found = ranks.get(parts[index] + parts[index + 1])
+            if found is not None and found < best:
+                best, at = found, index
+        if at < 0:
+            break
+        parts[at : at + 2] = [parts[at] + parts[at + 1]]
+    return parts
 
 
 # -- measuring ------------------------------------------------------------------------------------------------

@@ -566,7 +566,7 @@ def gate_key(files: ModelFiles, encoder: str = FAST) -> dict[str, Any]:
     """What a gate verdict depends on: the fast encoders and their versions, the reference library and its
     version, the tokenizer files' bytes (not a chat template's, which the model's sha256 also covers: a new
     template is no reason to scan again), the check set, which encoders were candidates (`encoder`: fast, or
-    the one pinned) and the rule that chose among them."""
+    the one pinned), their routes and the rule that chose among them."""
     return {
         "fast": encoders.versions(),
         "reference": f"{files.library} {_version(TIKTOKEN if files.library == TEKKEN else files.library)}",
@@ -574,6 +574,7 @@ def gate_key(files: ModelFiles, encoder: str = FAST) -> dict[str, Any]:
         "checkset": checkset.VERSION,
         "select": encoder if encoder in (FASTOKENS, GIGATOKEN) else FAST,
         "rule": encoders.RULE,
+        "routes": encoders.ROUTES,
     }
 
 
@@ -815,7 +816,8 @@ def _try_candidates(library: Any, encoder: str, texts: list[str]) -> tuple[list[
     """Every candidate route of `encoder` (fast: all of them) through the whole gate, and each one that passed
     measured: M tokens per CPU-second on `encoders.sample_texts`, the growth of this process's resident memory
     while it was built and encoded the sample, its build time. A route the encoder cannot load goes on to the
-    converted ranks (tiktoken). `texts`: the model's check set. (what each measured, {route: the built encoder of
+    converted ranks (tiktoken); one that passed, to a route measured beside it (a tokenizer.json as ranks).
+    `texts`: the model's check set. (what each measured, {route: the built encoder of
     each that passed})."""
     reference: Rows = library._reference_rows
     candidates = _candidates(encoder)
@@ -830,7 +832,10 @@ def _try_candidates(library: Any, encoder: str, texts: list[str]) -> tuple[list[
         if _module(candidate) is None:
             results.append({"route": candidate, "passed": False, "differs": f"{candidate} is not installed"})
             continue
+        passed_one = False
         for route in encoders.routes(library, candidate):
+            if passed_one and not encoders.measured_beside(route):
+                break
             before, started = encoders.rss_mib(), time.perf_counter()
             fast, differs = _build_fast(library, route)
             load_seconds = time.perf_counter() - started
@@ -868,7 +873,7 @@ def _try_candidates(library: Any, encoder: str, texts: list[str]) -> tuple[list[
                  "load_seconds": round(load_seconds, 3)}
             )  # fmt: skip
             built[route] = fast
-            break
+            passed_one = True  # a route measured beside it (gigatoken(ranks)) next, where there is one
     passed = [result for result in results if result["passed"]]
     if len(passed) > 1:  # their speeds measured side by side, where apart they were measured at other moments
         raced = _race_apart(library.files, [result["route"] for result in passed])
@@ -1024,7 +1029,18 @@ def gate_verdict(
             chosen = verdict.get("encoder") if encoders.is_fast(verdict.get("encoder")) else None
         if chosen is None and trusted:
             chosen = cached_route(library.files, select)
-        names = [chosen] if chosen else [r for c in _candidates(select) for r in encoders.routes(library, c)]
+        # without a route chosen, each encoder's routes in turn as fallbacks; a route measured beside another (a
+        # tokenizer.json as ranks) is served only where a scan chose it
+        names = (
+            [chosen]
+            if chosen
+            else [
+                name
+                for candidate in _candidates(select)
+                for name in encoders.routes(library, candidate)
+                if not encoders.measured_beside(name)
+            ]
+        )
         differs: str | None = None
         texts: list[str] | None = None
         kept_key, kept = _passed_verdict(library.files, key, verdict, select)
