@@ -31,6 +31,7 @@ A pinned encoder (``--encoder fastokens|gigatoken``) considers only its own rout
 from __future__ import annotations
 
 import base64
+import functools
 import os
 import random
 import re
@@ -99,6 +100,7 @@ def installed(encoder: str) -> bool:
     return importlib.util.find_spec(encoder) is not None
 
 
+@functools.cache  # read once a process (importlib.metadata parses each package's METADATA)
 def versions() -> str:
     """The fast encoders and their versions, as the gate's key names them."""
     import importlib.metadata

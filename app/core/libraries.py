@@ -28,6 +28,7 @@ Every library runs single-threaded in a worker (`single_threaded`): one process 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -555,6 +556,7 @@ def edge_separator(library: Any) -> tuple[str, int] | None:
     return min(candidates, key=lambda found: (len(found[0]), found[0]))
 
 
+@functools.cache  # importlib.metadata reads and parses the package's METADATA: 3 ms a call, 18 calls a start
 def _version(package: str) -> str:
     try:
         return importlib.metadata.version(package)
