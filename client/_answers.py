@@ -262,3 +262,20 @@ def read_json(response: httpx.Response, what: str) -> Any:
         return loads(response.content)
     except ValueError as exc:
         raise TokenizerProtocolError(f"unreadable {what} answer: {exc}") from exc
+
+
+def models_document(response: httpx.Response, url: str) -> dict[str, Any]:
+    """A /v1/models answer: an object whose `models` are objects with a `name` (and a `sha256`) and whose `default`
+    is a name or null; a TokenizerProtocolError naming the replica for anything else (another web app behind the
+    URL answers 200 with HTML)."""
+    document = read_json(response, f"/v1/models (from {url})")
+    models = document.get("models") if isinstance(document, dict) else None
+    valid = isinstance(models, list) and all(
+        isinstance(info, dict) and isinstance(info.get("name"), str) and isinstance(info.get("sha256"), str | None)
+        for info in models
+    )
+    if not valid or not isinstance(document.get("default"), str | None):
+        raise TokenizerProtocolError(
+            f"the /v1/models answer from {url} is not the tokenizer service's (an object of models, each with a name)"
+        )
+    return document  # type: ignore[no-any-return]

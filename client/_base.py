@@ -22,13 +22,13 @@ import numpy as np
 
 from tokenizer_client._answers import (
     batch_from_response,
+    models_document,
     packed_from_response,
     raise_for_error,
     read_json,
     texts_from_document,
 )
 from tokenizer_client._fingerprints import ModelFingerprints
-from tokenizer_client._json import loads
 from tokenizer_client._outage import OutageLog
 from tokenizer_client._requests import (
     MODELS,
@@ -218,7 +218,7 @@ class BaseClient:
         )
 
     def _models(self) -> Exchange[dict[str, Any]]:
-        return Exchange(MODELS, lambda reply: self._read_document(reply.response))
+        return Exchange(MODELS, lambda reply: models_document(reply.response, reply.source))
 
     def _read_tokenize(self, reply: Reply, requested: str | None, texts: int | None = None) -> TokenizedBatch:
         """The reply to a request of `texts` texts, checked against it (MalformedAnswerError if it does not fit)."""
@@ -230,8 +230,3 @@ class BaseClient:
         packed = packed_from_response(reply.response, seq_len)
         self._fingerprints.check(packed.model, packed.model_sha256, reply.source, requested=requested)
         return packed
-
-    @staticmethod
-    def _read_document(response: httpx.Response) -> dict[str, Any]:
-        document: dict[str, Any] = loads(response.content)
-        return document

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import httpx
 import numpy as np
 
+from tokenizer_client._answers import models_document
 from tokenizer_client._base import BaseClient, Exchange, PackStream, Reply
 from tokenizer_client._fingerprints import check_replica_models
 from tokenizer_client._lifecycle import AsyncClosing, Closing
@@ -210,7 +211,7 @@ class TokenizerClient(Closing, BaseClient):
         Returns the first replica's /v1/models answer.
         """
         self._ensure_open()
-        answers = [(url, self._read_document(self._send(replica, MODELS))) for replica, url in enumerate(self.urls)]
+        answers = [(url, models_document(self._send(replica, MODELS), url)) for replica, url in enumerate(self.urls)]
         return check_replica_models(self._fingerprints, answers)
 
     def ready(self) -> bool:
@@ -464,7 +465,7 @@ class AsyncTokenizerClient(AsyncClosing, BaseClient):
         """Ask every replica for /v1/models and raise ModelMismatchError unless they all serve the same files."""
         self._ensure_open()
         responses = await asyncio.gather(*(self._send(replica, MODELS) for replica in range(len(self.urls))))
-        answers = [(url, self._read_document(response)) for url, response in zip(self.urls, responses, strict=True)]
+        answers = [(url, models_document(response, url)) for url, response in zip(self.urls, responses, strict=True)]
         return check_replica_models(self._fingerprints, answers)
 
     async def ready(self) -> bool:

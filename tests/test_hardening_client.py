@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import http.server
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ import pytest
 
 from tests.bodies import sent_body
 from tokenizer_client import (
+    AsyncTokenizerClient,
     MalformedAnswerError,
     PackSpec,
     TokenizerClient,
@@ -62,6 +64,14 @@ class FakeServer:
                 body = sent_body(self.rfile.read(int(self.headers["content-length"])))
                 fake.last_body = body
                 status, content_type, content = fake.reply(self.path, body, self.headers.get("accept", ""))
+                self.send_response(status)
+                self.send_header("content-type", content_type)
+                self.send_header("content-length", str(len(content)))
+                self.end_headers()
+                self.wfile.write(content)
+
+            def do_GET(self) -> None:
+                status, content_type, content = fake.reply(self.path, {}, self.headers.get("accept", ""))
                 self.send_response(status)
                 self.send_header("content-type", content_type)
                 self.send_header("content-length", str(len(content)))
@@ -208,6 +218,33 @@ def test_a_detokenize_answer_with_fewer_texts_is_raised(fake, client):
     answer_with(fake, json.dumps({"model": "m", "texts": ["only one"]}).encode())
     with pytest.raises(MalformedAnswerError, match="1 texts answered, 2 id rows"):
         client.detokenize([[1], [2]])
+
+
+@pytest.mark.parametrize(
+    ("content", "content_type"),
+    [
+        (b"<html>sign in</html>", "text/html"),  # another web app behind a replica's URL (Grafana answers 200)
+        (b"[1, 2, 3]", "application/json"),
+        (b'{"models": 5}', "application/json"),
+        (b'{"models": [{"sha256": "ab"}]}', "application/json"),
+        (b'{"models": [], "default": 3}', "application/json"),
+    ],
+)
+def test_a_models_answer_that_is_not_the_services_is_a_protocol_error(fake, client, content, content_type):
+    """models() and check_replicas(), sync and async, raised orjson's, AttributeError or TypeError: now the client's
+    own error, naming the replica."""
+    answer_with(fake, content, content_type)
+    for call in (client.models, client.check_replicas):
+        with pytest.raises(TokenizerProtocolError, match=re.escape(fake.url)):
+            call()
+
+    async def asynchronous() -> None:
+        async with AsyncTokenizerClient(fake.url) as remote:
+            for call in (remote.models, remote.check_replicas):
+                with pytest.raises(TokenizerProtocolError, match=re.escape(fake.url)):
+                    await call()
+
+    asyncio.run(asynchronous())
 
 
 def test_well_formed_answers_still_read(client):
