@@ -175,8 +175,11 @@ def _main(argv: list[str] | None) -> int:
 
         return supervise(settings)
     from tokenizer_service.http.factory import create_app
+    from tokenizer_service.metrics import Metrics
 
-    uvicorn.run(create_app(settings, registry), host=settings.host, port=settings.port, **uvicorn_options(settings))
+    metrics = Metrics()  # the app's, where the connections' own refusals are counted too
+    app = create_app(settings, registry, metrics)
+    uvicorn.run(app, host=settings.host, port=settings.port, **uvicorn_options(settings, metrics))
     return 0
 
 

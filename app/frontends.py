@@ -34,7 +34,7 @@ from prometheus_client import multiprocess
 
 from tokenizer_service.core import scratch, zygote
 from tokenizer_service.core.process import exit_with_parent
-from tokenizer_service.metrics import MULTIPROCESS_DIR_ENV
+from tokenizer_service.metrics import MULTIPROCESS_DIR_ENV, Metrics
 from tokenizer_service.settings import Settings
 
 logger = logging.getLogger("tokenizer")
@@ -82,7 +82,8 @@ def frontend(settings: dict[str, Any], index: int, workers: int) -> None:
     paths = config.model_paths()
     zygote.start(paths, config.encoder, config.chat_template_paths(paths))  # its workers fork from it
     sock = listening_socket(config.host, config.port)
-    server = uvicorn.Server(uvicorn.Config(create_app(config), **uvicorn_options(config)))
+    metrics = Metrics()  # the app's, where the connections' own refusals are counted too
+    server = uvicorn.Server(uvicorn.Config(create_app(config, metrics=metrics), **uvicorn_options(config, metrics)))
     logger.info("front-end %d: %d workers on %s:%d (SO_REUSEPORT)", index, workers, config.host, config.port)
     server.run(sockets=[sock])
 

@@ -22,8 +22,11 @@ TEXT_COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8
 RATIO_BUCKETS = (0.0, 0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
 
 
-REJECT_REASONS = ("queue", "concurrency")
-CANCEL_REASONS = ("timeout", "disconnect")
+REJECT_REASONS = ("queue", "concurrency", "connections")
+CANCEL_REASONS = ("timeout", "disconnect", "slow_body")
+# The `endpoint` of what is answered before a request reaches a route: a connection over --max-connections (503),
+# a head too large (431) or too slow (408), malformed HTTP (400) (tokenizer_service.http.connections).
+CONNECTION_ENDPOINT = "connection"
 
 
 class Metrics:

@@ -152,3 +152,46 @@ def test_idle_connections_are_closed_by_the_head_deadline(guarded):
 def test_probes_answer_head(guarded, path):
     answer = httpx.head(f"{guarded}{path}", timeout=10)
     assert answer.status_code == 200 and answer.content == b""
+
+
+def _counted(url: str) -> dict[str, float]:
+    """The samples of /metrics that count what connections were answered and refused with."""
+    found = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith(("tokenizer_requests_total", "tokenizer_rejected_requests_total", "tokenizer_cancelled")):
+            found[name] = float(value)
+    return found
+
+
+def test_what_a_connection_is_answered_before_any_route_is_counted(guarded):
+    """A probe's: a 431, 408, malformed-HTTP 400 and a --max-connections 503 were counted by no metric, so the error
+    alert and dashboard never saw connection overload. Each is a request of endpoint "connection" now, the 503 a
+    rejection of reason "connections"; every reason label is exported from the start (slow_body too)."""
+    before = _counted(guarded)
+    assert 'tokenizer_rejected_requests_total{reason="connections"}' in before
+    assert 'tokenizer_cancelled_requests_total{reason="slow_body"}' in before
+    malformed = socket.create_connection(address(guarded))
+    malformed.sendall(b"GET /healthz HTTP/1.1\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n")
+    assert read_answer(malformed).startswith(b"HTTP/1.1 400")
+    malformed.close()
+    held = [socket.create_connection(address(guarded)) for _ in range(MAX_CONNECTIONS + 2)]
+    answers = [read_answer(connection, timeout=0.5) for connection in held[-3:]]
+    for connection in held:
+        connection.close()
+    assert any(answer.startswith(b"HTTP/1.1 503") for answer in answers), answers
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            after = _counted(guarded)
+            break
+        except httpx.TransportError:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+
+    def grew(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert grew('tokenizer_requests_total{endpoint="connection",status="400"}') == 1
+    assert grew('tokenizer_requests_total{endpoint="connection",status="503"}') >= 1
+    assert grew('tokenizer_rejected_requests_total{reason="connections"}') >= 1

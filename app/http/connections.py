@@ -47,6 +47,7 @@ import httptools
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
+from tokenizer_service.metrics import CONNECTION_ENDPOINT, Metrics
 from tokenizer_service.settings import Settings
 
 logger = logging.getLogger("tokenizer.connections")
@@ -152,6 +153,7 @@ class GuardedProtocol(HttpToolsProtocol):
     max_connections = 4096
     linger_seconds = 5.0
     linger_bytes = 64 * 1024 * 1024
+    metrics: Metrics | None = None  # where what this protocol answers itself is counted (endpoint "connection")
 
     @classmethod
     def configure(
@@ -162,12 +164,15 @@ class GuardedProtocol(HttpToolsProtocol):
         max_connections: int,
         linger_seconds: float | None = None,
         linger_bytes: int | None = None,
+        metrics: Metrics | None = None,
     ) -> type[GuardedProtocol]:
-        """A subclass with these limits (uvicorn takes a class, and instantiates it per connection)."""
+        """A subclass with these limits (uvicorn takes a class, and instantiates it per connection), counting what it
+        answers itself in `metrics` (the app's)."""
         limits: dict[str, Any] = {
             "max_head_bytes": max_head_bytes,
             "head_timeout": head_timeout,
             "max_connections": max_connections,
+            "metrics": metrics,
         }
         if linger_seconds is not None:
             limits["linger_seconds"] = linger_seconds
@@ -197,6 +202,9 @@ class GuardedProtocol(HttpToolsProtocol):
         if len(self.connections) >= self.max_connections:
             self._refused = True
             _refusals.note(len(self.connections))
+            if self.metrics is not None:
+                self.metrics.rejected_requests.labels("connections").inc()
+            self._count(503)
             transport.write(_answer(503, "overloaded", "too many open connections; retry later", b"retry-after: 1\r\n"))
             transport.close()
             return
@@ -351,14 +359,22 @@ class GuardedProtocol(HttpToolsProtocol):
             cycle.disconnected = True  # its app stops reading, and anything it sends is dropped
             cycle.message_event.set()
             if was_queued or self.pipeline:
+                self._count(status)
                 self._deferred = _answer(status, kind, message)
                 return
         elif self._answer_pending():
+            self._count(status)
             self._deferred = _answer(status, kind, message)
             self.flow.pause_reading()
             return
+        self._count(status)
         self.transport.write(_answer(status, kind, message))
         self.close_lingering()
+
+    def _count(self, status: int) -> None:
+        """An answer this protocol writes itself, in tokenizer_requests_total (endpoint "connection")."""
+        if self.metrics is not None:
+            self.metrics.requests.labels(CONNECTION_ENDPOINT, str(status)).inc()
 
     def send_400_response(self, msg: str) -> None:  # uvicorn's own 400, in the service's JSON
         self._fail(400, "invalid_request", msg)
@@ -420,8 +436,9 @@ DEFAULT_MAX_CONNECTIONS = 4096
 RESERVED_FILES = 256  # for workers' sockets, model files, logs
 
 
-def uvicorn_options(settings: Settings) -> dict[str, Any]:
-    """What uvicorn runs with, for one server or each front-end: limits on connections included."""
+def uvicorn_options(settings: Settings, metrics: Metrics | None = None) -> dict[str, Any]:
+    """What uvicorn runs with, for one server or each front-end: limits on connections included, what they refuse
+    counted in `metrics` (the app's: `create_app(..., metrics=)`)."""
     files = raise_file_limit()
     max_connections = settings.max_connections or max(16, min(DEFAULT_MAX_CONNECTIONS, files - RESERVED_FILES))
     return {
@@ -439,5 +456,6 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
             max_head_bytes=settings.max_header_bytes,
             head_timeout=settings.header_timeout,
             max_connections=max_connections,
+            metrics=metrics,
         ),
     }

@@ -36,13 +36,16 @@ from tokenizer_service.settings import Settings
 logger = logging.getLogger("tokenizer")
 
 
-def create_app(settings: Settings | None = None, registry: ModelRegistry | None = None) -> Any:
+def create_app(
+    settings: Settings | None = None, registry: ModelRegistry | None = None, metrics: Metrics | None = None
+) -> Any:
     """The ASGI app uvicorn runs: Edge(FastAPI), in CORS when origins are configured.
 
     `registry`: the models as tokenizer-server already read them to check its configuration; without
-    it the lifespan reads them."""
+    it the lifespan reads them. `metrics`: the app's, where uvicorn's protocol counts what it refuses itself too
+    (`uvicorn_options(..., metrics)`)."""
     settings = settings or Settings()
-    metrics = Metrics()
+    metrics = metrics or Metrics()
     state = ServiceState(metrics)
     if settings.max_queued_texts is not None:
         logger.warning("--max-queued-texts is deprecated and ignored: the server bounds bytes (--max-queued-bytes)")
@@ -122,7 +125,10 @@ def create_app(settings: Settings | None = None, registry: ModelRegistry | None 
     routers = (tokenize.router, models.router, health.router)
     for router in routers:
         app.include_router(router)
-    paths = frozenset(route.path for router in routers for route in router.routes if isinstance(route, APIRoute))
+    # every route's template is an `endpoint` label (the API pages and their assets too: a bounded set)
+    declared = [route for router in routers for route in router.routes if isinstance(route, APIRoute)]
+    pages = [route for route in app.routes if isinstance(getattr(route, "path", None), str)]  # docs, openapi.json
+    paths = frozenset(route.path for route in [*declared, *pages])
     publish(app, bearer_auth=bool(settings.api_keys), max_seq_len=settings.max_seq_len)
     keys = ApiKeys([key.get_secret_value() for key in settings.api_keys]) if settings.api_keys else None
     edge = Edge(
