@@ -443,6 +443,13 @@ def test_the_slurm_script_runs_as_array_tasks_and_merges(tmp_path: Path, documen
             env=environ, capture_output=True, text=True, timeout=300,
         )  # fmt: skip
         assert result.returncode == 0, result.stderr
+    # rank 1 resubmitted alone (`sbatch --array=1`: Slurm numbers it 0 of 1), its rank given after MODEL
+    environ = {**os.environ, "SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_COUNT": "1"}
+    again = subprocess.run(
+        ["bash", str(script), str(corpus), str(tmp_path / "shards"), str(model), "--rank", "1", "--world-size", "2"],
+        env=environ, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr
     merged = run(["tokenizer-shards", "merge", str(tmp_path / "shards")])
     assert merged.returncode == 0, merged.stderr
     assert len(TokenDataset(tmp_path / "shards")) == len(documents)
