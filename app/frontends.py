@@ -45,6 +45,16 @@ def shares(workers: int, frontends: int) -> list[int]:
     return [max(1, workers // frontends + (1 if index < workers % frontends else 0)) for index in range(frontends)]
 
 
+def shortfall(workers: int, frontends: int) -> str | None:
+    """What to say where `shares` runs more workers than asked for (a front-end each at least), else None."""
+    if workers >= frontends:
+        return None
+    return (
+        f"--frontends {frontends} with --workers {workers}: each front-end feeds workers of its own, so {frontends} "
+        f"workers run; give --workers {frontends} or more, or fewer --frontends, to match the cores you asked for"
+    )
+
+
 def listening_socket(host: str, port: int) -> socket.socket:
     """A socket bound with SO_REUSEPORT, so that every front-end can bind the same address."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -111,6 +121,8 @@ def supervise(settings: Settings) -> int:
         remove_stale_metrics_dirs()
         own_dir = str(scratch.make(METRICS_DIR_PREFIX))
         os.environ[MULTIPROCESS_DIR_ENV] = own_dir
+    if (short := shortfall(settings.workers, settings.frontends)) is not None:
+        logger.warning(short)
     context = multiprocessing.get_context("spawn")
     dump = settings.model_dump(mode="json")
     dump["api_keys"] = [key.get_secret_value() for key in settings.api_keys]

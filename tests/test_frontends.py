@@ -16,7 +16,7 @@ import pytest
 import sentencepiece as spm
 
 from tests.conftest import ROOT, start_server, stop_server
-from tokenizer_service.frontends import shares
+from tokenizer_service.frontends import shares, shortfall
 from tokenizer_service.tools.launcher import ServerProcess, metric_total
 
 pytestmark = pytest.mark.slow  # several server processes; part of .ci/run's slow stage
@@ -25,7 +25,9 @@ pytestmark = pytest.mark.slow  # several server processes; part of .ci/run's slo
 def test_workers_are_shared_out_evenly():
     assert shares(8, 3) == [3, 3, 2]
     assert shares(2, 2) == [1, 1]
-    assert shares(1, 2) == [1, 1]  # every front-end gets a worker
+    assert shares(1, 2) == [1, 1]  # every front-end gets a worker, and the supervisor says so
+    assert shortfall(1, 2) is not None and "so 2 workers run" in shortfall(1, 2)  # type: ignore[operator]
+    assert shortfall(2, 2) is None and shortfall(8, 3) is None
 
 
 def test_two_frontends_share_the_port_and_the_metrics(tmp_path, model_files, documents):
