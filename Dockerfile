@@ -51,7 +51,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     TOKENIZER_CACHE_DIR=/tmp/tokenizer-cache
 USER 10001:10001
 EXPOSE 8000
-# 200 only once the models are loaded and a worker answers; urllib raises (exit 1) on 503 or no answer.
+# 200 only once the models are loaded and the worker pool serves; urllib raises (exit 1) on 503 or no answer.
 HEALTHCHECK --interval=10s --timeout=6s --start-period=60s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('TOKENIZER_PORT', '8000') + '/readyz', timeout=5)"]
 ENTRYPOINT ["tokenizer-server"]

@@ -225,3 +225,21 @@ def test_tokenizer_json_and_tiktoken_models_are_served_with_their_librarys_ids(l
         assert pool.sampler is None and len(pool.pids()) == 1  # no SentencePiece model: no sampler process
     finally:
         served.close()
+
+
+@pytest.mark.parametrize("readiness", ["STARTING", "REBUILDING", "STOPPING"])
+def test_readyz_not_ready_says_why_in_the_error_shape(readiness):
+    """A probe's: the 503 was {"status": "not ready"}, not the documented {"error": {"type", "message"}}."""
+    import asyncio
+    import json
+    from types import SimpleNamespace
+
+    from tokenizer_service.core.readiness import Readiness
+    from tokenizer_service.http.routes.health import readyz
+
+    service = SimpleNamespace(state=SimpleNamespace(readiness=Readiness[readiness]))
+    answer = asyncio.run(readyz(service))  # type: ignore[arg-type]
+    body = json.loads(answer.body)
+    assert answer.status_code == 503 and answer.headers["retry-after"] == "1"
+    assert body["status"] == "not ready" and body["error"]["type"] == "unavailable"
+    assert body["error"]["message"].startswith("not ready: ")

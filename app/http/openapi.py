@@ -73,6 +73,7 @@ class HealthAnswer(BaseModel):
 class ReadinessAnswer(BaseModel):
     status: str
     models: list[str] | None = None
+    error: ErrorDetail | None = Field(None, description="not ready: why (`unavailable`), as every error says it")
 
 
 ERRORS: dict[int, str] = {

@@ -24,6 +24,13 @@ NOT_READY: dict[int | str, dict[str, Any]] = {
 }
 
 
+NOT_READY_BECAUSE = {
+    Readiness.STARTING: "the workers are loading the models",
+    Readiness.REBUILDING: "no worker is up; the pool is starting new ones",
+    Readiness.STOPPING: "the server is stopping",
+}
+
+
 @router.api_route("/healthz", methods=["GET", "HEAD"], responses={200: {"model": HealthAnswer, "description": "OK"}})
 async def healthz() -> Response:
     """The process is alive and its event loop answers."""
@@ -35,8 +42,10 @@ async def healthz() -> Response:
 )
 async def readyz(service: ServiceDep) -> Response:
     """Models are loaded and the worker pool serves: not-ready only while starting, rebuilding or stopping."""
-    if service.state.readiness is not Readiness.READY:
-        return json_response({"status": "not ready"}, {"Retry-After": "1"}, status_code=503)
+    readiness = service.state.readiness
+    if readiness is not Readiness.READY:
+        why = {"type": "unavailable", "message": f"not ready: {NOT_READY_BECAUSE[readiness]}"}
+        return json_response({"status": "not ready", "error": why}, {"Retry-After": "1"}, status_code=503)
     return json_response({"status": "ready", "models": sorted(service.registry.models)})
 
 
