@@ -9,7 +9,9 @@ Candidates (each only behind the gate, tokenizer_service.core.libraries.gate_ver
   (a pattern it has no scheme for, or ranks where some tokens are not the merge of two others, as Qwen's), the
   ranks converted in memory to an equivalent byte-level BPE `tokenizer.json` (`ranks_to_tokenizer_json`); a
   Mistral ``tekken.json`` is served by these routes only (its ranks shifted past the special tokens, which take
-  ids 0..n-1 as added tokens: `ranks_model`).
+  ids 0..n-1 as added tokens: `ranks_model`);
+- ``gigatoken(ranks)``: a byte-level BPE tokenizer.json read as the tiktoken ranks it is equivalent to (proven per
+  model: `tokenizer_json_ranks`), which gigatoken builds in half the time; measured beside ``gigatoken``.
 
 gigatoken always matches special-token strings in text; it is built without special tokens, so special-token
 strings are text (``parse_special_tokens`` false), and with ``parse_special_tokens`` each text is cut at its
