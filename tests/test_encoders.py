@@ -520,3 +520,38 @@ def test_a_token_no_merge_makes_is_left_out_of_the_ranks_when_merges_decide(rank
     document["model"]["vocab"]["ĠXQZ"] = _next_id(document)
     ranks, _ = encoders.tokenizer_json_ranks(document)
     assert b" XQZ" not in ranks and sorted(ranks.values()) == list(range(len(ranks)))
+
+
+@pytest.mark.slow  # a server process of its own; .ci/run's slow stage
+def test_a_server_serves_a_tokenizer_json_as_ranks_with_tokenizers_ids(ranks_like_json, tmp_path):
+    """A verdict that chose gigatoken(ranks): the server's workers build it from the ranks file in the cache, run the
+    check set against the library, and answer tokenizers' ids over HTTP; /v1/models names the route."""
+    import httpx
+    from tokenizers import Tokenizer
+
+    from tests.conftest import start_server, stop_server
+    from tests.tokenizer_models import BPE_SPECIAL
+
+    cache_dir = tmp_path / "cache"
+    environ = {libraries.CACHE_DIR_ENV: str(cache_dir)}
+    files = find_model_files("m", ranks_like_json)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(libraries.CACHE_DIR_ENV, str(cache_dir))
+        encoders.json_as_ranks(files)  # the ranks file, as the scan that chose the route wrote it
+        measured = {"route": "gigatoken(ranks)", "passed": True, "mtps": 1.0, "rss_mib": 1.0, "load_seconds": 0.01}
+        libraries.remember_verdict(libraries.gate_key(files), None, 1.0, "gigatoken(ranks)", [measured])
+    url, process = start_server(["--workers", "2", "--model", f"m={ranks_like_json}"], tmp_path / "server.log", environ)
+    try:
+        (model,) = httpx.get(f"{url}/v1/models", timeout=30).json()["models"]
+        assert model["encoder"] == "gigatoken(ranks)", model
+        texts = [*read_multilingual()[:200], f"a{BPE_SPECIAL[1]}b", ""]
+        reference = Tokenizer.from_file(str(ranks_like_json))
+        for parse_special in (False, True):
+            reference.encode_special_tokens = not parse_special
+            expected = [row.ids for row in reference.encode_batch(texts, add_special_tokens=False)]
+            body = {"texts": texts, "model": "m", "parse_special_tokens": parse_special, "add_eos": False}
+            answer = httpx.post(f"{url}/v1/tokenize", json=body, timeout=60)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["ids"] == expected
+    finally:
+        stop_server(process)
