@@ -411,7 +411,8 @@ def json_as_ranks(files: Any) -> tuple[Any, str]:
         if path.is_file():
             return path, kept["scheme"]
     ranks, scheme = tokenizer_json_ranks(parsed_json(files.contents[0]))
-    text = "".join(f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in ranks.items())
+    ordered = sorted(ranks.items(), key=lambda item: item[1])
+    text = "".join(f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in ordered)
     path = cache.write_file(f"{files.main_sha256}.tiktoken", text.encode())
     if path is None:
         raise ValueError("gigatoken(ranks) keeps its ranks file in the cache, and the cache cannot be written")
@@ -461,18 +462,23 @@ def tokenizer_json_ranks(document: Any) -> tuple[dict[bytes, int], str]:
         given = [(bytes(table[c] for c in left), bytes(table[c] for c in right)) for left, right in listed]
     except (KeyError, ValueError):
         raise ValueError("a merge is not byte-level") from None
-    derived, wholes = [], []
+    derived: list[tuple[bytes, bytes]] = []  # the merge tiktoken's rank order makes each token by
+    wholes: list[bytes] = []  # tokens no merge of two makes
     for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
-        if len(token) > 1:
-            parts = _merged(token, rank, ranks)
-            (derived if len(parts) == 2 else wholes).append((parts[0], parts[-1]) if len(parts) == 2 else token)
+        if len(token) == 1:
+            continue
+        parts = _merged(token, rank, ranks)
+        if len(parts) == 2:
+            derived.append((parts[0], parts[1]))
+        else:
+            wholes.append(token)
     if derived != given:
         pairs = zip(derived, given, strict=False)
         at = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(derived), len(given)))
         raise ValueError(f"its merges are not tiktoken's rank order (merge {at} of {len(given)})")
     if wholes and model.get("ignore_merges"):
         raise ValueError(f"ignore_merges takes whole {len(wholes)} tokens that no merge makes")
-    if wholes and any(part in set(wholes) for pair in derived for part in pair):
+    if wholes and not set(wholes).isdisjoint(part for pair in derived for part in pair):
         raise ValueError("a merge is of a token that no merge makes")
     for token in wholes:
         del ranks[token]
