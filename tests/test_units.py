@@ -474,18 +474,19 @@ def test_utf8_texts_read_slice_and_pickle_as_a_list_of_str():
     ],
 )
 def test_utf8_check_refuses_what_python_refuses(text):
-    """The frame check (Arrow's) and Python's decoder agree on each class of ill-formed UTF-8, alone and between
-    two valid texts."""
-    from tokenizer_service.core.texts import all_valid
+    """The frame check (Arrow's, and the decoder's where pyarrow is not installed) and Python's decoder agree on each
+    class of ill-formed UTF-8, alone and between two valid texts."""
+    from tokenizer_service.core.texts import _all_decode, all_valid
 
     try:
         text.decode("utf-8")
         expected = True
     except UnicodeDecodeError:
         expected = False
-    assert all_valid(text, np.array([0, len(text)], dtype=np.int64)) is expected
     around = "é".encode() + text + "文".encode()
-    assert all_valid(around, np.array([0, 2, 2 + len(text), len(around)], dtype=np.int64)) is expected
+    for check in (all_valid, _all_decode):
+        assert check(text, np.array([0, len(text)], dtype=np.int64)) is expected
+        assert check(around, np.array([0, 2, 2 + len(text), len(around)], dtype=np.int64)) is expected
 
 
 @settings(max_examples=400, deadline=None)
@@ -498,7 +499,7 @@ def test_utf8_texts_check_says_what_decoding_each_text_says(data, cuts, middle):
     from tokenizer_client import wire
     from tokenizer_service.core.errors import InvalidField
     from tokenizer_service.core.requests import TokenizeRequest, parse_request
-    from tokenizer_service.core.texts import all_valid
+    from tokenizer_service.core.texts import _all_decode, all_valid
 
     data = data[:20] + middle + data[20:]
     bounds = [0, *sorted(min(cut, len(data)) for cut in cuts), len(data)]
@@ -513,6 +514,7 @@ def test_utf8_texts_check_says_what_decoding_each_text_says(data, cuts, middle):
 
     valid = [decodes(index) for index in range(len(bounds) - 1)]
     assert all_valid(data, offsets) == all(valid)
+    assert _all_decode(data, offsets) == _all_decode(data, offsets, window=3) == all(valid)  # without pyarrow
     body = wire.encode({"texts": np.frombuffer(data, dtype=np.uint8), "offsets": offsets}, {})
     if all(valid):
         assert parse_request(body, TokenizeRequest, "texts", 100).texts == [

@@ -24,6 +24,7 @@ import signal
 if "TOKENIZER_ZYGOTE_MODELS" in os.environ:  # MODELS_ENV: in the fork server, which imports this first, before all
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle: here, only a traceback
 
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.forkserver
@@ -74,10 +75,11 @@ def context() -> Any:
 def _load_here(spec: str) -> None:
     """In the zygote, at its start: load every model as the server announces it; whatever fails is left to the
     workers, which load what the zygote does not hold. Its log lines are the announcing process's to say."""
-    import pyarrow  # noqa: F401  # what each worker it forks imports to serve, once, here: texts.all_valid's
-
-    import tokenizer_service.core.handler  # noqa: F401
+    import tokenizer_service.core.handler  # noqa: F401  # what each worker it forks imports to serve: once, here
     from tokenizer_service.core import libraries, process, registry
+
+    with contextlib.suppress(ImportError):  # texts.all_valid's, where installed (the corpora extra)
+        import pyarrow  # noqa: F401
 
     quiet = logging.getLogger("tokenizer")
     quiet.disabled = True
