@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from tokenizer_service.core import cache
 from tokenizer_service.core.models import (
     META_ENCODINGS,
     TEKKEN,
@@ -328,9 +329,7 @@ def build(library: Any, name: str, module: Any) -> Any:
         if kind in (TIKTOKEN, TEKKEN):
             raise ValueError(f"{name} reads a tokenizer.json as ranks; this model's are ranks already")
         ranks_file, scheme = json_as_ranks(library.files)
-        outline = json_outline(library.files.contents[0], library.files.main_sha256)
-        assert outline is not None  # json_as_ranks read it as a tokenizer.json
-        special = {added["content"]: added["id"] for added in outline["added_tokens"] if added.get("special")}
+        _, special = _json_special(library)
         return Gigatoken(module.BPETokenizer.from_tiktoken(str(ranks_file), scheme, None), special)
     if kind == TEKKEN and not converted:
         raise ValueError(f"{encoder} reads no tekken.json: its ranks are converted ({route(str(encoder), True)})")
@@ -356,10 +355,7 @@ def build(library: Any, name: str, module: Any) -> Any:
                 return Gigatoken(BPETokenizer.from_tiktoken(str(library.files.main), scheme, None), special)
             return Gigatoken(load_hf_json(_document(library, True, specials=False)), special)
         content = library.files.contents[0]
-        outline = json_outline(content, library.files.main_sha256)  # what loading it read (models.json_outline)
-        if outline is None:
-            raise ValueError(f"{library.files.main} is not JSON")
-        special = {added["content"]: added["id"] for added in outline["added_tokens"] if added.get("special")}
+        outline, special = _json_special(library)
         spliced = without_special_added_tokens(content, outline)
         backend = load_hf_json(spliced if spliced is not None else without_special_tokens(parsed_json(content)))
         if type(backend).__name__ != "BPETokenizer":
@@ -376,6 +372,14 @@ def ranks_model(library: Any) -> tuple[dict[bytes, int], str, dict[str, int]]:
         return spec.ranks(), spec.pattern, library.special_tokens
     ranks = tiktoken_ranks(library.files.contents[0], library.files.main)
     return ranks, library.spec.pat_str, dict(library.spec.special_tokens)
+
+
+def _json_special(library: Any) -> tuple[dict[str, Any], dict[str, int]]:
+    """A tokenizer.json's outline (what loading it read: models.json_outline) and its special added tokens' ids."""
+    outline = json_outline(library.files.contents[0], library.files.main_sha256)
+    if outline is None:
+        raise ValueError(f"{library.files.main} is not JSON")
+    return outline, {added["content"]: added["id"] for added in outline["added_tokens"] if added.get("special")}
 
 
 def _document(library: Any, converted: bool, specials: bool = True) -> str:
@@ -402,8 +406,6 @@ def json_as_ranks(files: Any) -> tuple[Any, str]:
     """The tiktoken ranks file that encodes as the byte-level BPE tokenizer.json of `files` does, and gigatoken's
     scheme for its split pattern: kept in the cache by the file's sha256 (the first process writes it); ValueError
     saying why where there is none (`tokenizer_json_ranks`)."""
-    from tokenizer_service.core import cache
-
     key = {"ranks": RANKS_FORMAT, "sha256": files.main_sha256}
     kept = cache.read(key)
     if kept is not None and isinstance(kept.get("scheme"), str) and isinstance(kept.get("file"), str):

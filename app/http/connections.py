@@ -204,8 +204,8 @@ class GuardedProtocol(HttpToolsProtocol):
             _refusals.note(len(self.connections))
             if self.metrics is not None:
                 self.metrics.rejected_requests.labels("connections").inc()
-            self._count(503)
-            transport.write(_answer(503, "overloaded", "too many open connections; retry later", b"retry-after: 1\r\n"))
+            refusal = self._answer(503, "overloaded", "too many open connections; retry later", b"retry-after: 1\r\n")
+            transport.write(refusal)
             transport.close()
             return
         super().connection_made(transport)
@@ -359,22 +359,20 @@ class GuardedProtocol(HttpToolsProtocol):
             cycle.disconnected = True  # its app stops reading, and anything it sends is dropped
             cycle.message_event.set()
             if was_queued or self.pipeline:
-                self._count(status)
-                self._deferred = _answer(status, kind, message)
+                self._deferred = self._answer(status, kind, message)
                 return
         elif self._answer_pending():
-            self._count(status)
-            self._deferred = _answer(status, kind, message)
+            self._deferred = self._answer(status, kind, message)
             self.flow.pause_reading()
             return
-        self._count(status)
-        self.transport.write(_answer(status, kind, message))
+        self.transport.write(self._answer(status, kind, message))
         self.close_lingering()
 
-    def _count(self, status: int) -> None:
-        """An answer this protocol writes itself, in tokenizer_requests_total (endpoint "connection")."""
+    def _answer(self, status: int, kind: str, message: str, headers: bytes = b"") -> bytes:
+        """An answer this protocol writes itself, counted in tokenizer_requests_total (endpoint "connection")."""
         if self.metrics is not None:
             self.metrics.requests.labels(CONNECTION_ENDPOINT, str(status)).inc()
+        return _answer(status, kind, message, headers)
 
     def send_400_response(self, msg: str) -> None:  # uvicorn's own 400, in the service's JSON
         self._fail(400, "invalid_request", msg)

@@ -283,10 +283,8 @@ def check_destination(
             )
     for source in dataset.metadata.get("sources") or []:
         path = source.get("path") if isinstance(source, dict) else None
-        if not isinstance(path, str) or not path or local_home(path) is None:
+        if not isinstance(path, str) or not path or (file := local_home(path)) is None:
             continue
-        file = local_home(path)
-        assert file is not None
         inside = any(owned and file.is_relative_to(place.resolve()) for place, owned in written)
         if inside or _touches(to, output, file):
             raise ExportError(
@@ -378,11 +376,7 @@ def check_url_destination(
             target = f"{base}/{place.relative_to(staging).as_posix()}"
             if index == 0 or val_documents or fs.exists(target) or fs.exists(target + BIN_SUFFIX):
                 written.append((os.path.realpath(target) if protocol == "file" else target, owned))
-        local = protocol == "file"  # a file:// URL: paths compared as check_destination compares them, resolved
-        found = local_home(source) if local else None
-        home = str(found) if found is not None else None
-        if not local and is_url(source) and protocol_of(source) == protocol:
-            home = filesystem(source)[1].rstrip("/")
+        home = _in_store(source, protocol)
         for target, owned in written:
             shown = fs.unstrip_protocol(target)
             if home is not None and _inside(target, home):
@@ -400,15 +394,7 @@ def check_url_destination(
                     )
         for source_file in dataset.metadata.get("sources") or []:
             path = source_file.get("path") if isinstance(source_file, dict) else None
-            if not isinstance(path, str) or not path:
-                continue
-            if local:
-                if (input_home := local_home(path)) is None:
-                    continue
-                file = str(input_home)
-            elif is_url(path) and protocol_of(path) == protocol:
-                file = filesystem(path)[1]
-            else:
+            if not isinstance(path, str) or not path or (file := _in_store(path, protocol)) is None:
                 continue
             if any(_touches_url(to, target, owned, file) for target, owned in written):
                 raise ExportError(
@@ -435,6 +421,17 @@ def check_url_destination(
         raise
     except Exception as exc:
         raise StorageError(describe_storage(exc, url)) from None
+
+
+def _in_store(path: str, protocol: str) -> str | None:
+    """Where `path` (a dataset's or an input's: a path or a URL) lies in the store of `protocol`, as that store names
+    it (``file``: the resolved local path, as `check_destination` compares them); None for anywhere else."""
+    if protocol == "file":
+        found = local_home(path)
+        return None if found is None else str(found)
+    if is_url(path) and protocol_of(path) == protocol:
+        return str(filesystem(path)[1]).rstrip("/")
+    return None
 
 
 def _is_dataset(fs: Any, metadata: str) -> bool:
