@@ -90,6 +90,40 @@ def test_a_large_body_sent_with_its_head_in_one_write_is_not_a_large_head(guarde
     assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
 
 
+def _answer_body(answer: bytes) -> bytes:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), answer[:300]
+    return body
+
+
+@pytest.mark.parametrize("framing", ["written in pieces", "chunked, many chunks in one write"])
+def test_a_body_that_arrives_in_many_pieces_is_read_whole_and_in_order(guarded, multilingual, framing):
+    """The protocol keeps each piece the parser hands it as it is (no copy), and appends the pieces that pile up
+    before the app reads them (several chunks of one write): either way the worker gets the body as sent."""
+    body = orjson.dumps({"texts": multilingual[:300]})
+    whole = httpx.post(f"{guarded}/v1/tokenize", content=body, headers={"Content-Type": "application/json"}, timeout=30)
+    assert whole.status_code == 200
+    sizes = [1, 7, 4096, 70_000, 3, 65_536, 250_000]
+    pieces, at = [], 0
+    while at < len(body):
+        size = sizes[len(pieces) % len(sizes)]
+        pieces.append(body[at : at + size])
+        at += size
+    connection = socket.create_connection(address(guarded))
+    head = "POST /v1/tokenize HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    if framing == "written in pieces":
+        connection.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode())
+        for piece in pieces:
+            connection.sendall(piece)
+            time.sleep(0.002)
+    else:
+        chunked = b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for piece in pieces) + b"0\r\n\r\n"
+        connection.sendall(f"{head}Transfer-Encoding: chunked\r\n\r\n".encode() + chunked)
+    answer = read_answer(connection, timeout=30)
+    connection.close()
+    assert orjson.loads(_answer_body(answer)) == whole.json()
+
+
 def test_a_head_trickled_byte_by_byte_is_cut_off_with_408(guarded):
     connection = socket.create_connection(address(guarded))
     started = time.perf_counter()

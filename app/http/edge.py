@@ -289,7 +289,7 @@ class Edge:
             ear = loop.call_later(LISTEN_AFTER_SECONDS, abandoned.listen, loop, receive)
             pool = self.state.pool
             assert pool is not None
-            answer = await pool.request(route, body, wants_binary(accept))
+            answer = await pool.request(route, body, abandoned.received, wants_binary(accept))
         except ServiceError as error:
             return await send_error(send, error)
         except asyncio.CancelledError:
@@ -325,8 +325,9 @@ class Edge:
         await self._send_answer(send, answer)
         return 200
 
-    async def _read_body(self, receive: Receive, request: _Abandoned) -> bytes | None:
-        """The whole body, or None if the client hung up.
+    async def _read_body(self, receive: Receive, request: _Abandoned) -> list[bytes] | None:
+        """The whole body as the chunks it arrived in (`request.received` bytes in all; the worker's socket takes
+        them as they are, never joined here), or None if the client hung up.
 
         Each chunk is charged to the byte budget as it arrives, whatever the framing (503 when it
         would exceed it), and the body is refused (413) as soon as it passes the size limit.
@@ -347,7 +348,7 @@ class Edge:
                 chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        return chunks
 
     def _record(self, answer: Answer) -> None:
         metrics = self.metrics
