@@ -9,15 +9,26 @@ Python HTTP service costs here:
 - single texts, answered with 16 bytes: the floor under the single-text figures;
 - 256-document bodies, answered with as many bytes as the service's binary answer to each: the least
   the server process can spend moving a batch's bytes in and out, so worker CPU / this is the highest
-  serial ceiling any server built on uvicorn could reach (bench.serving prints both).
+  serial ceiling any server built on uvicorn could reach (bench.serving prints both);
+- the same bodies through `relay_app`, which also does what the service's server process must do with
+  each: write the body to a worker process over a UNIX socket (two workers, as many as the service's
+  benchmark runs) and read the answer's bytes back from it (the worker writes bytes it made once, and
+  does nothing else). That is the least a server process that hands bodies to workers can spend, so
+  worker CPU / this is the highest serial ceiling the service's design could reach.
 
     python -m bench.floor [--requests 3000]      # prints the single-text floor alone
 """
 
 from __future__ import annotations
 
+import asyncio
+import multiprocessing
+import socket
 import statistics
+import struct
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import psutil
@@ -38,43 +49,160 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
         message = await receive()
         more = message.get("more_body", False)
     size = next((int(value) for name, value in scope["headers"] if name == ANSWER_HEADER), 16)
-    answer = _answers.get(size)
-    if answer is None:  # made once per size: the floor moves bytes, it does not make them
-        answer = _answers[size] = b"0123456789abcdef" * (size // 16) + b"0" * (size % 16)
+    answer = answer_of(size)
     headers = [(b"content-type", b"application/octet-stream"), (b"content-length", str(size).encode())]
     await send({"type": "http.response.start", "status": 200, "headers": headers})
     await send({"type": "http.response.body", "body": answer})
 
 
-def measure_floor(bodies: list[bytes], answers: list[int] | None = None) -> dict[str, float]:
-    """p50 (ms), server CPU (ms) and client CPU (ms) per request, one request at a time, over `bodies`;
-    answers[i] is the size of body i's answer (16 bytes each without it)."""
+def answer_of(size: int) -> bytes:
+    answer = _answers.get(size)
+    if answer is None:  # made once per size: the floor moves bytes, it does not make them
+        answer = _answers[size] = b"0123456789abcdef" * (size // 16) + b"0" * (size % 16)
+    return answer
+
+
+# -- the relay floor: the body to a worker process and its answer back, as the service's server process does ------
+
+RELAY_WORKERS = 2
+_RELAY_HEAD = struct.Struct("<QQ")  # the body's length, the answer's
+
+
+def _echo(connection: socket.socket) -> None:
+    """A relay worker: read each body whole, write back as many bytes as asked (made once per size)."""
+    buffer = bytearray(1 << 20)
+    head = bytearray(_RELAY_HEAD.size)
+    while True:
+        if connection.recv_into(head, len(head), socket.MSG_WAITALL) < len(head):
+            return
+        length, size = _RELAY_HEAD.unpack(head)
+        if length > len(buffer):
+            buffer = bytearray(length)
+        view, got = memoryview(buffer), 0
+        while got < length:
+            count = connection.recv_into(view[got:length])
+            if not count:
+                return
+            got += count
+        connection.sendall(answer_of(size))
+
+
+class _Answer(asyncio.BufferedProtocol):
+    """The server's end of a relay worker's socket: each answer read into a buffer of its own (no copy)."""
+
+    def __init__(self) -> None:
+        self.buffer = memoryview(bytearray(0))
+        self.filled = 0
+        self.done: asyncio.Future[memoryview] | None = None
+
+    def expect(self, size: int) -> asyncio.Future[memoryview]:
+        self.buffer, self.filled = memoryview(bytearray(size)), 0
+        self.done = asyncio.get_running_loop().create_future()
+        return self.done
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.buffer[self.filled :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.filled += nbytes
+        if self.filled == len(self.buffer) and self.done is not None:
+            self.done.set_result(self.buffer)
+
+
+class _Relay:
+    def __init__(self) -> None:
+        self.idle: deque[tuple[asyncio.Transport, _Answer]] = deque()
+        self.waiting: deque[asyncio.Future[None]] = deque()
+
+    async def start(self) -> None:
+        context = multiprocessing.get_context("fork")
+        for _ in range(RELAY_WORKERS):
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            context.Process(target=_echo, args=(theirs,), daemon=True).start()
+            theirs.close()
+            transport, protocol = await asyncio.get_running_loop().connect_accepted_socket(_Answer, ours)
+            self.idle.append((transport, protocol))
+
+    async def exchange(self, chunks: list[bytes], size: int) -> memoryview:
+        while not self.idle:
+            waiter = asyncio.get_running_loop().create_future()
+            self.waiting.append(waiter)
+            await waiter
+        transport, protocol = self.idle.popleft()
+        try:
+            done = protocol.expect(size)
+            transport.writelines([_RELAY_HEAD.pack(sum(len(chunk) for chunk in chunks), size), *chunks])
+            return await done
+        finally:
+            self.idle.append((transport, protocol))
+            if self.waiting:
+                self.waiting.popleft().set_result(None)
+
+
+_relay: _Relay | None = None
+
+
+async def relay_app(scope: Scope, receive: Receive, send: Send) -> None:
+    """`app`, but the body goes to a worker process and the answer is what that worker wrote back."""
+    global _relay
+    if scope["type"] != "http":
+        return
+    if _relay is None:
+        _relay = _Relay()
+        await _relay.start()
+    chunks, more = [], True
+    while more:
+        message = await receive()
+        if body := message.get("body"):
+            chunks.append(body)
+        more = message.get("more_body", False)
+    size = next((int(value) for name, value in scope["headers"] if name == ANSWER_HEADER), 16)
+    answer = await _relay.exchange(chunks, size)
+    headers = [(b"content-type", b"application/octet-stream"), (b"content-length", str(size).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": answer})
+
+
+def measure_floor(
+    bodies: list[bytes], answers: list[int] | None = None, relay: bool = False, in_flight: int = 1
+) -> dict[str, float]:
+    """p50 (ms), server CPU (ms) and client CPU (ms) per request over `bodies`, `in_flight` requests at a time (each
+    from a thread and a connection of its own, as the service's benchmarks send theirs); answers[i] is the size of
+    body i's answer (16 bytes each without it). The server CPU is its main process's (with `relay`, not its relay
+    workers')."""
     options = ["--log-level", "warning", "--no-access-log", "--http", "httptools", "--loop", "uvloop"]
     # The launcher waits for /readyz to answer 200, which the app answers as it answers any path.
-    floor = ServerProcess(["bench.floor:app", *options], module="uvicorn").start()
+    floor = ServerProcess([f"bench.floor:{'relay_app' if relay else 'app'}", *options], module="uvicorn").start()
     assert floor.process is not None
     url = f"{floor.url}/v1/tokenize"
-    transport = httpx.HTTPTransport()
+    transports = [httpx.HTTPTransport() for _ in range(in_flight)]
     try:
         sizes = answers or [16] * len(bodies)
+        calls = list(zip(bodies, sizes, strict=True))
 
-        def call(body: bytes, size: int) -> None:
-            headers = {"content-type": "application/json", ANSWER_HEADER.decode(): str(size)}
-            request = httpx.Request("POST", url, content=body, headers=headers)
-            response = transport.handle_request(request)
-            response.read()
-            response.close()
+        def run(lane: int, calls: list[tuple[bytes, int]]) -> list[float]:
+            latencies = []
+            for body, size in calls:
+                headers = {"content-type": "application/json", ANSWER_HEADER.decode(): str(size)}
+                began = time.perf_counter()
+                response = transports[lane].handle_request(httpx.Request("POST", url, content=body, headers=headers))
+                response.read()
+                response.close()
+                latencies.append(time.perf_counter() - began)
+            return latencies
 
-        for body, size in list(zip(bodies, sizes, strict=True))[:200]:
-            call(body, size)
+        def run_all(calls: list[tuple[bytes, int]]) -> list[float]:
+            if in_flight == 1:
+                return run(0, calls)
+            with ThreadPoolExecutor(in_flight) as pool:
+                lanes = pool.map(run, range(in_flight), [calls[lane::in_flight] for lane in range(in_flight)])
+                return [latency for latencies in lanes for latency in latencies]
+
+        run_all(calls[:200])
         server = psutil.Process(floor.process.pid)
         before = sum(server.cpu_times()[:2])
         client = time.process_time()
-        latencies = []
-        for body, size in zip(bodies, sizes, strict=True):
-            began = time.perf_counter()
-            call(body, size)
-            latencies.append(time.perf_counter() - began)
+        latencies = run_all(calls)
         count = len(bodies)
         return {
             "p50_ms": statistics.median(latencies) * 1e3,
@@ -82,7 +210,8 @@ def measure_floor(bodies: list[bytes], answers: list[int] | None = None) -> dict
             "client_ms": (time.process_time() - client) / count * 1e3,
         }
     finally:
-        transport.close()
+        for transport in transports:
+            transport.close()
         floor.stop()
 
 

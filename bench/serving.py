@@ -8,7 +8,9 @@ For each worker count it starts a server on a free loopback port and prints:
                    one server process can feed before its own core is the bottleneck (with
                    --frontends N: per front-end, each of which feeds its own workers); beside it
                    the batch floor (bench.floor): a bare uvicorn app reading the same bodies and
-                   answering as many bytes as the service's binary answers, and the ceiling at it
+                   answering as many bytes as the service's binary answers, and the ceiling at it;
+                   and the relay floor (bench.floor.relay_app): the same, and each body written to a
+                   worker process and its answer read back, as the service's server process must
   CPU efficiency   CPU of the workers' own encode of the same documents (fresh str objects) in a
                    single-threaded process of its own, as a worker is (for SentencePiece sp.encode(chunk, num_threads=1,
                    out_type="numpy"); for tokenizer.json and tiktoken the encoder the workers use,
@@ -387,8 +389,13 @@ def measure(
             bodies = [frame_body({"texts": batch, "model": "bench"}) for batch in batches]
             sizes = [binary_answer_bytes(url, body) for body in bodies]
             repeat = max(1, FLOOR_BATCH_REQUESTS // len(bodies))
-            result["floor_batch_ms"] = measure_floor(bodies * repeat, sizes * repeat)["server_ms"]
+            result["floor_batch_ms"] = measure_floor(bodies * repeat, sizes * repeat, in_flight=depth)["server_ms"]
             result["ceiling_floor"] = result["worker_ms"] / result["floor_batch_ms"]
+            # The relay floor: the same, and each body written to a worker process and its answer read back from
+            # it, as this server's process must: the highest serial ceiling this design could reach.
+            relayed = measure_floor(bodies * repeat, sizes * repeat, relay=True, in_flight=depth)
+            result["floor_relay_ms"] = relayed["server_ms"]
+            result["ceiling_relay"] = result["worker_ms"] / result["floor_relay_ms"]
             # Throughput, alternating with in-process encodes in each round.
             ratios: dict[str, list[float]] = {"binary/list": [], "binary/floor": [], "json/list": [], "json/floor": []}
             busy: list[float] = []  # the cores' busy share while binary requests run (client, server, workers)
@@ -427,8 +434,14 @@ def measure(
 ROWS = [
     ("serial ceiling (worker CPU / main CPU, 256-doc request, {depth} in flight)", "ceiling", "{:.1f}"),
     ("main-process CPU per 256-doc request (ms)", "main_ms", "{:.2f}"),
-    ("floor: bare uvicorn app, same bodies in, same answer bytes out: server CPU (ms)", "floor_batch_ms", "{:.2f}"),
+    (
+        "floor: bare uvicorn app, same bodies in, same answer bytes out, {depth} in flight: server CPU (ms)",
+        "floor_batch_ms",
+        "{:.2f}",
+    ),
     ("serial ceiling at that floor (worker CPU / the floor's server CPU)", "ceiling_floor", "{:.1f}"),
+    ("relay floor: the same, each body to a worker and its answer back: server CPU (ms)", "floor_relay_ms", "{:.2f}"),
+    ("serial ceiling at the relay floor (the most a server handing bodies on can reach)", "ceiling_relay", "{:.1f}"),
     ("worker CPU per 256-doc request (ms)", "worker_ms", "{:.2f}"),
     ("  the same job in a process of its own, no sockets: parse, checks, encode, answer (ms)", "handling_ms", "{:.2f}"),
     ("  the library's encode alone, in a process of its own (ms)", "encode_ms", "{:.2f}"),
