@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import gc
 import importlib
 import os
 import sys
@@ -114,7 +115,12 @@ INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command Ctrl-C stopped
 def _command(name: str, module: str, extra: str) -> Callable[[], None]:
     def run() -> None:
         try:
-            sys.exit(_imported_and_run())
+            code = _imported_and_run()
+            # Python's last collection at exit would visit every object the command made, to free memory the process
+            # is about to give back anyway: 10 ms of a 0.11 s export, 30-40 ms of a 1 s pre-tokenizer run. Frozen,
+            # they are left to the exit (the command closed its files; objects are still freed by their counts).
+            gc.freeze()
+            sys.exit(code)
         except KeyboardInterrupt:  # before the command's own handling (its imports), or where it has none
             stopped = name == "tokenizer-server"  # a server Ctrl-C stops is a clean stop (docs/operations.md)
             print(f"{name}: {'stopped' if stopped else 'interrupted'}", file=sys.stderr)
