@@ -55,6 +55,7 @@ LISTEN_AFTER_SECONDS = 0.1
 # A joined answer up to this size is copied once into one write: each write costs the server a send
 # through uvicorn and a system call, and the client a wake-up and a read.
 JOIN_ANSWER_BYTES = 4 * 1024 * 1024
+MAX_BODY_PARTS = 64  # a body that came in more chunks (trickled in small reads) is joined: one part to the worker
 JSON_TYPE = b"application/json"
 BINARY_TYPE = wire.MEDIA_TYPE.encode()
 SHA256_HEADER = MODEL_SHA256_HEADER.lower().encode()
@@ -348,7 +349,7 @@ class Edge:
                 chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        return chunks
+        return chunks if len(chunks) <= MAX_BODY_PARTS else [b"".join(chunks)]
 
     def _record(self, answer: Answer) -> None:
         metrics = self.metrics
