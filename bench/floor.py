@@ -27,7 +27,6 @@ import socket
 import statistics
 import struct
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -93,26 +92,38 @@ class _Answer(asyncio.BufferedProtocol):
     def __init__(self) -> None:
         self.buffer = memoryview(bytearray(0))
         self.filled = 0
+        self.spare = memoryview(bytearray(64))
         self.done: asyncio.Future[memoryview] | None = None
 
     def expect(self, size: int) -> asyncio.Future[memoryview]:
         self.buffer, self.filled = memoryview(bytearray(size)), 0
         self.done = asyncio.get_running_loop().create_future()
+        if not size:
+            self.done.set_result(self.buffer)
         return self.done
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self.buffer[self.filled :]
+        if self.filled < len(self.buffer):
+            return self.buffer[self.filled :]
+        return self.spare  # no answer expected (the loop asks before every read): never empty
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self.filled == len(self.buffer):
+            return  # bytes no exchange asked for: a relay worker writes none
         self.filled += nbytes
-        if self.filled == len(self.buffer) and self.done is not None:
+        if self.filled == len(self.buffer) and self.done is not None and not self.done.done():
             self.done.set_result(self.buffer)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.done is not None and not self.done.done():
+            self.done.set_exception(ConnectionError("a relay worker is gone"))
 
 
 class _Relay:
+    """Two relay workers; a request takes an idle one (or waits for one) and gives it back with its answer."""
+
     def __init__(self) -> None:
-        self.idle: deque[tuple[asyncio.Transport, _Answer]] = deque()
-        self.waiting: deque[asyncio.Future[None]] = deque()
+        self.idle: asyncio.Queue[tuple[asyncio.Transport, _Answer]] = asyncio.Queue()
 
     async def start(self) -> None:
         context = multiprocessing.get_context("fork")
@@ -121,25 +132,28 @@ class _Relay:
             context.Process(target=_echo, args=(theirs,), daemon=True).start()
             theirs.close()
             transport, protocol = await asyncio.get_running_loop().connect_accepted_socket(_Answer, ours)
-            self.idle.append((transport, protocol))
+            self.idle.put_nowait((transport, protocol))
 
     async def exchange(self, chunks: list[bytes], size: int) -> memoryview:
-        while not self.idle:
-            waiter = asyncio.get_running_loop().create_future()
-            self.waiting.append(waiter)
-            await waiter
-        transport, protocol = self.idle.popleft()
+        transport, protocol = await self.idle.get()
         try:
             done = protocol.expect(size)
             transport.writelines([_RELAY_HEAD.pack(sum(len(chunk) for chunk in chunks), size), *chunks])
-            return await done
-        finally:
-            self.idle.append((transport, protocol))
-            if self.waiting:
-                self.waiting.popleft().set_result(None)
+            answer = await done
+        except BaseException:  # cancelled or gone with an answer on its way: that worker is not reused
+            transport.close()
+            raise
+        self.idle.put_nowait((transport, protocol))
+        return answer
 
 
-_relay: _Relay | None = None
+_relay: asyncio.Task[_Relay] | None = None
+
+
+async def _started() -> _Relay:
+    relay = _Relay()
+    await relay.start()
+    return relay
 
 
 async def relay_app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -147,9 +161,9 @@ async def relay_app(scope: Scope, receive: Receive, send: Send) -> None:
     global _relay
     if scope["type"] != "http":
         return
-    if _relay is None:
-        _relay = _Relay()
-        await _relay.start()
+    if _relay is None:  # started once, by the first request; the others arriving meanwhile wait for it
+        _relay = asyncio.ensure_future(_started())
+    relay = await asyncio.shield(_relay)
     chunks, more = [], True
     while more:
         message = await receive()
@@ -157,7 +171,7 @@ async def relay_app(scope: Scope, receive: Receive, send: Send) -> None:
             chunks.append(body)
         more = message.get("more_body", False)
     size = next((int(value) for name, value in scope["headers"] if name == ANSWER_HEADER), 16)
-    answer = await _relay.exchange(chunks, size)
+    answer = await relay.exchange(chunks, size)
     headers = [(b"content-type", b"application/octet-stream"), (b"content-length", str(size).encode())]
     await send({"type": "http.response.start", "status": 200, "headers": headers})
     await send({"type": "http.response.body", "body": answer})
