@@ -43,13 +43,28 @@ async def app(scope: Scope, receive: Receive, send: Send) -> None:
     """Read the whole body, answer the bytes asked for: an HTTP round trip and nothing else."""
     if scope["type"] != "http":
         return
-    more = True
+    await _body(receive)
+    await _answer(send, answer_of(_asked(scope)))
+
+
+async def _body(receive: Receive) -> list[bytes]:
+    """The request's body, as the chunks it arrived in."""
+    chunks, more = [], True
     while more:
         message = await receive()
+        if body := message.get("body"):
+            chunks.append(body)
         more = message.get("more_body", False)
-    size = next((int(value) for name, value in scope["headers"] if name == ANSWER_HEADER), 16)
-    answer = answer_of(size)
-    headers = [(b"content-type", b"application/octet-stream"), (b"content-length", str(size).encode())]
+    return chunks
+
+
+def _asked(scope: Scope) -> int:
+    """The size of answer the request asks for (`x-answer-bytes`), 16 bytes without it."""
+    return next((int(value) for name, value in scope["headers"] if name == ANSWER_HEADER), 16)
+
+
+async def _answer(send: Send, answer: bytes | memoryview) -> None:
+    headers = [(b"content-type", b"application/octet-stream"), (b"content-length", str(len(answer)).encode())]
     await send({"type": "http.response.start", "status": 200, "headers": headers})
     await send({"type": "http.response.body", "body": answer})
 
@@ -164,17 +179,8 @@ async def relay_app(scope: Scope, receive: Receive, send: Send) -> None:
     if _relay is None:  # started once, by the first request; the others arriving meanwhile wait for it
         _relay = asyncio.ensure_future(_started())
     relay = await asyncio.shield(_relay)
-    chunks, more = [], True
-    while more:
-        message = await receive()
-        if body := message.get("body"):
-            chunks.append(body)
-        more = message.get("more_body", False)
-    size = next((int(value) for name, value in scope["headers"] if name == ANSWER_HEADER), 16)
-    answer = await relay.exchange(chunks, size)
-    headers = [(b"content-type", b"application/octet-stream"), (b"content-length", str(size).encode())]
-    await send({"type": "http.response.start", "status": 200, "headers": headers})
-    await send({"type": "http.response.body", "body": answer})
+    chunks = await _body(receive)
+    await _answer(send, await relay.exchange(chunks, _asked(scope)))
 
 
 def measure_floor(

@@ -185,9 +185,9 @@ class WorkerPool:
 
     # -- requests --------------------------------------------------------------------------------
 
-    async def request(self, route: int, body: Sequence[bytes], size: int, binary: bool) -> Answer:
-        """The answer to one /v1 request body, given as the chunks it arrived in (`size` bytes in all: the worker's
-        socket takes them as they are); raises ServiceError (bad input, poison, unavailable).
+    async def request(self, route: int, body: Sequence[bytes], binary: bool) -> Answer:
+        """The answer to one /v1 request body, given as the chunks it arrived in (the worker's socket takes them as
+        they are); raises ServiceError (bad input, poison, unavailable).
 
         A large request is split over the workers idle when it is handed over (the one taking it
         and every idle other): under load nothing is split and nothing travels twice, while a lone
@@ -205,7 +205,7 @@ class WorkerPool:
                 channel.REQUEST,
                 head,
                 body,
-                size,
+                sum(len(chunk) for chunk in body),
                 lambda index: self._text_at(b"".join(body), route, index),
                 interim=shared,
             )

@@ -290,7 +290,7 @@ class Edge:
             ear = loop.call_later(LISTEN_AFTER_SECONDS, abandoned.listen, loop, receive)
             pool = self.state.pool
             assert pool is not None
-            answer = await pool.request(route, body, abandoned.received, wants_binary(accept))
+            answer = await pool.request(route, body, wants_binary(accept))
         except ServiceError as error:
             return await send_error(send, error)
         except asyncio.CancelledError:
@@ -327,8 +327,8 @@ class Edge:
         return 200
 
     async def _read_body(self, receive: Receive, request: _Abandoned) -> list[bytes] | None:
-        """The whole body as the chunks it arrived in (`request.received` bytes in all; the worker's socket takes
-        them as they are, never joined here), or None if the client hung up.
+        """The whole body as the chunks it arrived in (the worker's socket takes them as they are; more than
+        MAX_BODY_PARTS are joined into one), or None if the client hung up.
 
         Each chunk is charged to the byte budget as it arrives, whatever the framing (503 when it
         would exceed it), and the body is refused (413) as soon as it passes the size limit.
