@@ -43,7 +43,8 @@ def measure(model: Path, workers: int, frontends: int, depth: int, docs: list[st
                 with Meter(server, frontends) as meter:
                     in_flight(client, batches, depth, "binary")
                 service.append(len(docs) / meter.wall)
-                ceilings.append(meter.worker / meter.main)
+                # psutil counts CPU in 10 ms ticks: a short round can read no server-process CPU at all
+                ceilings.append(meter.worker / meter.main if meter.main else float("nan"))
     finally:
         process.terminate()
         process.wait(timeout=30)
