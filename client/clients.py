@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import httpx
 import numpy as np
 
+from tokenizer_client import _transports
 from tokenizer_client._answers import models_document
 from tokenizer_client._base import BaseClient, Exchange, PackStream, Reply
 from tokenizer_client._fingerprints import check_replica_models
@@ -58,7 +59,7 @@ class TokenizerClient(Closing, BaseClient):
         replica_cooldown_s: float = 1.0,
     ) -> None:
         super().__init__(url, timeout=timeout, api_key=api_key, retry=retry, replica_cooldown_s=replica_cooldown_s)
-        self._transport = transport or httpx.HTTPTransport()
+        self._transport = transport or _transports.sync_transport()
 
     def __enter__(self) -> TokenizerClient:
         self._ensure_open()
@@ -301,7 +302,7 @@ class AsyncTokenizerClient(AsyncClosing, BaseClient):
         replica_cooldown_s: float = 1.0,
     ) -> None:
         super().__init__(url, timeout=timeout, api_key=api_key, retry=retry, replica_cooldown_s=replica_cooldown_s)
-        self._transport = transport or httpx.AsyncHTTPTransport()
+        self._transport = transport or _transports.async_transport()
 
     async def __aenter__(self) -> AsyncTokenizerClient:
         self._ensure_open()

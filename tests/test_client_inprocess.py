@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import random
+import ssl
 import time
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +36,7 @@ from tokenizer_client import (
     TokenizerConnectionError,
     TokenizerProtocolError,
     TokenizerServiceError,
+    _transports,
     wire,
 )
 from tokenizer_client._retry import Attempt, Replicas
@@ -562,3 +564,29 @@ def test_a_retry_policy_refuses_nan_and_infinite_backoffs(given):
     with pytest.raises(ValueError, match=r"NaN|finite"):
         RetryPolicy(**given)
     assert RetryPolicy(budget_s=float("inf")).budget_s == float("inf")  # retrying for ever is a choice one can make
+
+
+def test_clients_without_a_transport_share_one_verifying_ssl_context() -> None:
+    """Every transport a client opens for itself (sync, async, the prefetcher's clone) holds the one SSL context
+    of the process, made once, with certificates and host names verified; a client's own transport= is kept."""
+    _transports.ssl_context.cache_clear()
+    shared = _transports.ssl_context()
+    assert _transports.ssl_context() is shared
+    assert shared.verify_mode == ssl.CERT_REQUIRED and shared.check_hostname
+
+    def context_of(client: TokenizerClient | AsyncTokenizerClient) -> ssl.SSLContext:
+        return client._transport._pool._ssl_context  # httpcore's pool keeps the context its connections use
+
+    sync = TokenizerClient("http://127.0.0.1:9")
+    other = TokenizerClient(["http://127.0.0.1:9", "https://127.0.0.1:10"])
+    clone = sync.async_client()  # what prefetch() opens
+    async_client = AsyncTokenizerClient("https://127.0.0.1:10")
+    mocked = TokenizerClient("http://127.0.0.1:9", transport=httpx.MockTransport(lambda request: httpx.Response(200)))
+    try:
+        assert all(context_of(client) is shared for client in (sync, other, clone, async_client))
+        assert isinstance(mocked._transport, httpx.MockTransport)
+    finally:
+        for client in (sync, other, mocked):
+            client.close()
+        asyncio.run(clone.aclose())
+        asyncio.run(async_client.aclose())
