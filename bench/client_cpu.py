@@ -1,7 +1,7 @@
 """What the client costs a training process per request, against tokenizing the same texts in that process.
 
     python -m bench.client_cpu [--model FILE] [--corpus FILE.jsonl|FILE.txt] [--docs 2048] [--rounds 5]
-                               [--in-flight 4] [--workers 2]
+                               [--in-flight D] [--workers 2]
 
 A server with --workers workers serves --model (by default the bundled model) on a free loopback port. Then, in
 alternating rounds, it measures this process's CPU (time.process_time, every thread counted) per request of 256
@@ -9,7 +9,8 @@ documents:
 
   in-process        the model's reference library encoding the same documents here, on one thread: what
                     tokenizing inline costs the training process
-  sync, threads     TokenizerClient.tokenize_batch, called from --in-flight threads
+  sync, threads     TokenizerClient.tokenize_batch, called from --in-flight threads (default: the depth
+                    client.prefetch keeps, 4)
   async             AsyncTokenizerClient.tokenize_batch, --in-flight at once on one event loop
   prefetch          client.prefetch(docs, batch_size=256, depth=--in-flight), iterated to the end, as a
                     training loop does (the prefetcher's event-loop thread and the consumer both counted)
@@ -32,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.inputs import RESULTS, describe_corpus, start_server
-from bench.libraries import FALLBACK, MULTILINGUAL_CORPUS, read_corpus
+from bench.libraries import FALLBACK, MULTILINGUAL_CORPUS, PREFETCH_DEPTH, read_corpus
 from tokenizer_client import AsyncTokenizerClient, PackSpec, TokenizerClient
 from tokenizer_service.core import libraries
 from tokenizer_service.core.models import find_model_files
@@ -49,8 +50,10 @@ def cpu_of(run: Callable[[], object]) -> float:
     return time.process_time() - started
 
 
-def ways(url: str, docs: list[str], depth: int, rows: int) -> dict[str, Callable[[], object]]:
-    """Each way of sending `docs` in 256-document requests, `depth` in flight."""
+def ways(
+    url: str, docs: list[str], depth: int, rows: int
+) -> tuple[dict[str, Callable[[], object]], Callable[[], None]]:
+    """Each way of sending `docs` in 256-document requests, `depth` in flight; and what closes their clients."""
     client = TokenizerClient(url, timeout=300)
     batches = [docs[i : i + BATCH] for i in range(0, len(docs), BATCH)]
     loop = asyncio.new_event_loop()
@@ -76,12 +79,17 @@ def ways(url: str, docs: list[str], depth: int, rows: int) -> dict[str, Callable
 
         return run
 
+    def close() -> None:
+        client.close()
+        loop.run_until_complete(async_client.aclose())
+        loop.close()
+
     return {
         "sync, threads": threads,
         "async": lambda: loop.run_until_complete(gathered()),
         "prefetch": prefetch(None),
         f"prefetch, packed {rows} x {SEQ_LEN}": prefetch(PackSpec(SEQ_LEN, rows)),
-    }
+    }, close
 
 
 def main() -> None:
@@ -92,7 +100,9 @@ def main() -> None:
     )
     parser.add_argument("--docs", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--in-flight", type=int, default=4)
+    parser.add_argument(
+        "--in-flight", type=int, default=PREFETCH_DEPTH, help="requests at once (default: client.prefetch's depth)"
+    )
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
     os.environ.setdefault(
@@ -119,14 +129,17 @@ def main() -> None:
 
             short_prefetch()
             prefetcher = statistics.median(cpu_of(short_prefetch) for _ in range(10))
-        each = ways(url, docs, args.in_flight, rows)
-        for run in each.values():  # connections, workers and caches warm
-            run()
-        spent: dict[str, list[float]] = {"in-process": [], **{name: [] for name in each}}
-        for _ in range(args.rounds):
-            spent["in-process"].append(cpu_of(lambda: reference.tokens(docs)))
-            for name, run in each.items():
-                spent[name].append(cpu_of(run))
+        each, close = ways(url, docs, args.in_flight, rows)
+        try:
+            for run in each.values():  # connections, workers and caches warm
+                run()
+            spent: dict[str, list[float]] = {"in-process": [], **{name: [] for name in each}}
+            for _ in range(args.rounds):
+                spent["in-process"].append(cpu_of(lambda: reference.tokens(docs)))
+                for name, run in each.items():
+                    spent[name].append(cpu_of(run))
+        finally:
+            close()
     finally:
         process.terminate()
         process.wait(timeout=30)

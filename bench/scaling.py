@@ -53,7 +53,8 @@ def measure(model: Path, workers: int, frontends: int, depth: int, docs: list[st
         "inprocess": max(inprocess),
         "service": max(service),
         "ratio": statistics.median(ratios),
-        "ceiling": statistics.median(ceilings),
+        # nan where a round read no server-process CPU: the median of the rounds that did (nan if none did)
+        "ceiling": statistics.median([c for c in ceilings if c == c] or [float("nan")]),
     }
 
 
@@ -72,7 +73,10 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0))
     describe_corpus(args.corpus, docs, f"model {model.name}", f"{cores} cores", f"--frontends {args.frontends}")
     print()
-    print("| workers | in-process docs/s (N threads) | service docs/s | service / in-process | serial ceiling |")
+    print(
+        "| workers | in-process docs/s (N threads), best round | service docs/s, best round "
+        "| service / in-process, median of the rounds' ratios | serial ceiling |"
+    )
     print("|---:|---:|---:|---:|---:|")
     for workers in args.workers:
         depth = args.in_flight or 2 * workers
