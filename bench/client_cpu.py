@@ -29,18 +29,16 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.inputs import RESULTS, describe_corpus, start_server
-from bench.libraries import FALLBACK, MULTILINGUAL_CORPUS, PREFETCH_DEPTH, read_corpus
+from bench.libraries import BATCH, FALLBACK, MULTILINGUAL_CORPUS, PREFETCH_DEPTH, read_corpus, service_run
 from tokenizer_client import AsyncTokenizerClient, PackSpec, TokenizerClient
 from tokenizer_service.core import libraries
 from tokenizer_service.core.models import find_model_files
 from tokenizer_service.core.reference import InProcess
 from tokenizer_service.settings import BUNDLED
 
-BATCH = 256
 SEQ_LEN = 2048
 
 
@@ -58,10 +56,6 @@ def ways(
     batches = [docs[i : i + BATCH] for i in range(0, len(docs), BATCH)]
     loop = asyncio.new_event_loop()
     async_client = AsyncTokenizerClient(url, timeout=300)
-
-    def threads() -> int:
-        with ThreadPoolExecutor(depth) as pool:
-            return sum(pool.map(lambda batch: client.tokenize_batch(batch, model="bench").num_tokens, batches))
 
     async def gathered() -> int:
         slots = asyncio.Semaphore(depth)
@@ -85,7 +79,7 @@ def ways(
         loop.close()
 
     return {
-        "sync, threads": threads,
+        "sync, threads": service_run(client, docs, depth),  # bench.libraries' way: a thread per request in flight
         "async": lambda: loop.run_until_complete(gathered()),
         "prefetch": prefetch(None),
         f"prefetch, packed {rows} x {SEQ_LEN}": prefetch(PackSpec(SEQ_LEN, rows)),
@@ -105,6 +99,8 @@ def main() -> None:
     )
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
+    if not args.model.is_file():
+        parser.error(f"--model {args.model}: no such file")
     os.environ.setdefault(
         libraries.CACHE_DIR_ENV, str(RESULTS / "gate-cache")
     )  # the gate's verdicts, as bench.libraries
